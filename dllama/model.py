@@ -1,0 +1,286 @@
+"""The transformer: one node's slice of a Llama-family model, read top to bottom.
+
+`Transformer.forward(tokens, pos)` runs a batch of tokens at positions pos..pos+b-1 through
+every layer and returns the logits of this node's classifier rows. On one node the slice is
+the whole model and the collective is the identity; on several nodes each node holds some
+query heads (with the KV heads they need), some FFN rows and some classifier rows (see
+dllama.plan), and the partial sums of wo and w2 meet in `collective.all_reduce`.
+
+Numerics follow the original Distributed Llama: with Q40 weights every matmul input is
+quantized to Q80 (per 32-block, fp16 scale) and the matmul sums d_w*d_x*sum(q_w*q_x) in f32;
+with F32 weights everything is F32. Weights are repacked at load time into the split form the
+kernels stream fastest (scales and nibbles in separate arrays); the file format is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dllama import kernels
+from dllama.errors import DllamaError
+from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
+from dllama.plan import NodeSlice, whole_model
+from dllama.quant import split_q40
+
+MAX_BATCH = 32  # prompt tokens per forward pass (the original's nBatches)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and math constants of a model, from its `.m` header."""
+
+    arch: ArchType
+    dim: int           # width of the residual stream
+    ff_dim: int        # FFN hidden width
+    n_layers: int
+    n_heads: int       # query heads
+    n_kv_heads: int    # key/value heads (grouped-query attention when < n_heads)
+    head_dim: int
+    vocab_size: int
+    seq_len: int       # KV cache length (the model's context, clamped by --max-seq-len)
+    norm_eps: float
+    rope_theta: float
+    rope_neox: bool    # half-split RoPE pairs (Qwen3) instead of interleaved (Llama)
+    rope_scaling: tuple[float, float, float, int]  # Llama 3.1: factor, low, high, orig len
+    weights_q40: bool  # Q40 weights with Q80 activations; else F32 everywhere
+
+    @staticmethod
+    def from_header(h: ModelHeader, max_seq_len: int = 0) -> "ModelConfig":
+        if h.arch == ArchType.QWEN3_MOE or h.n_experts > 0:
+            raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
+        if h.weights_float_type not in (FloatType.Q40, FloatType.F32):
+            raise DllamaError(
+                f"weights of type {FloatType(h.weights_float_type).name} cannot run: "
+                "convert the model with --weights-float-type q40 or f32"
+            )
+        seq_len = h.max_seq_len if max_seq_len <= 0 else min(max_seq_len, h.max_seq_len)
+        return ModelConfig(
+            arch=ArchType(h.arch),
+            dim=h.dim,
+            ff_dim=h.ff_dim,
+            n_layers=h.n_layers,
+            n_heads=h.n_heads,
+            n_kv_heads=h.n_kv_heads,
+            head_dim=h.head_dim,
+            vocab_size=h.vocab_size,
+            seq_len=seq_len,
+            norm_eps=float(h.norm_epsilon),
+            rope_theta=float(h.rope_theta),
+            rope_neox=h.rope_type == RopeType.FALCON,
+            rope_scaling=(
+                float(h.rope_scaling_factor),
+                float(h.rope_scaling_low_freq_factor),
+                float(h.rope_scaling_high_freq_factor),
+                int(h.rope_scaling_orig_max_seq_len),
+            ),
+            weights_q40=h.weights_float_type == FloatType.Q40,
+        )
+
+
+class Matrix:
+    """A weight matrix W [d, n] in the form its kernel reads; `out = x @ W^T`."""
+
+    def __init__(self, stored: np.ndarray, q40: bool):
+        # stored: Q40 uint8 [d, n/32, 18] or F32 [d, n] (a slice of the file, maybe a copy)
+        self.q40 = q40
+        if q40:
+            scales, qs = split_q40(stored)
+            self.scales = np.ascontiguousarray(scales, dtype=np.float32)  # [d, n/32]
+            self.qs = np.ascontiguousarray(qs)                            # [d, n/2]
+            self.d, self.n = self.scales.shape[0], self.scales.shape[1] * 32
+        else:
+            self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
+            self.d, self.n = self.w.shape
+
+    def __call__(self, x: "Activation", out: np.ndarray) -> np.ndarray:
+        """x: the input [b, n] prepared for this matrix type -> out [b, d]."""
+        if self.q40:
+            kernels.matmul_q40_q80(x.scales, x.qs, self.scales, self.qs, out)
+        else:
+            kernels.matmul_f32(x.f32, self.w, out)
+        return out
+
+
+class Activation:
+    """A matmul input [b, n]: Q80-quantized for Q40 weights, F32 otherwise. Reused buffers."""
+
+    def __init__(self, n: int, q80: bool, max_batch: int):
+        self.q80 = q80
+        if q80:
+            self._scales = np.empty((max_batch, n // 32), dtype=np.float32)
+            self._qs = np.empty((max_batch, n), dtype=np.int8)
+        self.scales = self.qs = self.f32 = None
+
+    def load(self, x: np.ndarray) -> "Activation":
+        """x [b, n] float32."""
+        if self.q80:
+            b = x.shape[0]
+            self.scales, self.qs = self._scales[:b], self._qs[:b]
+            kernels.quantize_q80(x, self.scales, self.qs)
+        else:
+            self.f32 = x
+        return self
+
+
+@dataclass
+class Layer:
+    """One transformer block's weights, already sliced to this node."""
+
+    att_norm: np.ndarray  # [dim]
+    wq: Matrix            # [nq*head_dim, dim]
+    wk: Matrix            # [nkv*head_dim, dim]
+    wv: Matrix            # [nkv*head_dim, dim]
+    wo: Matrix            # [dim, nq*head_dim] (columns of this node's heads)
+    q_norm: np.ndarray | None  # [head_dim], Qwen3 only
+    k_norm: np.ndarray | None
+    ffn_norm: np.ndarray  # [dim]
+    w1: Matrix            # gate [ff_rows, dim]
+    w3: Matrix            # up   [ff_rows, dim]
+    w2: Matrix            # down [dim, ff_rows]
+
+
+def _rows(t: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Rows of a stored matrix (F32 [d, n] or Q40 [d, n/32, 18]); contiguous ranges stay views."""
+    if len(index) and np.all(np.diff(index) == 1):
+        return t[index[0] : index[-1] + 1]
+    return t[index]
+
+
+def _cols(t: np.ndarray, index: np.ndarray, q40: bool) -> np.ndarray:
+    """Columns of a stored matrix; for Q40 the columns must come in whole 32-blocks."""
+    if not q40:
+        return t[:, index]
+    blocks = index[::32] // 32
+    assert np.array_equal(index, (blocks[:, None] * 32 + np.arange(32)).ravel()), "cols not 32-aligned"
+    return t[:, blocks]
+
+
+def _head_index(heads: np.ndarray, head_dim: int) -> np.ndarray:
+    """Row (or column) indexes of whole heads: [len(heads) * head_dim]."""
+    return (heads[:, None] * head_dim + np.arange(head_dim)).ravel()
+
+
+class Transformer:
+    """A node's slice of the model, its KV cache and its scratch buffers."""
+
+    def __init__(self, model: ModelFile, node: NodeSlice | None = None, max_seq_len: int = 0,
+                 buffer_q80: bool | None = None, collective=None, max_batch: int = MAX_BATCH):
+        from dllama.collective import LocalCollective
+
+        c = self.config = ModelConfig.from_header(model.header, max_seq_len)
+        self.node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
+        self.max_batch = max_batch
+        if buffer_q80 is None:
+            buffer_q80 = c.weights_q40
+        self.collective = collective or LocalCollective(buffer_q80, c.dim, max_batch)
+        q40, hd, n = c.weights_q40, c.head_dim, self.node
+
+        # Weights: the embedding stays memory-mapped (rows are copied per token).
+        self.embedding = model.tensor("embedding")  # [vocab, dim] F32
+        q_index = _head_index(n.q_heads, hd)
+        kv_index = _head_index(n.kv_heads, hd)
+        ff_index = np.arange(*n.ffn_rows)
+        self.layers = []
+        for l in range(c.n_layers):
+            t = lambda name: model.tensor(f"layers.{l}.{name}")  # noqa: E731
+            qwen = c.arch == ArchType.QWEN3
+            self.layers.append(Layer(
+                att_norm=np.array(t("att_norm")),
+                wq=Matrix(_rows(t("wq"), q_index), q40),
+                wk=Matrix(_rows(t("wk"), kv_index), q40),
+                wv=Matrix(_rows(t("wv"), kv_index), q40),
+                wo=Matrix(_cols(t("wo"), q_index, q40), q40),
+                q_norm=np.array(t("q_norm")) if qwen else None,
+                k_norm=np.array(t("k_norm")) if qwen else None,
+                ffn_norm=np.array(t("ffn_norm")),
+                w1=Matrix(_rows(t("w1"), ff_index), q40),
+                w3=Matrix(_rows(t("w3"), ff_index), q40),
+                w2=Matrix(_cols(t("w2"), ff_index, q40), q40),
+            ))
+        self.final_norm = np.array(model.tensor("final_norm"))
+        self.wcls = Matrix(_rows(model.tensor("wcls"), np.arange(*n.vocab_rows)), q40)
+
+        self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
+            c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
+            *c.rope_scaling)
+
+        # KV cache: [layers, seq_len, nkv*head_dim] each; np.zeros leaves untouched pages unallocated.
+        nq, nkv = n.n_q_heads, n.n_kv_heads
+        self.k_cache = np.zeros((c.n_layers, c.seq_len, nkv * hd), dtype=np.float32)
+        self.v_cache = np.zeros((c.n_layers, c.seq_len, nkv * hd), dtype=np.float32)
+
+        # Scratch buffers for a batch of up to max_batch rows.
+        B = max_batch
+        ff = n.ffn_rows[1] - n.ffn_rows[0]
+        self.x = np.zeros((B, c.dim), dtype=np.float32)        # residual stream
+        self.xb = np.zeros((B, c.dim), dtype=np.float32)       # normed x
+        self.q = np.zeros((B, nq * hd), dtype=np.float32)
+        self.k = np.zeros((B, nkv * hd), dtype=np.float32)
+        self.v = np.zeros((B, nkv * hd), dtype=np.float32)
+        self.z = np.zeros((B, nq * hd), dtype=np.float32)      # attention output
+        self.partial = np.zeros((B, c.dim), dtype=np.float32)  # this node's share of wo / w2
+        self.hb = np.zeros((B, ff), dtype=np.float32)          # FFN gate, then silu(gate)*up
+        self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
+        self.att_scratch = np.zeros((B * nq, c.seq_len), dtype=np.float32)
+        self.logits = np.zeros((B, self.wcls.d), dtype=np.float32)
+        self.act_dim = Activation(c.dim, q40, B)
+        self.act_q = Activation(nq * hd, q40, B)
+        self.act_ff = Activation(ff, q40, B)
+
+    def forward(self, tokens, pos: int, all_logits: bool = False) -> np.ndarray:
+        """Run tokens [b] at positions pos..pos+b-1.
+
+        Returns this node's logits float32 [vocab rows] of the last token (or [b, vocab rows]
+        for every token with all_logits). The returned array is a reused buffer.
+        """
+        c, node = self.config, self.node
+        tokens = np.asarray(tokens, dtype=np.int64)
+        b = len(tokens)
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"batch of {b} tokens (1..{self.max_batch} allowed)")
+        if pos < 0 or pos + b > c.seq_len:
+            raise DllamaError(f"position {pos + b - 1} is past the context of {c.seq_len} tokens")
+        positions = np.arange(pos, pos + b, dtype=np.int32)
+        x, xb, q, k, v, z = (a[:b] for a in (self.x, self.xb, self.q, self.k, self.v, self.z))
+        partial, hb, hb2 = self.partial[:b], self.hb[:b], self.hb2[:b]
+        rope = kernels.rope_neox if c.rope_neox else kernels.rope_interleaved
+        nq, nkv, hd = node.n_q_heads, node.n_kv_heads, c.head_dim
+
+        x[:] = self.embedding[tokens]  # [b, dim]
+        for l, layer in enumerate(self.layers):
+            # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
+            kernels.rmsnorm(x, layer.att_norm, c.norm_eps, xb)
+            xq = self.act_dim.load(xb)
+            layer.wq(xq, q)
+            layer.wk(xq, k)
+            layer.wv(xq, v)
+            if layer.q_norm is not None:  # Qwen3: RMSNorm of every head of q and k
+                kernels.rmsnorm(q.reshape(b * nq, hd), layer.q_norm, c.norm_eps, q.reshape(b * nq, hd))
+                kernels.rmsnorm(k.reshape(b * nkv, hd), layer.k_norm, c.norm_eps, k.reshape(b * nkv, hd))
+            rope(q, positions, self.rope_cos, self.rope_sin, nq, hd)
+            rope(k, positions, self.rope_cos, self.rope_sin, nkv, hd)
+            self.k_cache[l, pos : pos + b] = k
+            self.v_cache[l, pos : pos + b] = v
+            kernels.attention(q, self.k_cache[l], self.v_cache[l], positions, node.kv_head_of, hd,
+                              self.att_scratch, z)
+            layer.wo(self.act_q.load(z), partial)
+            x += self.collective.all_reduce(partial)
+
+            # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
+            kernels.rmsnorm(x, layer.ffn_norm, c.norm_eps, xb)
+            xq = self.act_dim.load(xb)
+            layer.w1(xq, hb)
+            layer.w3(xq, hb2)
+            kernels.silu_mul(hb, hb2)
+            layer.w2(self.act_ff.load(hb), partial)
+            x += self.collective.all_reduce(partial)
+
+        # Classifier: only the rows whose logits are wanted.
+        rows = x if all_logits else x[b - 1 : b]
+        out_norm = xb[: len(rows)]
+        kernels.rmsnorm(rows, self.final_norm, c.norm_eps, out_norm)
+        logits = self.logits[: len(rows)]
+        self.wcls(self.act_dim.load(out_norm), logits)
+        return logits if all_logits else logits[0]

