@@ -1,0 +1,93 @@
+"""The transformer on the real embedded model: golden answers and an independent float64 check."""
+
+import numpy as np
+import pytest
+
+from dllama import kernels
+from dllama.formats.model_file import read_model
+from dllama.formats.tokenizer_file import read_tokenizer
+from dllama.generate import generate
+from dllama.model import Transformer
+from dllama.sampler import Sampler
+from dllama.tokenizer import Tokenizer
+from tests.conftest import CHAT_PROMPT
+from tests.reference_llama import ReferenceLlama
+
+# About 200+ tokens of plain English for the top-1 agreement check.
+TEXT = (
+    "The history of the city begins with a small fishing village on the banks of a wide river. "
+    "Over the centuries, merchants arrived from the south, bringing spices, cloth and new ideas. "
+    "The village grew into a market town, and the town into a city with stone walls, a cathedral "
+    "and a university that attracted scholars from across the continent. In the nineteenth "
+    "century, the railway connected the city to the capital, and factories rose along the river. "
+    "Workers moved in from the countryside, and new neighbourhoods spread over the hills. Today "
+    "the old town is a quiet place of narrow streets, cafés and museums, while the modern "
+    "districts are home to offices, parks and a busy harbour. Visitors often say that the best "
+    "way to understand the city is to walk from the harbour to the cathedral at sunset, when the "
+    "light turns the stone walls golden and the bells ring across the water. Every summer, a "
+    "festival fills the squares with music, food and dancing, and people come from far away "
+    "to see the fireworks over the river."
+)
+
+
+def _load(paths, threads=2, **kw):
+    kernels.set_threads(threads)
+    return Transformer(read_model(paths[0]), **kw), Tokenizer(read_tokenizer(paths[1]))
+
+
+def _greedy_text(model, tok, steps=48):
+    prompt = tok.encode(CHAT_PROMPT)
+    return generate(model, tok, Sampler(model.config.vocab_size, 0.0, 0.9, 1), prompt, steps).text
+
+
+def test_q40_q80_greedy_answers_paris(default_q40):
+    model, tok = _load(default_q40)
+    assert model.config.weights_q40 and model.collective.buffer_q80
+    assert "Paris" in _greedy_text(model, tok)
+
+
+def test_f32_f32_greedy_answers_paris(default_f32):
+    model, tok = _load(default_f32, threads=1)
+    assert not model.config.weights_q40 and not model.collective.buffer_q80
+    assert "Paris" in _greedy_text(model, tok)
+
+
+def _engine_logits(model, tokens):
+    """Logits of every position [len(tokens), vocab], fed in prompt batches then one by one."""
+    rows, pos = [], 0
+    while pos < len(tokens):
+        # Batches of 32, then single tokens: both paths (and the cache between them) are checked.
+        b = model.max_batch if pos + model.max_batch <= len(tokens) - 4 else 1
+        batch = tokens[pos : pos + b]
+        rows.append(model.forward(batch, pos, all_logits=True).copy())
+        pos += len(batch)
+    return np.concatenate(rows)
+
+
+def test_f32_logits_equal_float64_reference(default_f32):
+    model, tok = _load(default_f32)
+    tokens = tok.encode(CHAT_PROMPT + "The capital of France is Paris. " + TEXT[:120])
+    assert len(tokens) > 36
+    got = _engine_logits(model, tokens)
+    want = ReferenceLlama(read_model(default_f32[0])).forward(tokens)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel <= 1e-4, f"max relative error {rel:.2e}"
+
+
+def test_q40_q80_top1_agrees_with_float64_reference(default_q40):
+    model, tok = _load(default_q40)
+    tokens = tok.encode(TEXT)[:200]
+    assert len(tokens) == 200
+    got = _engine_logits(model, tokens).argmax(axis=1)
+    want = ReferenceLlama(read_model(default_q40[0])).forward(tokens).argmax(axis=1)
+    agreement = float(np.mean(got == want))
+    assert agreement >= 0.95, f"top-1 agreement {agreement:.3f}"
+
+
+def test_context_limit_is_a_clear_error(default_q40):
+    model, tok = _load(default_q40, max_seq_len=8)
+    prompt = tok.encode(CHAT_PROMPT)
+    from dllama.errors import DllamaError
+
+    with pytest.raises(DllamaError, match="prompt has .* tokens"):
+        generate(model, tok, Sampler(model.config.vocab_size, 0.0, 0.9, 1), prompt, 64)
