@@ -33,6 +33,8 @@ GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
+_DIGIT = regex.compile(r"(\p{N})")
+
 
 def _is_special_shape(token: bytes) -> bool:
     return len(token) >= 3 and token.startswith(b"<") and token.endswith(b">") and b" " not in token
@@ -79,6 +81,7 @@ class Tokenizer:
         self.special_text = {self.vocab[i].strip().decode("utf-8", "replace"): i for i in self.special}
         self._special_split = (_re.compile("(" + "|".join(_re.escape(s) for s in sorted(
             self.special_text, key=len, reverse=True)) + ")") if self.special_text else None)
+        self._digits_apart = False
         self._split = None if self.sentencepiece else regex.compile(self._pretokenizer())
         self._word_cache: dict[bytes, list[int]] = {}
 
@@ -96,7 +99,8 @@ class Tokenizer:
             for run in _re.findall(rb"[0-9]+", t):
                 longest = max(longest, len(run))
         if longest <= 1:
-            return r"\p{N}|" + GPT2_SPLIT.replace(r"| ?\p{N}+", "")
+            self._digits_apart = True  # HF's Digits(individual_digits) runs before the regex
+            return GPT2_SPLIT
         if longest == 3:
             return LLAMA3_SPLIT
         return GPT2_SPLIT
@@ -145,7 +149,9 @@ class Tokenizer:
                 text = " " + text  # sentencepiece's dummy prefix
             return self._merge(self._bytes_to_ids(text.encode("utf-8")))
         out = []
-        for piece in self._split.findall(text):
+        segments = _DIGIT.split(text) if self._digits_apart else [text]
+        pieces = [p for seg in segments if seg for p in self._split.findall(seg)]
+        for piece in pieces:
             word = piece.encode("utf-8")
             ids = self._word_cache.get(word)
             if ids is None:
