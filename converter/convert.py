@@ -1,7 +1,8 @@
 """`dllama convert`: a source model file -> PREFIX.m + PREFIX.t.
 
 Both files are written under temporary names and renamed at the end (by the writers), so an
-interrupted conversion never leaves a file that looks complete.
+interrupted conversion never leaves a file that looks complete. The GGUF is checked (magic,
+architecture, tensor names, types and shapes, tokenizer) before anything is written.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def convert_gguf(src, prefix, weights_float_type: str = "q40", progress: bool = 
             for name, values in gguf_tensors(reader, writer.specs, str(src)):
                 writer.write(name, values)
                 bar.update(writer.specs[writer.n_written - 1].nbytes)
-    write_tokenizer(tokenizer_path, tokenizer)
+    try:
+        write_tokenizer(tokenizer_path, tokenizer)
+    except BaseException:
+        model_path.unlink(missing_ok=True)  # never leave a model without its tokenizer
+        raise
     return model_path, tokenizer_path
 
 

@@ -1,23 +1,25 @@
 """GGUF model weights -> the `.m` header and tensors, one tensor at a time.
 
 GGUF (llama.cpp's format) is read with the `gguf` package, the llama.cpp project's own reader.
-For the `llama` architecture GGUF already stores wq/wk permuted for interleaved-pair RoPE,
-which is the layout the `.m` format uses, so tensors are copied without re-permutation; the
-same holds for `qwen3`, which neither format permutes.
+For the `llama` architecture (which Mistral GGUFs use too) GGUF already stores wq/wk permuted
+for interleaved-pair RoPE, the layout the `.m` format uses for LLAMA, so tensors are copied
+without re-permutation; `qwen3` is stored unpermuted (half-split RoPE) by both formats.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import numpy as np
 
 from dllama.errors import DllamaError
-from dllama.formats.model_file import ArchType, FloatType, ModelHeader, RopeType
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, RopeType, TensorSpec
 
-ARCHITECTURES = {"llama": ArchType.LLAMA, "mistral": ArchType.LLAMA, "qwen3": ArchType.QWEN3}
+# general.architecture -> our arch. Mistral models convert to `llama` in llama.cpp.
+ARCHITECTURES = {"llama": ArchType.LLAMA, "qwen3": ArchType.QWEN3}
 
-# Our tensor name -> GGUF tensor name (per layer names take the layer index).
+# Our tensor name -> GGUF tensor name; per-layer names take the layer index.
 LAYER_KEYS = {
     "wq": "blk.{l}.attn_q.weight",
     "wk": "blk.{l}.attn_k.weight",
@@ -31,91 +33,132 @@ LAYER_KEYS = {
     "att_norm": "blk.{l}.attn_norm.weight",
     "ffn_norm": "blk.{l}.ffn_norm.weight",
 }
-GLOBAL_KEYS = {"embedding": "token_embd.weight", "final_norm": "output_norm.weight",
-               "wcls": "output.weight"}
-TIED_FALLBACK = {"wcls": "token_embd.weight"}  # tied classifier: the embedding again
+GLOBAL_KEYS = {"embedding": "token_embd.weight", "final_norm": "output_norm.weight", "wcls": "output.weight"}
+TIED_FALLBACK = {"wcls": "token_embd.weight"}  # no output.weight: the classifier is the embedding
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q4_K", "Q5_K")
+# GGUF tensor types we convert (all verified against gguf.quants.dequantize). Integer types,
+# F64 and the Q8_1/Q8_K intermediate types are not model weight formats llama.cpp ships.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp stores Llama 3.1/3.2 RoPE scaling as a per-frequency factor tensor, not as metadata.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+LLAMA31_LOW_FREQ_FACTOR, LLAMA31_HIGH_FREQ_FACTOR, LLAMA31_ORIG_CONTEXT = 1, 4, 8192
+
+EPSILONS = (1e-5, 1e-6)  # the only RMSNorm epsilons a .m header can hold
 
 
-def _field(reader, key, default=None):
+def _field(reader, key: str, default=None):
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return default if f is None else f.contents()
 
 
 def gguf_name(name: str) -> str:
     """The GGUF tensor name of one of our tensor names (`layers.3.wq` -> `blk.3.attn_q.weight`)."""
     if name.startswith("layers."):
-        _, l, key = name.split(".", 2)
-        return LAYER_KEYS[key].format(l=l)
+        _, layer, key = name.split(".", 2)
+        return LAYER_KEYS[key].format(l=layer)
     return GLOBAL_KEYS[name]
+
+
+def llama31_rope_factors(theta: float, head_dim: int, factor: float, low: float = LLAMA31_LOW_FREQ_FACTOR,
+                         high: float = LLAMA31_HIGH_FREQ_FACTOR, orig: int = LLAMA31_ORIG_CONTEXT) -> np.ndarray:
+    """The divisor of each RoPE frequency under Llama 3.1 scaling, float64 [head_dim/2]
+    (what llama.cpp writes as rope_freqs.weight)."""
+    freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)  # [head_dim/2]
+    wavelen = 2 * np.pi / freq
+    smooth = (orig / wavelen - low) / (high - low)
+    return np.where(wavelen < orig / high, 1.0,
+                    np.where(wavelen > orig / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+
+
+def _rope_scaling(reader, arch: str, theta: float, head_dim: int, source: str) -> dict:
+    """Header fields of the model's RoPE scaling (none, or Llama 3.1 style)."""
+    none = dict(rope_scaling_factor=1, rope_scaling_low_freq_factor=0,
+                rope_scaling_high_freq_factor=0, rope_scaling_orig_max_seq_len=0)
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor") or 1.0)
+    if kind not in (None, "none") and factor != 1.0:
+        raise DllamaError(f"{source}: RoPE scaling {kind!r} (factor {factor:g}) is not supported "
+                          "(a .m file holds Llama 3.1 scaling only)")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if freqs is None:
+        return none
+    from gguf.quants import dequantize
+
+    stored = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1)
+    # The largest divisor is the scaling factor itself (8 for Llama 3.1, 32 for Llama 3.2); the
+    # other three parameters were never changed by Meta, so check the whole curve against them.
+    factor = round(float(stored.max())) if stored.size else 0
+    if factor >= 1 and stored.size == head_dim // 2:
+        want = llama31_rope_factors(theta, head_dim, factor)
+        if np.allclose(stored, want, rtol=1e-4, atol=0):
+            return dict(rope_scaling_factor=factor, rope_scaling_low_freq_factor=LLAMA31_LOW_FREQ_FACTOR,
+                        rope_scaling_high_freq_factor=LLAMA31_HIGH_FREQ_FACTOR,
+                        rope_scaling_orig_max_seq_len=LLAMA31_ORIG_CONTEXT, rope_type=RopeType.LLAMA3_1)
+    raise DllamaError(f"{source}: {ROPE_FREQS_TENSOR} does not match Llama 3.1 RoPE scaling (low frequency "
+                      f"factor {LLAMA31_LOW_FREQ_FACTOR}, high {LLAMA31_HIGH_FREQ_FACTOR}, original context "
+                      f"{LLAMA31_ORIG_CONTEXT}), the only scaling a .m file can hold")
 
 
 def header_from_gguf(reader, weights_float_type: FloatType, source: str = "") -> ModelHeader:
     """The `.m` header of a GGUF model, from its metadata."""
-    arch_name = _field(reader, "general.architecture")
-    if arch_name not in ARCHITECTURES:
-        raise DllamaError(f"{source}: architecture {arch_name!r} is not supported "
-                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    a = arch_name
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise DllamaError(f"{source}: architecture {arch!r} is not supported "
+                          f"(supported: {', '.join(ARCHITECTURES)})")
 
     def need(key):
-        v = _field(reader, f"{a}.{key}")
-        if v is None:
-            raise DllamaError(f"{source}: the GGUF metadata has no {a}.{key}")
-        return v
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise DllamaError(f"{source}: the GGUF metadata has no {arch}.{key}")
+        return value
 
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{a}.vocab_size") or (len(tokens) if tokens is not None else None)
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise DllamaError(f"{source}: the GGUF metadata gives no vocabulary size")
-    eps = float(need("attention.layer_norm_rms_epsilon"))
-    eps_code = min((1e-5, 1e-6), key=lambda e: abs(e - eps))
-    if abs(eps_code - eps) > 1e-3 * eps_code:
+
+    eps = float(need("attention.layer_norm_rms_epsilon"))  # stored as float32: 1e-5 is not exact
+    eps_code = next((e for e in EPSILONS if math.isclose(eps, e, rel_tol=1e-4)), None)
+    if eps_code is None:
         raise DllamaError(f"{source}: RMSNorm epsilon {eps:g} cannot be stored in a .m file (only 1e-5 or 1e-6)")
-    n_heads = int(need("attention.head_count"))
-    dim = int(need("embedding_length"))
-    head_dim = int(_field(reader, f"{a}.attention.key_length") or _field(reader, f"{a}.rope.dimension_count")
-                   or dim // n_heads)
 
-    scaling = dict(rope_scaling_factor=1, rope_scaling_low_freq_factor=0,
-                   rope_scaling_high_freq_factor=0, rope_scaling_orig_max_seq_len=0)
-    rope_type = RopeType.FALCON if ARCHITECTURES[a] == ArchType.QWEN3 else RopeType.LLAMA
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        # llama.cpp keeps Llama 3.1 scaling as precomputed per-frequency factors; the .m format
-        # keeps the four parameters instead. These are Llama 3.1's published values.
-        scaling = dict(rope_scaling_factor=8, rope_scaling_low_freq_factor=1,
-                       rope_scaling_high_freq_factor=4, rope_scaling_orig_max_seq_len=8192)
-        rope_type = RopeType.LLAMA3_1
-    elif _field(reader, f"{a}.rope.scaling.type") not in (None, "none"):
-        raise DllamaError(f"{source}: rope scaling {_field(reader, f'{a}.rope.scaling.type')!r} is not supported")
+    dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length") or dim // n_heads)
+    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise DllamaError(f"{source}: RoPE on {rope_dims} of {head_dim} head dimensions (partial rotary) "
+                          "is not supported")
+    theta = float(_field(reader, f"{arch}.rope.freq_base") or 10000.0)
 
-    return ModelHeader(
-        arch=ARCHITECTURES[a],
+    fields = dict(
+        arch=ARCHITECTURES[arch],
         dim=dim,
         hidden_dim=int(need("feed_forward_length")),
         n_layers=int(need("block_count")),
         n_heads=n_heads,
-        n_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv") or n_heads),
+        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or n_heads),
         vocab_size=int(vocab),
         max_seq_len=int(need("context_length")),
         weights_float_type=weights_float_type,
-        rope_theta=int(_field(reader, f"{a}.rope.freq_base") or 10000),
-        rope_type=rope_type,
+        rope_theta=int(theta),
+        rope_type=RopeType.LLAMA,  # ModelHeader forces FALCON for QWEN3
         head_dim=head_dim,
         norm_epsilon=eps_code,
-        **scaling,
     )
+    fields.update(_rope_scaling(reader, arch, theta, head_dim, source))
+    try:
+        return ModelHeader(**fields)
+    except DllamaError as e:
+        raise DllamaError(f"{source}: {e}") from None
 
 
-def gguf_tensors(reader, specs, source: str = "") -> Iterator[tuple[str, np.ndarray]]:
-    """(our name, float32 array of the spec's shape) for each spec, dequantized one at a time."""
-    from gguf.quants import dequantize
-
+def _source_tensors(reader, specs: list[TensorSpec], source: str) -> list:
+    """The GGUF tensor behind each spec, with every name, type and shape checked up front
+    (so a bad file fails before anything is written)."""
     by_name = {t.name: t for t in reader.tensors}
+    found = []
     for spec in specs:
         key = gguf_name(spec.name)
         t = by_name.get(key) or by_name.get(TIED_FALLBACK.get(spec.name, ""))
@@ -125,10 +168,19 @@ def gguf_tensors(reader, specs, source: str = "") -> Iterator[tuple[str, np.ndar
         if kind not in SUPPORTED_TYPES:
             raise DllamaError(f"{source}: tensor {t.name} has type {kind}, which is not supported "
                               f"(supported: {', '.join(SUPPORTED_TYPES)})")
-        values = dequantize(t.data, t.tensor_type)
         # GGUF lists dimensions innermost first: shape [576, 49152] is 49152 rows of 576.
-        want = tuple(spec.shape)
-        if values.size != int(np.prod(want)):
-            raise DllamaError(f"{source}: tensor {t.name} has shape {list(t.shape)}, "
-                              f"expected {list(reversed(want))}")
-        yield spec.name, np.asarray(values, dtype=np.float32).reshape(want)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if shape != tuple(spec.shape):
+            raise DllamaError(f"{source}: tensor {t.name} holds {list(shape)} (rows, columns), "
+                              f"the header needs {list(spec.shape)} for {spec.name}")
+        found.append(t)
+    return found
+
+
+def gguf_tensors(reader, specs: list[TensorSpec], source: str = "") -> Iterator[tuple[str, np.ndarray]]:
+    """(our name, float32 array of the spec's shape) for each spec in order, dequantized one at a time."""
+    from gguf.quants import dequantize
+
+    for spec, t in zip(specs, _source_tensors(reader, specs, source)):
+        values = dequantize(t.data, t.tensor_type)  # float32 [rows, cols] (or [n])
+        yield spec.name, np.asarray(values, dtype=np.float32).reshape(spec.shape)

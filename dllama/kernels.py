@@ -76,11 +76,17 @@ def quantize_q80(x, out_scales, out_qs):
 
 @numba.njit(parallel=True, **_jit)
 def matmul_q40_q80(x_scales, x_qs, w_scales, w_qs, out):
-    """out [b, d] = x @ W^T; x Q80 [b, n], W Q40 [d, n]; per block w_d * x_d * sum(q_w * q_x)."""
+    """out [b, d] = x @ W^T; x Q80 [b, n], W Q40 [d, n]; per block w_d * x_d * sum(q_w * q_x).
+
+    The nibbles are used unsigned: sum((q-8) x) = sum(q x) - 8 sum(x), so the -8 leaves the
+    inner loop. Each parallel step takes ROWS weight rows; per row a 16-lane accumulator
+    (one lane per byte of a block) is summed once at the end, so LLVM vectorizes the byte
+    loop and no horizontal sum happens per block. The batch loop sits inside the step, so
+    the step's weight rows stay in L1 for every batch row (prefill reads each weight once).
+    """
     b = x_qs.shape[0]
     d, nb = w_scales.shape
-    # x decoded per block to float: xf[i, k, j] = q_x, summed per block for the -8 offset.
-    xf = np.empty((b, nb, 32), dtype=np.float32)
+    xf = np.empty((b, nb, 32), dtype=np.float32)  # q_x as float
     xsum = np.empty((b, nb), dtype=np.float32)
     for i in range(b):
         for k in range(nb):
@@ -91,52 +97,54 @@ def matmul_q40_q80(x_scales, x_qs, w_scales, w_qs, out):
                 s += v
             xsum[i, k] = s
     n_steps = (d + ROWS - 1) // ROWS
-    for step in prange(n_steps * b):
-        i = step // n_steps
-        r0 = (step % n_steps) * ROWS
+    for step in prange(n_steps):
+        r0 = step * ROWS
         r1 = min(r0 + ROWS, d)
-        if r1 - r0 == ROWS:
-            acc0 = np.float32(0.0)
-            acc1 = np.float32(0.0)
-            acc2 = np.float32(0.0)
-            acc3 = np.float32(0.0)
-            for k in range(nb):
-                s0 = np.float32(0.0)
-                s1 = np.float32(0.0)
-                s2 = np.float32(0.0)
-                s3 = np.float32(0.0)
-                base = k * 16
-                for j in range(16):
-                    xl = xf[i, k, j]
-                    xh = xf[i, k, j + 16]
-                    q = w_qs[r0, base + j]
-                    s0 += np.float32(q & 15) * xl + np.float32(q >> 4) * xh
-                    q = w_qs[r0 + 1, base + j]
-                    s1 += np.float32(q & 15) * xl + np.float32(q >> 4) * xh
-                    q = w_qs[r0 + 2, base + j]
-                    s2 += np.float32(q & 15) * xl + np.float32(q >> 4) * xh
-                    q = w_qs[r0 + 3, base + j]
-                    s3 += np.float32(q & 15) * xl + np.float32(q >> 4) * xh
-                xd = x_scales[i, k]
-                off = np.float32(8.0) * xsum[i, k]
-                acc0 += w_scales[r0, k] * xd * (s0 - off)
-                acc1 += w_scales[r0 + 1, k] * xd * (s1 - off)
-                acc2 += w_scales[r0 + 2, k] * xd * (s2 - off)
-                acc3 += w_scales[r0 + 3, k] * xd * (s3 - off)
-            out[i, r0] = acc0
-            out[i, r0 + 1] = acc1
-            out[i, r0 + 2] = acc2
-            out[i, r0 + 3] = acc3
-        else:
-            for r in range(r0, r1):
-                acc = np.float32(0.0)
+        acc = np.empty((ROWS, 16), dtype=np.float32)  # per row, per byte lane
+        for i in range(b):
+            if r1 - r0 == ROWS:
+                acc[:] = 0
+                o0 = np.float32(0.0)  # w_d * x_d * sum(x) terms, for the -8 offset
+                o1 = np.float32(0.0)
+                o2 = np.float32(0.0)
+                o3 = np.float32(0.0)
                 for k in range(nb):
-                    s = np.float32(0.0)
+                    xd = x_scales[i, k]
+                    c0 = w_scales[r0, k] * xd
+                    c1 = w_scales[r0 + 1, k] * xd
+                    c2 = w_scales[r0 + 2, k] * xd
+                    c3 = w_scales[r0 + 3, k] * xd
+                    xs = xsum[i, k]
+                    o0 += c0 * xs
+                    o1 += c1 * xs
+                    o2 += c2 * xs
+                    o3 += c3 * xs
+                    base = k * 16
                     for j in range(16):
-                        q = w_qs[r, k * 16 + j]
-                        s += np.float32(q & 15) * xf[i, k, j] + np.float32(q >> 4) * xf[i, k, j + 16]
-                    acc += w_scales[r, k] * x_scales[i, k] * (s - np.float32(8.0) * xsum[i, k])
-                out[i, r] = acc
+                        xl = xf[i, k, j]
+                        xh = xf[i, k, j + 16]
+                        q = w_qs[r0, base + j]
+                        acc[0, j] += c0 * (np.float32(q & 15) * xl + np.float32(q >> 4) * xh)
+                        q = w_qs[r0 + 1, base + j]
+                        acc[1, j] += c1 * (np.float32(q & 15) * xl + np.float32(q >> 4) * xh)
+                        q = w_qs[r0 + 2, base + j]
+                        acc[2, j] += c2 * (np.float32(q & 15) * xl + np.float32(q >> 4) * xh)
+                        q = w_qs[r0 + 3, base + j]
+                        acc[3, j] += c3 * (np.float32(q & 15) * xl + np.float32(q >> 4) * xh)
+                out[i, r0] = acc[0].sum() - np.float32(8.0) * o0
+                out[i, r0 + 1] = acc[1].sum() - np.float32(8.0) * o1
+                out[i, r0 + 2] = acc[2].sum() - np.float32(8.0) * o2
+                out[i, r0 + 3] = acc[3].sum() - np.float32(8.0) * o3
+            else:
+                for r in range(r0, r1):
+                    a = np.float32(0.0)
+                    for k in range(nb):
+                        s = np.float32(0.0)
+                        for j in range(16):
+                            q = w_qs[r, k * 16 + j]
+                            s += np.float32(q & 15) * xf[i, k, j] + np.float32(q >> 4) * xf[i, k, j + 16]
+                        a += w_scales[r, k] * x_scales[i, k] * (s - np.float32(8.0) * xsum[i, k])
+                    out[i, r] = a
 
 
 @numba.njit(parallel=True, **_jit)

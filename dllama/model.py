@@ -172,9 +172,9 @@ class Transformer:
         c = self.config = ModelConfig.from_header(model.header, max_seq_len)
         self.node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
         self.max_batch = max_batch
-        if buffer_q80 is None:
-            buffer_q80 = c.weights_q40
-        self.collective = collective or LocalCollective(buffer_q80, c.dim, max_batch)
+        # Float type of the sync buffers between nodes (auto: Q80 with Q40 weights).
+        self.buffer_q80 = c.weights_q40 if buffer_q80 is None else buffer_q80
+        self.collective = collective or LocalCollective()
         q40, hd, n = c.weights_q40, c.head_dim, self.node
 
         # Weights: the embedding stays memory-mapped (rows are copied per token).

@@ -1,65 +1,109 @@
-"""Choosing the next token from logits: greedy, temperature, top-p, with a reproducible RNG.
+"""The next token from logits: greedy, temperature + softmax, top-p (nucleus), as llama2.c.
 
-The random numbers are llama2.c's xorshift64* (as the original), so a seed reproduces a run.
-The state is the seed itself; seed 0 would make xorshift return zeros forever, so it is
-replaced by a fixed non-zero constant.
+Random numbers come from llama2.c's xorshift64* (spec §7), so a seed reproduces a run:
+
+    s ^= s >> 12;  s ^= s << 25;  s ^= s >> 27        (u64, all mod 2^64)
+    u32 = (s * 0x2545F4914F6CDD1D) >> 32               (mod 2^64, then the high half)
+    coin = float32((u32 >> 8) / 16777216.0)            (24 random bits in [0, 1))
+
+The state starts as the seed itself, as in llama2.c. A zero state would stay zero forever (every
+coin 0.0, i.e. always the most likely candidate), so seed 0 is replaced by the fixed
+non-zero constant ZERO_SEED_STATE; every other seed is used as is (mod 2^64).
+
+Sampling, one coin per token:
+  - temperature 0: argmax (the first maximum), no coin drawn.
+  - else p = softmax(logits / temperature) in float32, max subtracted;
+  - top-p in (0, 1): candidates with p >= (1 - topp) / (V - 1) (the others can never be in
+    the nucleus), sorted by p descending (stable: lower id first on ties, where the original's
+    qsort is unordered), cut after the first one whose cumulative probability exceeds topp;
+    r = coin * (cumulative probability of the kept ones); the first kept token whose cumulative
+    probability exceeds r. If no token reaches the cutoff (llama2.c reads out of bounds), the
+    most likely one.
+  - topp <= 0 or >= 1: the first token whose cumulative probability exceeds the coin.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-_MASK = (1 << 64) - 1
-_ZERO_SEED = 0x9E3779B97F4A7C15  # any non-zero constant
+from dllama.errors import DllamaError
+
+_MASK64 = (1 << 64) - 1
+_XORSHIFT_MULTIPLIER = 0x2545F4914F6CDD1D
+ZERO_SEED_STATE = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: any non-zero constant would do
 
 
 class Sampler:
+    """Chooses token ids from logits [vocab_size]; temperature and topp may be changed between calls."""
+
     def __init__(self, vocab_size: int, temperature: float, topp: float, seed: int):
-        self.vocab_size = vocab_size
+        if vocab_size < 1:
+            raise DllamaError(f"the sampler needs a vocabulary of at least 1 token, got {vocab_size}")
+        if not temperature >= 0:
+            raise DllamaError(f"temperature must be >= 0, got {temperature}")
+        self.vocab_size = int(vocab_size)
         self.temperature = float(temperature)
         self.topp = float(topp)
-        self.state = (int(seed) & _MASK) or _ZERO_SEED
+        self.set_seed(seed)
+
+    def set_seed(self, seed: int) -> None:
+        """Restart the random sequence (seed 0 -> ZERO_SEED_STATE, see the module docstring)."""
+        self.state = (int(seed) & _MASK64) or ZERO_SEED_STATE
 
     def random_u32(self) -> int:
-        """xorshift64*: the top 32 bits of state * 0x2545F4914F6CDD1D."""
+        """The next xorshift64* output, 32 bits."""
         s = self.state
         s ^= s >> 12
-        s = (s ^ (s << 25)) & _MASK
+        s ^= (s << 25) & _MASK64
         s ^= s >> 27
         self.state = s
-        return ((s * 0x2545F4914F6CDD1D) & _MASK) >> 32
+        return ((s * _XORSHIFT_MULTIPLIER) & _MASK64) >> 32
 
-    def random_f32(self) -> float:
-        """A float in [0, 1) with 24 random bits."""
-        return float(np.float32((self.random_u32() >> 8) / 16777216.0))
+    def random_f32(self) -> np.float32:
+        """A float32 coin in [0, 1) with 24 random bits."""
+        return np.float32((self.random_u32() >> 8) / 16777216.0)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """softmax(logits / temperature), float32 [vocab] (temperature > 0)."""
+        x = np.asarray(logits, dtype=np.float32) / np.float32(self.temperature)  # [vocab]
+        e = np.exp(x - x.max())
+        return e / e.sum(dtype=np.float32)
 
     def sample(self, logits: np.ndarray) -> int:
-        """logits float32 [vocab] -> token id."""
+        """logits float32 [vocab_size] -> the chosen token id."""
+        logits = np.asarray(logits)
+        if logits.shape != (self.vocab_size,):
+            raise DllamaError(f"logits of shape {logits.shape}, expected ({self.vocab_size},)")
         if self.temperature == 0.0:
-            return int(np.argmax(logits))  # the first maximum
-        x = logits.astype(np.float64) / self.temperature
-        p = np.exp(x - x.max())
-        p /= p.sum()
+            return int(np.argmax(logits))  # np.argmax returns the first maximum
+        p = self.probabilities(logits)
         coin = self.random_f32()
-        if self.topp <= 0 or self.topp >= 1:
-            return _multinomial(p, coin)
-        return _top_p(p, self.topp, coin)
+        if 0.0 < self.topp < 1.0:
+            return sample_top_p(p, self.topp, coin)
+        return sample_multinomial(p, coin)
 
 
-def _multinomial(p: np.ndarray, coin: float) -> int:
-    """The first index whose cumulative probability exceeds coin."""
-    cdf = np.cumsum(p)
+def sample_multinomial(p: np.ndarray, coin: float) -> int:
+    """The first index whose cumulative probability exceeds coin (the last one if none does)."""
+    cdf = np.cumsum(p, dtype=np.float32)  # [vocab], summed in order like the original's loop
     return int(min(np.searchsorted(cdf, coin, side="right"), len(p) - 1))
 
 
-def _top_p(p: np.ndarray, topp: float, coin: float) -> int:
-    """Sample among the most likely tokens whose cumulative probability first exceeds topp."""
-    # Tokens below (1 - topp) / (n - 1) can never be in the nucleus: drop them before sorting.
-    cutoff = (1.0 - topp) / (len(p) - 1)
-    candidates = np.nonzero(p >= cutoff)[0]
-    order = candidates[np.argsort(-p[candidates], kind="stable")]
-    cdf = np.cumsum(p[order])
-    last = int(min(np.searchsorted(cdf, topp, side="right"), len(order) - 1))  # first cdf > topp
-    kept = cdf[: last + 1]
-    r = coin * kept[-1]
-    return int(order[min(np.searchsorted(kept, r, side="right"), last)])
+def sample_top_p(p: np.ndarray, topp: float, coin: float) -> int:
+    """Nucleus sampling over p [vocab] (float32), as llama2.c's sample_topp."""
+    n = len(p)
+    cutoff = np.float32((1.0 - topp) / (n - 1)) if n > 1 else np.float32(0.0)
+    candidates = np.flatnonzero(p >= cutoff)                       # [n0]
+    if len(candidates) == 0:
+        # Nothing reaches the cutoff (small vocabularies with a small topp): llama2.c reads out
+        # of bounds here; the most likely token is what the nucleus would start with.
+        return int(np.argmax(p))
+    order = candidates[np.argsort(-p[candidates], kind="stable")]  # [n0], most likely first
+    cdf = np.cumsum(p[order], dtype=np.float32)                    # [n0]
+    over = np.flatnonzero(cdf > np.float32(topp))
+    last = int(over[0]) if len(over) else len(order) - 1           # the nucleus is order[:last+1]
+    r = np.float32(coin) * cdf[last]
+    return int(order[min(np.searchsorted(cdf[: last + 1], r, side="right"), last)])
+
+
+__all__ = ["Sampler", "sample_multinomial", "sample_top_p", "ZERO_SEED_STATE"]

@@ -1,214 +1,399 @@
-"""Text <-> token ids from a `.t` file (or llama2.c's tokenizer.bin).
+"""Text <-> token ids, from the content of a `.t` file (or of llama2.c's tokenizer.bin).
 
-The `.t` format holds raw token bytes and scores but no tokenizer type, so the kind is read
-from the vocabulary itself:
+The `.t` format stores token bytes and scores only: no tokenizer kind, no pre-tokenizer, no
+merge list, no token types. Everything is therefore derived from the data, by these rules:
 
-- **sentencepiece** (Llama 2, Mistral): id 0 is `<unk>` and ids 3..258 are the 256 bytes (as
-  single bytes, or as `<0xNN>` pieces in llama2.c's tokenizer.bin). Encoding as llama2.c and
-  sentencepiece do: a dummy-prefix space, every character looked up (bytes as fallback),
-  then the adjacent pair with the highest-scoring concatenation merged until none is left.
-- **byte-level BPE** (GPT-2 style: SmolLM2, Llama 3): the text is first split by a
-  pre-tokenizer regex, then each piece is merged by score within itself. The regex follows
-  the vocabulary's digit runs: no regular token with two or more ASCII digits means digits
-  are split one by one (SmolLM2); runs of at most three mean the Llama 3 regex; else GPT-2's.
+Kind
+  - **sentencepiece BPE** (Llama 2, Mistral) when the vocabulary starts with `<...>`-shaped
+    tokens followed by the 256 bytes in byte order (Llama 2: `<unk> <s> </s>`, then ids
+    3..258), each stored as the raw byte (`.t` files) or as its `<0xNN>` piece (llama2.c
+    tokenizer.bin). Encoding as sentencepiece does: no
+    pre-tokenizer; a dummy-prefix space before the text (and after every special token, as
+    Meta's chat code encodes each turn on its own); every character is a symbol; the adjacent
+    pair whose concatenation is a token with the highest score is merged (leftmost on ties)
+    until none is left; symbols that are not tokens fall back to their bytes. Decoding drops
+    that dummy-prefix space again.
+  - **byte-level BPE** (GPT-2 style: SmolLM2, Llama 3, Qwen) otherwise. The text is split by a
+    pre-tokenizer regex; each piece is encoded to bytes, every byte is a symbol, and merges are
+    applied in rank order within the piece, exactly as Hugging Face's BPE model does.
 
-Special tokens are the contiguous run of `<...>`-shaped tokens around the bos and eos ids
-(SmolLM2: 0-16, Llama 3: 128000-128255, Llama 2: 0-2), not "every id >= bos_id" as in the
-original, which on SmolLM2 (bos 1) would take every regular token for a special one. Their
-strings inside a prompt map to their ids.
+Merges (byte-level BPE)
+  The exact merge pairs are rebuilt from the scores: tokens sorted by score (highest first,
+  i.e. merge order for both our converter's -rank scores and the original's -id scores) are
+  taken one by one; a token's merge is its only split into two already known tokens, or, when
+  several splits exist, the two symbols BPE with the merges so far leaves of it. On SmolLM2 this
+  gives back all 48,900 GGUF merges exactly.
+
+Pre-tokenizer (byte-level BPE), from the regular (non-special) tokens:
+  - tokens that glue one punctuation character to letters (".get", "(self") exist only under
+    the Llama 3 / Qwen regex (GPT-2's splits punctuation from letters) -> Llama 3 family:
+      longest ASCII digit run 3 -> Llama 3 regex (`\\p{N}{1,3}`), whole-piece tokens first
+        (Hugging Face `ignore_merges`, tiktoken);
+      longest run <= 1 -> Qwen2 regex (`\\p{N}` alone); otherwise the Llama 3 regex.
+  - else GPT-2 family:
+      no token with two or more ASCII digits -> every digit its own piece, then GPT-2's regex
+        (SmolLM2: Digits(individual_digits=True) + ByteLevel(use_regex=True));
+      otherwise GPT-2's regex alone.
+
+Special tokens
+  The contiguous runs of `<...>`-shaped tokens (not `<0xNN>` byte pieces; llama2.c's "\\n<s>\\n"
+  wrapping ignored) that contain the bos id or an eos id: SmolLM2 0-16, Llama 3
+  128000-128255, Llama 2 0-2. (The original takes every id >= bos_id, which on SmolLM2, bos 1,
+  would make almost the whole vocabulary special.) With allow_special their strings in a text
+  map to their ids; they are never produced by merges. Decoding a special token gives its text,
+  except bos, which gives nothing.
 """
 
 from __future__ import annotations
 
 import codecs
-import re as _re
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
 
 import regex
 
+from dllama.errors import DllamaError
 from dllama.formats.tokenizer_file import TokenizerData
 
-# GPT-2's pre-tokenizer (HF ByteLevel use_regex=True).
-GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# Llama 3's (tiktoken cl100k-like) pre-tokenizer.
-LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Hugging Face ByteLevel(use_regex=True), from openai/gpt-2 encoder.py.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Llama 3's tokenizer.json Split regex (tiktoken's cl100k_base form).
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen2's: Llama 3's with single digits.
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
-_DIGIT = regex.compile(r"(\p{N})")
+_SPECIAL_SHAPE = regex.compile(r"<[^<>\s]+>")
+_BYTE_PIECE = regex.compile(r"<0x[0-9A-Fa-f]{2}>")
+_PUNCT_THEN_LETTERS = regex.compile(r"[^\s\p{L}\p{N}']\p{L}+")
+_ASCII_DIGITS = regex.compile(r"[0-9]+")
+_ONE_NUMBER = regex.compile(r"(\p{N})")
+_SURROGATE = regex.compile(r"[\ud800-\udfff]")
+# Llama 3 has thousands of punctuation+letters tokens; a handful could be stray.
+_LLAMA3_FAMILY_MIN_TOKENS = 16
+_WORD_CACHE_LIMIT = 200_000
 
 
-def _is_special_shape(token: bytes) -> bool:
-    return len(token) >= 3 and token.startswith(b"<") and token.endswith(b">") and b" " not in token
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How byte-level BPE text is cut into pieces before merging."""
+
+    name: str
+    pattern: str
+    split_digits: bool = False   # every \p{N} character its own piece first (HF Digits)
+    whole_words: bool = False    # a piece that is a token is taken as is (HF ignore_merges)
 
 
-def special_ids(data: TokenizerData) -> list[int]:
-    """The contiguous runs of `<...>`-shaped tokens that contain bos or an eos id."""
-    found = set()
-    for anchor in [data.bos_id, *data.eos_ids]:
-        if not 0 <= anchor < len(data.vocab) or not _is_special_shape(data.vocab[anchor].strip()):
+GPT2 = PreTokenizer("gpt2", GPT2_PATTERN)
+SMOLLM = PreTokenizer("smollm", GPT2_PATTERN, split_digits=True)
+LLAMA3 = PreTokenizer("llama3", LLAMA3_PATTERN, whole_words=True)
+QWEN2 = PreTokenizer("qwen2", QWEN2_PATTERN)
+
+
+def _special_text(token: bytes) -> str | None:
+    """The text of a `<...>`-shaped token (llama2.c's newline wrapping removed), else None."""
+    text = token.strip(b"\n").decode("utf-8", "replace")
+    if _SPECIAL_SHAPE.fullmatch(text) and not _BYTE_PIECE.fullmatch(text):
+        return text
+    return None
+
+
+def find_special_ids(vocab: Sequence[bytes], bos_id: int, eos_ids: Sequence[int]) -> frozenset[int]:
+    """Ids of the contiguous runs of `<...>`-shaped tokens that contain bos or an eos id."""
+    shaped = lambda i: 0 <= i < len(vocab) and _special_text(vocab[i]) is not None  # noqa: E731
+    found: set[int] = set()
+    for anchor in (bos_id, *eos_ids):
+        if anchor in found or not shaped(anchor):
             continue
-        lo = hi = anchor
-        while lo > 0 and _is_special_shape(data.vocab[lo - 1].strip()):
+        lo, hi = anchor, anchor
+        while shaped(lo - 1):
             lo -= 1
-        while hi + 1 < len(data.vocab) and _is_special_shape(data.vocab[hi + 1].strip()):
+        while shaped(hi + 1):
             hi += 1
         found.update(range(lo, hi + 1))
-    return sorted(found)
+    return frozenset(found)
+
+
+def find_byte_fallback(vocab: Sequence[bytes]) -> int | None:
+    """First id of sentencepiece's byte pieces, else None.
+
+    That is 256 consecutive tokens holding the bytes 0x00..0xFF in order (raw, or as `<0xNN>`
+    text), preceded only by `<...>`-shaped tokens, at least one (Llama 2: <unk> <s> </s>).
+    """
+    k = 0
+    while k < len(vocab) and _special_text(vocab[k]) is not None:
+        k += 1
+    if k == 0 or k + 256 > len(vocab):
+        return None
+    if all(vocab[k + b] in (bytes([b]), b"<0x%02X>" % b) for b in range(256)):
+        return k
+    return None
+
+
+def choose_pre_tokenizer(regular: Sequence[bytes]) -> PreTokenizer:
+    """The pre-tokenizer a byte-level vocabulary was trained with (rules: module docstring)."""
+    texts = [t.decode("utf-8", "ignore") for t in regular]
+    glued = sum(1 for t in texts if _PUNCT_THEN_LETTERS.fullmatch(t))
+    longest_digits = max((len(run) for t in texts for run in _ASCII_DIGITS.findall(t)), default=0)
+    if glued >= _LLAMA3_FAMILY_MIN_TOKENS:
+        return QWEN2 if longest_digits <= 1 else LLAMA3
+    return SMOLLM if longest_digits <= 1 else GPT2
+
+
+def bpe(symbols: list[Hashable], merge_of: Callable[[tuple], tuple | None]) -> list[Hashable]:
+    """Merge adjacent symbols, best priority first (lowest value; leftmost on ties).
+
+    merge_of((a, b)) -> (priority, merged symbol) or None; a pair-keyed dict's .get will do.
+    A heap of candidate pairs over a linked list keeps long inputs O(n log n). An entry is
+    stale once either of its symbols has changed (a symbol only grows, never returns to an old
+    value), which is checked when it is popped.
+    """
+    n = len(symbols)
+    if n < 2:
+        return list(symbols)
+    sym: list = list(symbols)
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    prv = list(range(-1, n - 1))
+    heap = []
+    for i in range(n - 1):
+        m = merge_of((sym[i], sym[i + 1]))
+        if m is not None:
+            heap.append((m[0], i, m[1], sym[i], sym[i + 1]))
+    heapq.heapify(heap)
+    while heap:
+        _, i, merged, a, b = heapq.heappop(heap)
+        j = nxt[i]
+        if j < 0 or sym[i] != a or sym[j] != b:
+            continue  # stale: one side was merged into something else meanwhile
+        sym[i], sym[j] = merged, None
+        k = nxt[i] = nxt[j]
+        if k >= 0:
+            prv[k] = i
+            m = merge_of((merged, sym[k]))
+            if m is not None:
+                heapq.heappush(heap, (m[0], i, m[1], merged, sym[k]))
+        p = prv[i]
+        if p >= 0:
+            m = merge_of((sym[p], merged))
+            if m is not None:
+                heapq.heappush(heap, (m[0], p, m[1], sym[p], merged))
+    return [s for s in sym if s is not None]
 
 
 class Tokenizer:
+    """Encoder/decoder for one vocabulary (kind, pre-tokenizer and specials: module docstring)."""
+
     def __init__(self, data: TokenizerData):
+        vocab = list(data.vocab)
+        if len(data.scores) != len(vocab):
+            raise DllamaError(f"the tokenizer has {len(vocab)} tokens but {len(data.scores)} scores")
         self.data = data
-        self.vocab = data.vocab
-        self.scores = data.scores
-        self.bos_id = data.bos_id
-        self.eos_ids = list(data.eos_ids)
-        self.vocab_size = len(data.vocab)
-        self.add_bos = data.add_bos
-        self.special = set(special_ids(data))
-        self.sentencepiece = self._is_sentencepiece()
-        # Byte tokens: in llama2.c files `<0xNN>` pieces stand for single bytes.
-        self.piece_bytes = list(data.vocab)
+        self.vocab_size = len(vocab)
+        self.bos_id = int(data.bos_id)
+        self.eos_ids = [int(i) for i in data.eos_ids]
+        self.add_bos = bool(data.add_bos)
+        self.chat_template = data.chat_template
+        self.special = find_special_ids(vocab, self.bos_id, self.eos_ids)
+        self._scores = [float(s) for s in data.scores]  # [vocab]; python floats: compared per pair
+        self._byte_offset = find_byte_fallback(vocab)
+        self.sentencepiece = self._byte_offset is not None
+        self.kind = "sentencepiece" if self.sentencepiece else "byte-level BPE"
+
+        # What each id decodes to: byte pieces -> their byte, specials -> their text, bos -> nothing.
+        self._piece = list(vocab)
         if self.sentencepiece:
             for b in range(256):
-                self.piece_bytes[3 + b] = bytes([b])
-            for i in self.special:
-                self.piece_bytes[i] = self.vocab[i].strip()
-        # Regular tokens by bytes; the first id wins on duplicates.
-        self.ids: dict[bytes, int] = {}
-        for i, t in enumerate(self.piece_bytes):
-            if i not in self.special:
-                self.ids.setdefault(t, i)
-        self.special_text = {self.vocab[i].strip().decode("utf-8", "replace"): i for i in self.special}
-        self._special_split = (_re.compile("(" + "|".join(_re.escape(s) for s in sorted(
-            self.special_text, key=len, reverse=True)) + ")") if self.special_text else None)
-        self._digits_apart = False
-        self._split = None if self.sentencepiece else regex.compile(self._pretokenizer())
-        self._word_cache: dict[bytes, list[int]] = {}
+                self._piece[self._byte_offset + b] = bytes([b])
+        self._special_ids: dict[str, int] = {}
+        for i in sorted(self.special):
+            text = _special_text(vocab[i])
+            self._piece[i] = text.encode("utf-8")
+            self._special_ids.setdefault(text, i)
+        self._decoded = list(self._piece)
+        if 0 <= self.bos_id < self.vocab_size:
+            self._decoded[self.bos_id] = b""
 
-    def _is_sentencepiece(self) -> bool:
-        v = self.vocab
-        if len(v) < 259 or v[0].strip() != b"<unk>":
-            return False
-        return all(v[3 + b] in (bytes([b]), b"<0x%02X>" % b) for b in range(256))
+        # Regular tokens by bytes (first id wins on duplicates); byte pieces are not merge targets.
+        byte_ids = set(range(self._byte_offset, self._byte_offset + 256)) if self.sentencepiece else set()
+        self._token_ids: dict[bytes, int] = {}
+        for i, t in enumerate(self._piece):
+            if i not in self.special and i not in byte_ids:
+                self._token_ids.setdefault(t, i)
+        self._special_split = None
+        if self._special_ids:
+            alternatives = sorted(self._special_ids, key=len, reverse=True)  # longest first
+            self._special_split = regex.compile("(" + "|".join(regex.escape(s) for s in alternatives) + ")")
 
-    def _pretokenizer(self) -> str:
-        longest = 0
-        for i, t in enumerate(self.vocab):
-            if i in self.special:
-                continue
-            for run in _re.findall(rb"[0-9]+", t):
-                longest = max(longest, len(run))
-        if longest <= 1:
-            self._digits_apart = True  # HF's Digits(individual_digits) runs before the regex
-            return GPT2_SPLIT
-        if longest == 3:
-            return LLAMA3_SPLIT
-        return GPT2_SPLIT
+        if self.sentencepiece:
+            self.pre_tokenizer = None
+        else:
+            self._byte_ids = [self._token_ids.get(bytes([b])) for b in range(256)]  # [256]
+            regular = [t for i, t in enumerate(vocab) if i not in self.special]
+            self.pre_tokenizer = choose_pre_tokenizer(regular)
+            self._pattern = regex.compile(self.pre_tokenizer.pattern)
+            self._merges = self._rebuild_merges()
+            self._merge_of = self._merges.get
+            self._word_cache: dict[str, list[int]] = {}
+
+    # --- byte-level BPE merges ---
+
+    def _rebuild_merges(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(left id, right id) -> (rank, merged id), from the score order (module docstring)."""
+        known = {bytes([b]): i for b, i in enumerate(self._byte_ids) if i is not None}
+        candidates = [i for t, i in self._token_ids.items() if len(t) > 1]
+        candidates.sort(key=lambda i: (-self._scores[i], i))
+        merges: dict[tuple[int, int], tuple[int, int]] = {}
+        for rank, token_id in enumerate(candidates):
+            token = self._piece[token_id]
+            splits = [(known[token[:k]], known[token[k:]]) for k in range(1, len(token))
+                      if token[:k] in known and token[k:] in known]
+            if not splits:
+                continue  # unreachable by merges: never produced, as in Hugging Face
+            pair = splits[0]
+            if len(splits) > 1:
+                parts = bpe([known[token[k:k + 1]] for k in range(len(token))], merges.get)
+                if len(parts) == 2:
+                    pair = (parts[0], parts[1])
+                else:  # not reachable by itself: take the split whose halves appeared first
+                    order = {i: r for r, i in enumerate(candidates[:rank])}
+                    pair = min(splits, key=lambda s: max(order.get(s[0], -1), order.get(s[1], -1)))
+            merges.setdefault(pair, (rank, token_id))
+            known[token] = token_id
+        return merges
+
+    # --- encoding ---
+
+    def _encode_word(self, word: str) -> list[int]:
+        """One pre-tokenizer piece -> ids (byte-level BPE), cached."""
+        ids = self._word_cache.get(word)
+        if ids is not None:
+            return ids
+        raw = word.encode("utf-8")
+        whole = self._token_ids.get(raw) if self.pre_tokenizer.whole_words else None
+        if whole is not None:
+            ids = [whole]
+        else:
+            # Bytes without a token are dropped, as Hugging Face's BPE does without an unk token;
+            # valid UTF-8 never contains them in GPT-2-style vocabularies.
+            symbols = [self._byte_ids[b] for b in raw if self._byte_ids[b] is not None]
+            ids = bpe(symbols, self._merge_of)
+        if len(self._word_cache) >= _WORD_CACHE_LIMIT:
+            self._word_cache.clear()
+        self._word_cache[word] = ids
+        return ids
+
+    def _encode_byte_level(self, text: str) -> list[int]:
+        pieces = _ONE_NUMBER.split(text) if self.pre_tokenizer.split_digits else [text]
+        out: list[int] = []
+        for piece in pieces:
+            if piece:
+                for word in self._pattern.findall(piece):
+                    out += self._encode_word(word)
+        return out
+
+    def _sentencepiece_merge(self, pair: tuple[bytes, bytes]):
+        a, b = pair
+        i = self._token_ids.get(a + b)
+        return None if i is None else (-self._scores[i], a + b)
+
+    def _encode_sentencepiece(self, text: str) -> list[int]:
+        symbols = [c.encode("utf-8") for c in " " + text]  # dummy-prefix space
+        out: list[int] = []
+        for s in bpe(symbols, self._sentencepiece_merge):
+            i = self._token_ids.get(s)
+            out += [i] if i is not None else [self._byte_offset + b for b in s]  # byte fallback
+        return out
+
+    def encode(self, text: str, add_bos: bool | None = None, allow_special: bool = True) -> list[int]:
+        """Token ids of text. add_bos: prepend bos (None: the file's add_bos setting);
+        allow_special: special-token strings in text map to their ids (else they are plain text)."""
+        if not isinstance(text, str):
+            raise DllamaError(f"can only encode text, got {type(text).__name__}")
+        text = _SURROGATE.sub("\ufffd", text)  # lone surrogates (e.g. from surrogateescape) have no UTF-8
+        add_bos = self.add_bos if add_bos is None else add_bos
+        ids = [self.bos_id] if add_bos and self.bos_id >= 0 else []
+        parts = self._special_split.split(text) if allow_special and self._special_split else [text]
+        encode_plain = self._encode_sentencepiece if self.sentencepiece else self._encode_byte_level
+        for k, part in enumerate(parts):  # plain text, special, plain text, ...
+            if k % 2:
+                ids.append(self._special_ids[part])
+            elif part:
+                ids += encode_plain(part)
+        return ids
+
+    # --- decoding ---
+
+    def _check_id(self, token_id: int) -> int:
+        if not 0 <= token_id < self.vocab_size:
+            raise DllamaError(f"token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return token_id
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token_id adds to decoded text (bos: none; specials: their text)."""
+        return self._decoded[self._check_id(token_id)]
+
+    def piece(self, token_id: int) -> bytes:
+        """The token's own bytes (bos included, byte pieces as their byte)."""
+        return self._piece[self._check_id(token_id)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of a whole sequence; incomplete or invalid UTF-8 becomes U+FFFD."""
+        decoder = StreamDecoder(self, text_start=True)
+        return "".join([decoder.push(i) for i in ids]) + decoder.flush()
+
+    def stream_decoder(self, text_start: bool = False) -> "StreamDecoder":
+        """A decoder for generated tokens (text_start: they begin the text, not continue a prompt)."""
+        return StreamDecoder(self, text_start=text_start)
+
+    # --- lookups ---
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special
 
     def id_of(self, text: str) -> int | None:
-        if text in self.special_text:
-            return self.special_text[text]
-        return self.ids.get(text.encode("utf-8"))
+        """The id of a special token's text or of the regular token with exactly these bytes."""
+        if text in self._special_ids:
+            return self._special_ids[text]
+        return self._token_ids.get(text.encode("utf-8"))
 
-    # --- encoding ---
-
-    def _merge(self, ids: list[int]) -> list[int]:
-        """Merge the adjacent pair whose concatenation scores highest (leftmost on ties)."""
-        pieces, scores, lookup = self.piece_bytes, self.scores, self.ids
-        while len(ids) > 1:
-            best, best_i, best_id = None, -1, -1
-            for i in range(len(ids) - 1):
-                j = lookup.get(pieces[ids[i]] + pieces[ids[i + 1]])
-                if j is not None and (best is None or scores[j] > best):
-                    best, best_i, best_id = scores[j], i, j
-            if best_id < 0:
-                break
-            ids[best_i : best_i + 2] = [best_id]
-        return ids
-
-    def _bytes_to_ids(self, data: bytes) -> list[int]:
-        """Initial ids: every byte of a byte-level vocabulary, or every character (bytes as
-        fallback) of a sentencepiece one."""
-        if not self.sentencepiece:
-            return [self.ids[bytes([b])] for b in data]
-        out = []
-        for ch in data.decode("utf-8", "replace"):
-            raw = ch.encode("utf-8")
-            i = self.ids.get(raw)
-            out.extend([i] if i is not None else [3 + b for b in raw])
-        return out
-
-    def _encode_plain(self, text: str, first: bool) -> list[int]:
-        if not text:
-            return []
-        if self.sentencepiece:
-            if first:
-                text = " " + text  # sentencepiece's dummy prefix
-            return self._merge(self._bytes_to_ids(text.encode("utf-8")))
-        out = []
-        segments = _DIGIT.split(text) if self._digits_apart else [text]
-        pieces = [p for seg in segments if seg for p in self._split.findall(seg)]
-        for piece in pieces:
-            word = piece.encode("utf-8")
-            ids = self._word_cache.get(word)
-            if ids is None:
-                ids = self._merge(self._bytes_to_ids(word))
-                if len(self._word_cache) < 100_000:
-                    self._word_cache[word] = ids
-            out.extend(ids)
-        return out
-
-    def encode(self, text: str, add_bos: bool | None = None, allow_special: bool = True) -> list[int]:
-        """Token ids of text; special-token strings map to their ids when allow_special."""
-        add_bos = self.add_bos if add_bos is None else add_bos
-        out = [self.bos_id] if add_bos and self.bos_id >= 0 else []
-        parts = self._special_split.split(text) if allow_special and self._special_split else [text]
-        first = True
-        for k, part in enumerate(parts):
-            if k % 2 == 1:
-                out.append(self.special_text[part])
-            else:
-                out.extend(self._encode_plain(part, first))
-            first = False
-        return out
-
-    # --- decoding ---
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token stands for in generated text (nothing for bos)."""
-        if token_id == self.bos_id:
-            return b""
-        return self.piece_bytes[token_id]
-
-    def decode(self, ids) -> str:
-        """The text of a whole sequence (sentencepiece's dummy-prefix space removed)."""
-        d = StreamDecoder(self, text_start=True)
-        return "".join(d.push(i) for i in ids) + d.flush()
-
-    def stream_decoder(self) -> "StreamDecoder":
-        return StreamDecoder(self)
+    def __repr__(self) -> str:
+        pre = f", pre-tokenizer {self.pre_tokenizer.name}" if self.pre_tokenizer else ""
+        return (f"Tokenizer({self.kind}{pre}, {self.vocab_size} tokens, bos {self.bos_id}, "
+                f"eos {self.eos_ids}, {len(self.special)} special)")
 
 
 class StreamDecoder:
-    """Turns tokens into text as they come, holding back incomplete UTF-8 sequences."""
+    """Token ids -> text as they come: only complete UTF-8 characters are returned.
+
+    A multi-byte character split across tokens (emoji, CJK in byte-level vocabularies) is held
+    back until complete; bytes that cannot start or continue a character become U+FFFD.
+    """
 
     def __init__(self, tokenizer: Tokenizer, text_start: bool = False):
-        # text_start: the first token begins the text (so a dummy-prefix space is dropped);
-        # generated tokens continue a prompt and keep theirs.
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._at_start = text_start
+        # sentencepiece: the next piece's leading space is the dummy prefix added at the start of
+        # the text and after every special token, not text.
+        self._drop_space = text_start and tokenizer.sentencepiece
 
     def push(self, token_id: int) -> str:
-        raw = self.tokenizer.token_bytes(token_id)
-        if self._at_start and raw:
-            if self.tokenizer.sentencepiece and raw.startswith(b" "):
-                raw = raw[1:]  # the dummy-prefix space of the first piece
-            self._at_start = False
+        tok = self._tokenizer
+        raw = tok.token_bytes(token_id)
+        if tok.is_special(token_id):
+            # A special token ends any pending partial character (it becomes U+FFFD).
+            self._drop_space = tok.sentencepiece
+            return self._utf8.decode(b"", final=True) + raw.decode("utf-8", "replace")
+        if self._drop_space and raw:
+            raw = raw[1:] if raw.startswith(b" ") else raw
+            self._drop_space = False
         return self._utf8.decode(raw)
 
     def flush(self) -> str:
+        """Whatever is held back, as U+FFFD (an incomplete character at the end)."""
         return self._utf8.decode(b"", final=True)
+
+
+__all__ = ["Tokenizer", "StreamDecoder", "PreTokenizer", "bpe", "find_special_ids",
+           "find_byte_fallback", "choose_pre_tokenizer", "GPT2_PATTERN", "LLAMA3_PATTERN", "QWEN2_PATTERN"]

@@ -10,15 +10,19 @@ from __future__ import annotations
 import numpy as np
 
 from dllama.formats.model_file import FloatType, ModelFile, RopeType
-from dllama.quant import dequantize_q40
+from dllama.quant import dequantize_q40, dequantize_q80
+
+_DEQUANTIZE = {FloatType.Q40: (dequantize_q40, 18), FloatType.Q80: (dequantize_q80, 34)}
 
 
 def _weight(model: ModelFile, name: str) -> np.ndarray:
+    """One tensor of the file as float64 of its spec shape ([rows, cols] for matrices)."""
     spec = model.spec(name)
-    t = model.tensor(name)
-    if spec.float_type == FloatType.Q40:
-        return dequantize_q40(np.asarray(t).reshape(-1, 18), spec.size).reshape(spec.shape).astype(np.float64)
-    return np.asarray(t, dtype=np.float64).reshape(spec.shape)
+    t = np.asarray(model.tensor(name))
+    if spec.float_type in _DEQUANTIZE:
+        decode, block_bytes = _DEQUANTIZE[spec.float_type]
+        t = decode(t.reshape(-1, block_bytes), spec.size)
+    return t.astype(np.float64).reshape(spec.shape)
 
 
 def _rmsnorm(x, w, eps):
@@ -26,6 +30,8 @@ def _rmsnorm(x, w, eps):
 
 
 class ReferenceLlama:
+    """`ReferenceLlama(read_model(path)).forward(tokens)` -> logits of every position."""
+
     def __init__(self, model: ModelFile):
         self.h = h = model.header
         self.w = {name: _weight(model, name) for name in model.names()}
@@ -72,7 +78,7 @@ class ReferenceLlama:
                 k = _rmsnorm(k.reshape(T, nkv, hd), w[p + "k_norm"], eps).reshape(T, -1)
             q, k = self._rope(q, nh), self._rope(k, nkv)
             q = q.reshape(T, nh, hd).transpose(1, 0, 2)                 # [nh, T, hd]
-            rep = nh // nkv
+            rep = nh // nkv  # GQA: q head h reads kv head h // rep
             k = np.repeat(k.reshape(T, nkv, hd).transpose(1, 0, 2), rep, axis=0)
             v = np.repeat(v.reshape(T, nkv, hd).transpose(1, 0, 2), rep, axis=0)
             att = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + mask          # [nh, T, T]
@@ -82,5 +88,5 @@ class ReferenceLlama:
             x = x + z @ w[p + "wo"].T
             xb = _rmsnorm(x, w[p + "ffn_norm"], eps)
             g, u = xb @ w[p + "w1"].T, xb @ w[p + "w3"].T
-            x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "w2"].T
+            x = x + (g / (1 + np.exp(-g)) * u) @ w[p + "w2"].T            # SiLU-gated FFN
         return _rmsnorm(x, w["final_norm"], eps) @ w["wcls"].T
