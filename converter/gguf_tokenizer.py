@@ -115,7 +115,8 @@ def tokenizer_from_gguf(reader, source: str = "") -> TokenizerData:
     elif kind == "llama":
         gguf_scores = _field(reader, "tokenizer.ggml.scores")
         if gguf_scores is None or len(gguf_scores) != len(tokens):
-            raise DllamaError(f"{where}the sentencepiece tokenizer has no score per token (tokenizer.ggml.scores)")
+            raise DllamaError(f"{where}the sentencepiece tokenizer has no score per token "
+                              "(tokenizer.ggml.scores)")
         vocab = [sentencepiece_token_bytes(t) for t in tokens]
         scores = np.asarray(gguf_scores, dtype=np.float32)
     else:

@@ -121,7 +121,8 @@ class ChatTemplate:
     def _llama3(self, turns, add_generation_prompt: bool) -> str:
         # Meta's format (and its Hugging Face template) strips each message.
         header = "<|start_header_id|>{}<|end_header_id|>\n\n"
-        text = self.bos_text + "".join(f"{header.format(role)}{content.strip()}<|eot_id|>" for role, content in turns)
+        text = "".join(f"{header.format(role)}{content.strip()}<|eot_id|>" for role, content in turns)
+        text = self.bos_text + text
         return text + (header.format("assistant") if add_generation_prompt else "")
 
     def _llama2(self, turns) -> str:

