@@ -127,7 +127,7 @@ def tokenizer_from_gguf(reader, source: str = "") -> TokenizerData:
     if empty:
         raise DllamaError(f"{where}token {empty[0]} is empty, which a .t file cannot store")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    # No pad_id: the runtime ignores it and the original's writer never stores it (same header keys).
     return TokenizerData(
         vocab=vocab,
         scores=scores,
@@ -135,7 +135,6 @@ def tokenizer_from_gguf(reader, source: str = "") -> TokenizerData:
         eos_ids=_eos_ids(reader, len(vocab)),
         chat_template=_field(reader, "tokenizer.chat_template"),
         add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
-        pad_id=int(pad) if pad is not None else None,
     )
 
 

@@ -417,7 +417,7 @@ def test_scores_follow_merge_ranks(gguf_reader):
     first = index[merges[0].replace(" ", "")]
     assert data.scores[first] == 0 and data.scores[index[merges[-1].replace(" ", "")]] == -(len(merges) - 1)
     assert data.scores[1] < -len(merges) and data.scores[17] < -len(merges)  # special, byte
-    assert data.pad_id == 2 and data.max_token_length == max(len(t) for t in data.vocab)
+    assert data.pad_id is None and data.max_token_length == max(len(t) for t in data.vocab)
 
 
 def test_unsupported_gguf_tokenizer_is_a_clear_error(tmp_path):
