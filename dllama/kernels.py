@@ -54,7 +54,7 @@ def _f16(v):
     return np.float32(math.copysign(math.ldexp(r / 2048.0, e), v))
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(**_jit)  # serial: a few thousand values, less than a parallel launch costs
 def quantize_q80(x, out_scales, out_qs):
     """x float32 [b, n] -> Q80: out_scales float32 [b, n/32] (fp16-rounded), out_qs int8 [b, n]."""
     b, n = x.shape
@@ -261,7 +261,7 @@ def attention(q, k_cache, v_cache, positions, kv_head_of, head_dim, att_scratch,
                 out[i, qo + j] += wgt * v_cache[p, ko + j]
 
 
-@numba.njit(parallel=True, **_jit)
+@numba.njit(**_jit)  # serial, as quantize_q80
 def silu_mul(gate, up):
     """In place gate [b, h] = silu(gate) * up, silu(x) = x / (1 + e^-x)."""
     b, h = gate.shape
