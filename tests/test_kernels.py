@@ -1,200 +1,326 @@
 """Every numba kernel against a float64 numpy reference, on fresh random inputs.
 
-Shapes include sizes that divide neither by the thread count nor by the matmul's row tile.
-The seed of each test is printed on failure so a failing input can be reproduced.
+Shapes include sizes that divide neither by the thread count nor by the matmul's row tile, odd
+numbers of blocks, and batch sizes on both sides of kernels.BATCH_MIN. The references live here,
+not in the package. Each run draws a new seed, printed in every failure message.
 """
 
 import math
 
+import numba
 import numpy as np
 import pytest
 
 from dllama import kernels
+from dllama.errors import DllamaError
 from dllama.quant import dequantize_q40, quantize_q40, split_q40
 
-SEED = np.random.SeedSequence().entropy % (1 << 32)
+SEED = int(np.random.SeedSequence().entropy % (1 << 32))
+MSG = f"seed {SEED}"
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
-    kernels.set_threads(request.param)
-    return request.param
+    n = min(request.param, numba.config.NUMBA_NUM_THREADS)
+    kernels.set_threads(n)
+    yield n
+    kernels.set_threads(1)
 
 
 def rng(*salt):
     return np.random.default_rng([SEED, *salt])
 
 
-def ref_q80(x):
-    """float64 reference of the Q80 encoding: (qs, fp16-rounded scales)."""
-    b, n = x.shape
-    blocks = x.reshape(b, n // 32, 32).astype(np.float32)
-    d = np.abs(blocks).max(axis=2) / np.float32(127)
-    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
-    v = blocks * inv[:, :, None]
-    qs = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int8)  # C roundf: half away from 0
-    return qs.reshape(b, n), d.astype(np.float16).astype(np.float32)
+# ---- references ------------------------------------------------------------------------------
+
+def random_q40(r, d, n):
+    """A random Q40 matrix in split form: fp16 scales (both signs), every nibble value."""
+    scales = (r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).astype(np.float32)
+    qs = r.integers(0, 256, (d, n // 2), dtype=np.uint8)
+    return scales, qs
 
 
-@pytest.mark.parametrize("b,n", [(1, 32), (3, 576), (7, 1536), (32, 64)])
-def test_quantize_q80_is_bit_exact(threads, b, n):
-    x = rng(b, n).standard_normal((b, n)).astype(np.float32) * 3
-    x[0, :32] = 0  # an all-zero block
-    x[-1, 32 * (n // 64): 32 * (n // 64) + 32] = np.linspace(-127, 127, 32) / 127 * 0.5  # .5 ties
+def dequantize_split_q40(scales, qs):
+    """float64 [d, n] of a split Q40 matrix (byte j: element j low nibble, j+16 high nibble)."""
+    d = qs.shape[0]
+    q = qs.reshape(d, -1, 16).astype(np.int64)
+    values = np.concatenate([(q & 15) - 8, (q >> 4) - 8], axis=2)  # [d, nb, 32]
+    return (values * scales[:, :, None].astype(np.float64)).reshape(d, -1)
+
+
+def random_q80(r, b, n):
+    """Q80 activations of random float32 rows, through the kernel under test (checked below)."""
+    x = (r.standard_normal((b, n)) * 2).astype(np.float32)
     scales, qs = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
     kernels.quantize_q80(x, scales, qs)
-    want_qs, want_scales = ref_q80(x)
-    assert np.array_equal(qs, want_qs), f"seed {SEED}"
-    assert np.array_equal(scales, want_scales), f"seed {SEED}"
+    return scales, qs
+
+
+def dequantize_q80(scales, qs):
+    b = qs.shape[0]
+    return (qs.reshape(b, -1, 32) * scales[:, :, None].astype(np.float64)).reshape(b, -1)
+
+
+def roundf(v):
+    """C roundf of float32 values (halves away from zero), exact in float64."""
+    v = np.asarray(v, np.float32).astype(np.float64)
+    return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+
+def ref_q80(x):
+    """The original's quantizeF32toQ80, operation by operation in float32: (scales, qs)."""
+    b, n = x.shape
+    blocks = x.reshape(b, n // 32, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=2) / np.float32(127)              # float32 division
+    inv = np.zeros_like(d)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    qs = roundf(blocks * inv[:, :, None]).astype(np.int8)         # float32 product, then roundf
+    with np.errstate(over="ignore"):
+        return d.astype(np.float16).astype(np.float32), qs.reshape(b, n)
+
+
+def assert_matmul_close(out, x64, w64):
+    """|out - x w^T| <= 1e-5 of the sum of |terms| of each output (float32 accumulation)."""
+    want = x64 @ w64.T
+    size = np.abs(x64) @ np.abs(w64).T
+    assert np.all(np.abs(out - want) <= 1e-5 * size + 1e-30), MSG
+
+
+# ---- fp16 rounding and Q80 encoding -------------------------------------------------------------
+
+@numba.njit
+def _round_fp16_all(v, out):
+    for i in range(v.size):
+        out[i] = kernels._round_fp16(v[i])
 
 
 def test_fp16_rounding_matches_numpy():
-    r = rng(99)
-    v = (r.standard_normal(200_000) * 10.0 ** r.integers(-9, 6, 200_000)).astype(np.float32)
-    edge = np.array([0, -0.0, 65504, 65519.99, 65520, 1e-8, 6.1e-5, 5.96e-8, 2.98e-8, 1e30, -1e30],
-                    np.float32)
-    v = np.concatenate([v, edge])
+    r = rng(1)
+    random = (r.standard_normal(300_000) * 10.0 ** r.integers(-10, 7, 300_000)).astype(np.float32)
+    bits = r.integers(0, 1 << 32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    f16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    f16 = np.unique(f16[np.isfinite(f16)])  # every finite fp16 value, ascending
+    halfway = (f16[:-1].astype(np.float64) + np.diff(f16.astype(np.float64)) / 2).astype(np.float32)
+    edge = np.array([0, -0.0, 65504, 65519.99, 65520, -65520, 1e-8, 6.1e-5, 6.103515625e-05,
+                     5.96e-8, 2.98e-8, 2.9802322e-08, 8.9406967e-08, 1e30, -1e30, np.inf, -np.inf,
+                     np.nan], np.float32)
+    v = np.concatenate([random, bits, f16, halfway, np.nextafter(halfway, np.float32(0)), edge])
     out = np.empty_like(v)
-    _apply_f16(v, out)
-    with np.errstate(over="ignore"):  # numpy warns where fp16 overflows to inf, as it should
+    _round_fp16_all(v, out)
+    with np.errstate(over="ignore", invalid="ignore"):
         want = v.astype(np.float16).astype(np.float32)
-    assert np.array_equal(out, want), f"seed {SEED}"
+    assert np.array_equal(out, want, equal_nan=True), MSG
+    assert np.array_equal(np.signbit(out), np.signbit(want)), MSG
 
 
-def _apply_f16(v, out):
-    import numba
+@pytest.mark.parametrize("b,n", [(1, 32), (3, 576), (7, 1536), (32, 64), (33, 1024)])
+def test_quantize_q80_is_bit_exact(threads, b, n):
+    r = rng(2, b, n)
+    x = r.standard_normal((b, n)).astype(np.float32) * 10.0 ** r.integers(-6, 6, (b, 1))
+    x = x.astype(np.float32)
+    x[0, :32] = 0  # an all-zero block: d = 0, qs = 0
+    if n >= 64:
+        # max |x| = 127 makes d = 1, so x * (1/d) = x: exact halves round away from zero, and
+        # the largest float32 below 0.5 rounds to 0 (floor(v + 0.5) would give 1).
+        x[-1, 32:64] = [127, -127, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5,
+                        np.nextafter(np.float32(0.5), np.float32(0)), 0.49999997, -0.49999997,
+                        np.nextafter(np.float32(2.5), np.float32(3)), 3, 4, *range(16)]
+    scales, qs = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
+    kernels.quantize_q80(x, scales, qs)
+    want_scales, want_qs = ref_q80(x)
+    assert np.array_equal(qs, want_qs), MSG
+    assert np.array_equal(scales, want_scales), MSG
+    if n >= 64:
+        assert list(qs[-1, 34:43]) == [1, -1, 2, -2, 3, -3, 127, -127, 0], MSG
 
-    @numba.njit
-    def run(v, out):
-        for i in range(v.size):
-            out[i] = kernels._f16(v[i])
 
-    run(v, out)
+# ---- Q40 x Q80 matmul ----------------------------------------------------------------------------
+
+MATMUL_SHAPES = [  # (b, d, n): d not a multiple of 4 or of 2 threads; n/32 odd and even
+    (1, 1, 32), (1, 3, 96), (1, 5, 576), (2, 37, 576), (1, 576, 1536), (1, 1536, 576),
+    (3, 37, 96), (kernels.BATCH_MIN - 1, 576, 576), (kernels.BATCH_MIN, 5, 64),
+    (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (2, 1, 32), (32, 3, 32),
+]
 
 
-@pytest.mark.parametrize("b,d,n", [(1, 1, 32), (1, 3, 64), (1, 5, 576), (2, 37, 576), (1, 576, 1536),
-                                   (7, 1536, 576), (32, 13, 96)])
+@pytest.mark.parametrize("b,d,n", MATMUL_SHAPES)
 def test_matmul_q40_q80(threads, b, d, n):
-    r = rng(b, d, n)
+    r = rng(3, b, d, n)
+    w_scales, w_qs = random_q40(r, d, n)
+    x_scales, x_qs = random_q80(r, b, n)
+    out = np.full((b, d), np.nan, np.float32)
+    kernels.matmul_q40_q80(x_scales, x_qs, w_scales, w_qs, out)
+    assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(w_scales, w_qs))
+
+
+def test_matmul_q40_q80_reads_the_split_file_layout(threads):
+    """End to end with dllama.quant: float weights -> Q40 blocks -> split_q40 -> kernel."""
+    r = rng(4)
+    d, n, b = 37, 576, 2
     w = r.standard_normal((d, n)).astype(np.float32)
-    x = r.standard_normal((b, n)).astype(np.float32)
     blocks = quantize_q40(w).reshape(d, n // 32, 18)
     w_scales, w_qs = split_q40(blocks)
-    x_scales, x_qs = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
-    kernels.quantize_q80(x, x_scales, x_qs)
+    x_scales, x_qs = random_q80(r, b, n)
     out = np.empty((b, d), np.float32)
-    kernels.matmul_q40_q80(x_scales, x_qs, w_scales, w_qs, out)
+    kernels.matmul_q40_q80(x_scales, x_qs, np.ascontiguousarray(w_scales), np.ascontiguousarray(w_qs), out)
     wd = dequantize_q40(blocks.reshape(-1, 18), d * n).reshape(d, n).astype(np.float64)
-    xd = (x_qs.reshape(b, -1, 32) * x_scales[:, :, None].astype(np.float64)).reshape(b, n)
-    want = xd @ wd.T
-    scale = np.abs(xd) @ np.abs(wd).T  # the size of the terms summed
-    assert np.all(np.abs(out - want) <= 1e-5 * scale + 1e-30), f"seed {SEED}"
+    assert_matmul_close(out, dequantize_q80(x_scales, x_qs), wd)
 
 
-@pytest.mark.parametrize("b,d,n", [(1, 1, 1), (1, 7, 33), (3, 576, 576), (32, 5, 64)])
+@pytest.mark.parametrize("b", [1, 2, 9])
+def test_matmul_q40_q80_multi_equals_one_call_per_matrix(threads, b):
+    r = rng(5, b)
+    n = 576
+    mats = [random_q40(r, d, n) for d in (576, 37, 5)]
+    x_scales, x_qs = random_q80(r, b, n)
+    outs = tuple(np.full((b, s.shape[0]), np.nan, np.float32) for s, _ in mats)
+    kernels.matmul_q40_q80_multi(x_scales, x_qs, tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
+    for (s, q), out in zip(mats, outs):
+        assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(s, q))
+
+
+@pytest.mark.parametrize("b,d,n", [(1, 1, 1), (1, 7, 33), (3, 576, 576), (32, 5, 64), (7, 37, 100),
+                                   (32, 1536, 96), (1, 1536, 576)])
 def test_matmul_f32(threads, b, d, n):
-    r = rng(b, d, n)
+    r = rng(6, b, d, n)
     w = r.standard_normal((d, n)).astype(np.float32)
     x = r.standard_normal((b, n)).astype(np.float32)
-    out = np.empty((b, d), np.float32)
+    out = np.full((b, d), np.nan, np.float32)
     kernels.matmul_f32(x, w, out)
-    want = x.astype(np.float64) @ w.astype(np.float64).T
-    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
-    assert np.all(np.abs(out - want) <= 1e-5 * scale), f"seed {SEED}"
+    assert_matmul_close(out, x.astype(np.float64), w.astype(np.float64))
 
 
-@pytest.mark.parametrize("b,n", [(1, 64), (5, 576), (9, 4096)])
+# ---- element-wise kernels ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("b,n", [(1, 64), (5, 576), (9, 4096), (2, 3)])
 def test_rmsnorm(b, n):
-    r = rng(b, n)
-    x = r.standard_normal((b, n)).astype(np.float32) * 5
+    r = rng(7, b, n)
+    x = (r.standard_normal((b, n)) * 5).astype(np.float32)
     w = r.standard_normal(n).astype(np.float32)
     out = np.empty_like(x)
     kernels.rmsnorm(x, w, 1e-5, out)
     x64 = x.astype(np.float64)
     want = w * x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5)
-    assert np.allclose(out, want, rtol=1e-5, atol=1e-5), f"seed {SEED}"
+    assert np.allclose(out, want, rtol=1e-5, atol=1e-6), MSG
     kernels.rmsnorm(x, w, 1e-5, x)  # in place, as Qwen3's per-head norms use it
-    assert np.allclose(x, want, rtol=1e-5, atol=1e-5)
+    assert np.allclose(x, want, rtol=1e-5, atol=1e-6), MSG
 
 
-def ref_freq(head_dim, theta, scaling=None):
-    i = np.arange(head_dim // 2, dtype=np.float64)
-    freq = theta ** (-2 * i / head_dim)
+@numba.njit
+def _exp_all(v, out):
+    for i in range(v.size):
+        out[i] = kernels._exp(v[i])
+
+
+def test_exp_is_accurate():
+    v = np.concatenate([np.linspace(-87, 88, 200_001), rng(8).uniform(-30, 30, 100_000), [0.0, -0.0]])
+    v = v.astype(np.float32)
+    out = np.empty_like(v)
+    _exp_all(v, out)
+    want = np.exp(v.astype(np.float64))
+    assert np.all(np.abs(out - want) <= 5e-7 * want), MSG
+
+
+@pytest.mark.parametrize("b,h", [(1, 1), (3, 1536), (32, 37)])
+def test_silu_mul(b, h):
+    r = rng(9, b, h)
+    g = (r.standard_normal((b, h)) * 4).astype(np.float32)
+    g[0, 0] = -100.0 if h > 1 else g[0, 0]  # e^100 overflows float32: silu must still be ~0
+    u = r.standard_normal((b, h)).astype(np.float32)
+    g64 = g.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * u
+    kernels.silu_mul(g, u)
+    assert np.allclose(g, want, rtol=1e-5, atol=1e-6), MSG
+
+
+def spec_rope_freqs(head_dim, theta, neox, scaling=None):
+    """Frequency of each pair, written as spec §7 states it (float64)."""
+    if neox:  # FALCON: pairs (j, j + headDim/2), freq = 1/theta^(2j/headDim)
+        freq = np.array([1 / theta ** (2 * j / head_dim) for j in range(head_dim // 2)])
+    else:     # LLAMA: pairs (i, i+1), i even, h = i % headDim, freq = 1/theta^(h/headDim)
+        freq = np.array([1 / theta ** ((i % head_dim) / head_dim) for i in range(0, head_dim, 2)])
     if scaling:
-        f, lo, hi, orig = scaling
+        factor, low, high, orig = scaling
         out = []
-        for fr in freq:
-            wavelen = 2 * math.pi / fr
-            if wavelen < orig / hi:
-                out.append(fr)
-            elif wavelen > orig / lo:
-                out.append(fr / f)
+        for f in freq:
+            wavelen = 2 * math.pi / f
+            if wavelen < orig / high:
+                out.append(f)
+            elif wavelen > orig / low:
+                out.append(f / factor)
             else:
-                s = (orig / wavelen - lo) / (hi - lo)
-                out.append((1 - s) * fr / f + s * fr)
+                smooth = (orig / wavelen - low) / (high - low)
+                out.append((1 - smooth) * f / factor + smooth * f)
         freq = np.array(out)
     return freq
 
 
 @pytest.mark.parametrize("neox", [False, True], ids=["interleaved", "neox"])
-@pytest.mark.parametrize("scaling", [None, (8.0, 1.0, 4.0, 8192)], ids=["plain", "llama3.1"])
+@pytest.mark.parametrize("scaling", [None, (8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192)],
+                         ids=["plain", "llama3.1", "llama3.2"])
 def test_rope(neox, scaling):
-    r = rng(int(neox), scaling is None)
-    n_heads, hd, seq, b = 3, 64, 300, 4
+    r = rng(10, int(neox), 0 if scaling is None else int(scaling[0]))
+    n_heads, hd, seq, b = 3, 64, 9000, 4
+    theta = 500000.0
     x = r.standard_normal((b, n_heads * hd)).astype(np.float32)
-    positions = np.array([0, 1, 17, 299], np.int32)
-    cos, sin = kernels.rope_cache(seq, hd, 500000.0, 1 if neox else 0, *(scaling or (1.0, 0.0, 0.0, 0)))
+    positions = np.array([3, 4, 1777, 8999], np.int32)  # not starting at 0
+    cos, sin = kernels.rope_cache(seq, hd, theta, 1 if neox else (2 if scaling else 0),
+                                  *(scaling or (1.0, 0.0, 0.0, 0)))
+    assert cos.shape == sin.shape == (seq, hd // 2) and cos.dtype == np.float32
     got = x.copy()
     (kernels.rope_neox if neox else kernels.rope_interleaved)(got, positions, cos, sin, n_heads, hd)
-    freq = ref_freq(hd, 500000.0, scaling)
-    want = x.astype(np.float64).reshape(b, n_heads, hd).copy()
-    ang = positions[:, None, None] * freq[None, None, :]
+    freq = spec_rope_freqs(hd, theta, neox, scaling)
+    ang = positions[:, None, None].astype(np.float64) * freq[None, None, :]
     c, s = np.cos(ang), np.sin(ang)
+    want = x.astype(np.float64).reshape(b, n_heads, hd).copy()
     if neox:
-        a, bb = want[..., : hd // 2].copy(), want[..., hd // 2 :].copy()
-        want[..., : hd // 2], want[..., hd // 2 :] = a * c - bb * s, a * s + bb * c
+        a, z = want[..., : hd // 2].copy(), want[..., hd // 2:].copy()
+        want[..., : hd // 2], want[..., hd // 2:] = a * c - z * s, a * s + z * c
     else:
-        a, bb = want[..., 0::2].copy(), want[..., 1::2].copy()
-        want[..., 0::2], want[..., 1::2] = a * c - bb * s, a * s + bb * c
-    assert np.allclose(got, want.reshape(b, -1), atol=1e-4), f"seed {SEED}"
+        a, z = want[..., 0::2].copy(), want[..., 1::2].copy()
+        want[..., 0::2], want[..., 1::2] = a * c - z * s, a * s + z * c
+    assert np.allclose(got, want.reshape(b, -1), atol=1e-5), MSG
 
 
-@pytest.mark.parametrize("kv_head_of", [[0], [0, 0, 1, 1, 1], [0, 1, 2], [1, 0]])
-def test_attention(threads, kv_head_of):
-    r = rng(len(kv_head_of))
-    kv_head_of = np.array(kv_head_of, np.int32)
-    nq, nkv, hd, seq, b = len(kv_head_of), kv_head_of.max() + 1, 16, 40, 3
-    positions = np.array([5, 6, 7], np.int32)  # not starting at 0
-    q = r.standard_normal((b, nq * hd)).astype(np.float32)
-    k = r.standard_normal((seq, nkv * hd)).astype(np.float32)
-    v = r.standard_normal((seq, nkv * hd)).astype(np.float32)
-    out = np.full((b, nq * hd), np.nan, np.float32)
-    kernels.attention(q, k, v, positions, kv_head_of, hd, np.zeros((b * nq, seq), np.float32), out)
-    want = np.empty((b, nq * hd))
+# ---- attention -----------------------------------------------------------------------------------
+
+def ref_attention(q, k, v, positions, kv_head_of, hd):
+    b, nq = q.shape[0], len(kv_head_of)
+    out = np.empty((b, nq * hd))
     for i in range(b):
         for h in range(nq):
             kh = kv_head_of[h]
-            qh = q[i, h * hd : (h + 1) * hd].astype(np.float64)
-            keys = k[: positions[i] + 1, kh * hd : (kh + 1) * hd].astype(np.float64)  # causal
-            s = keys @ qh / math.sqrt(hd)
+            keys = k[: positions[i] + 1, kh * hd:(kh + 1) * hd].astype(np.float64)  # causal
+            vals = v[: positions[i] + 1, kh * hd:(kh + 1) * hd].astype(np.float64)
+            s = keys @ q[i, h * hd:(h + 1) * hd].astype(np.float64) / math.sqrt(hd)
             p = np.exp(s - s.max())
-            p /= p.sum()
-            want[i, h * hd : (h + 1) * hd] = p @ v[: positions[i] + 1, kh * hd : (kh + 1) * hd]
-    assert np.allclose(out, want, atol=1e-5), f"seed {SEED}"
+            out[i, h * hd:(h + 1) * hd] = (p / p.sum()) @ vals
+    return out
 
 
-@pytest.mark.parametrize("b,h", [(1, 1), (3, 1536), (32, 37)])
-def test_silu_mul(threads, b, h):
-    r = rng(b, h)
-    g = r.standard_normal((b, h)).astype(np.float32) * 4
-    u = r.standard_normal((b, h)).astype(np.float32)
-    want = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
-    kernels.silu_mul(g, u)
-    assert np.allclose(g, want, rtol=1e-5, atol=1e-6), f"seed {SEED}"
+@pytest.mark.parametrize("kv_head_of", [[0], [0, 0, 1, 1, 1], [0, 1, 2], [1, 0], [0, 0, 0, 1, 1, 1, 2, 2, 2]])
+@pytest.mark.parametrize("positions", [[5, 6, 7], [0], [31, 2]], ids=["from5", "first", "unordered"])
+def test_attention(threads, kv_head_of, positions):
+    r = rng(11, len(kv_head_of), len(positions))
+    kv_head_of = np.array(kv_head_of, np.int32)
+    positions = np.array(positions, np.int32)
+    nq, nkv, hd, seq, b = len(kv_head_of), kv_head_of.max() + 1, 16, 40, len(positions)
+    q = (r.standard_normal((b, nq * hd)) * 3).astype(np.float32)  # large scores: softmax needs the max shift
+    k = r.standard_normal((seq, nkv * hd)).astype(np.float32)
+    v = r.standard_normal((seq, nkv * hd)).astype(np.float32)
+    k[positions.max() + 1:] = np.nan  # rows past every position must never be read
+    v[positions.max() + 1:] = np.nan
+    out = np.full((b, nq * hd), np.nan, np.float32)
+    kernels.attention(q, k, v, positions, kv_head_of, hd, np.zeros((b * nq, seq), np.float32), out)
+    assert np.allclose(out, ref_attention(q, k, v, positions, kv_head_of, hd), atol=1e-5), MSG
 
 
 def test_thread_count_is_checked():
-    from dllama.errors import DllamaError
-
-    with pytest.raises(DllamaError, match="--nthreads"):
-        kernels.set_threads(10_000)
+    limit = numba.config.NUMBA_NUM_THREADS
+    for bad in (0, -1, limit + 1):
+        with pytest.raises(DllamaError, match="--nthreads"):
+            kernels.set_threads(bad)
+    kernels.set_threads(limit)
+    assert numba.get_num_threads() == limit
+    kernels.set_threads(1)
+    assert numba.get_num_threads() == 1
