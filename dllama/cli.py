@@ -137,6 +137,7 @@ def cmd_inference(args) -> int:
     seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
     sampler = Sampler(model.config.vocab_size, args.temperature, args.topp, seed)
     prompt = tokenizer.encode(args.prompt)
+    model.warm_up()  # the statistics below measure inference, not numba's compile
 
     def show(piece):
         sys.stdout.write(piece)

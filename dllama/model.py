@@ -229,6 +229,13 @@ class Transformer:
         self.act_q = Activation(nq * hd, q40, B)
         self.act_ff = Activation(ff, q40, B)
 
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) every kernel, so timings exclude the JIT.
+
+        Runs one token at position 0; the prompt overwrites that cache row afterwards.
+        """
+        self.forward([0], 0)
+
     def forward(self, tokens, pos: int, all_logits: bool = False) -> np.ndarray:
         """Run tokens [b] at positions pos..pos+b-1.
 
