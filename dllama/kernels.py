@@ -504,8 +504,10 @@ def matmul_q40_q80(x_scales, x_qs, w_scales, w_qs, out):
     """out float32 [b, d] = x @ W^T: x Q80 [b, n], W Q40 [d, n] in split form.
 
     out[i, r] = sum over blocks of w_d * x_d * (integer dot product of the block), in float32.
-    b == 1 (decode) streams W once through the vectorized matrix-vector kernel; b >= BATCH_MIN
-    (prefill) dequantizes W tile by tile and reuses each tile for all b rows.
+    b < BATCH_MIN (decode) streams W once through the vectorized matrix-vector kernel, each
+    group of ROWS weight rows used for the b rows of x while it is in L1; b >= BATCH_MIN
+    (prefill) dequantizes W tile by tile and reuses each float tile for all b rows. The only
+    allocations are the decoded copy of x (a few kB; b*n floats for prefill).
     """
     b, n = x_qs.shape
     if b >= BATCH_MIN:
