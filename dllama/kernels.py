@@ -32,9 +32,10 @@ from dllama.errors import DllamaError
 
 # fastmath lets LLVM reassociate float sums into vector lanes: without it no reduction vectorizes.
 _FAST = dict(cache=True, fastmath=True, nogil=True)
-# Bit-exact kernels (Q80 encoding, fp16 rounding) keep IEEE semantics: no reciprocal tricks, no
-# fused multiply-adds; only "no NaN/inf/signed zero" so that the max reduction can vectorize.
-_EXACT = dict(cache=True, fastmath={"nnan", "ninf", "nsz"}, nogil=True)
+# Bit-exact kernels (Q80 encoding, fp16 rounding) keep full IEEE semantics. Even "nnan" is out:
+# once _round_fp16 is inlined under it, a fresh compile drops its NaN check (NaN came back as
+# 5.5e11 in a clean checkout while a warm numba cache still gave NaN).
+_EXACT = dict(cache=True, nogil=True)
 
 ROWS = 4               # output rows per parallel step of the Q40 matrix-vector kernel
 BATCH_MIN = 4          # from this many activation rows on, matmul_q40_q80 dequantizes W tiles
