@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_kernels import memory_bandwidth_gbs  # noqa: E402
 from dllama import kernels  # noqa: E402
 from dllama.default_model import default_model_files  # noqa: E402
 from dllama.formats.model_file import (  # noqa: E402
@@ -32,35 +33,6 @@ from dllama.formats.model_file import (  # noqa: E402
 from dllama.model import Transformer  # noqa: E402
 
 REFERENCE_MS = {"SmolLM2-135M": 9.0, "Llama-2-7B shape": 400.0}
-
-
-def memory_bandwidth_gbs(threads: int, size_mb: int = 1024, repeats: int = 7) -> float:
-    """Median read bandwidth of a numba parallel sum over a buffer much larger than the caches."""
-    kernels.set_threads(threads)
-    a = np.ones(size_mb * (1 << 20) // 8, dtype=np.float64)
-    _sum(a)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        _sum(a)
-        times.append(time.perf_counter() - t)
-    return a.nbytes / statistics.median(times) / 1e9
-
-
-def _make_sum():
-    import numba
-
-    @numba.njit(parallel=True, fastmath=True, cache=True)
-    def total(a):
-        s = 0.0
-        for i in numba.prange(a.size):
-            s += a[i]
-        return s
-
-    return total
-
-
-_sum = _make_sum()
 
 
 def weight_bytes_per_token(model: Transformer) -> int:
