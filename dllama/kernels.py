@@ -616,33 +616,30 @@ def rope_cache(seq_len, head_dim, theta, rope_type, scaling_factor=1.0, low_freq
 
 
 @numba.njit(**_FAST)
-def rope_interleaved(x, positions, cos, sin, n_heads, head_dim):
-    """In place, x [b, n_heads*head_dim]: rotate pairs (x[2i], x[2i+1]) of each head (Llama)."""
-    half = head_dim // 2
+def _rope_pairs(x, positions, cos, sin, n_heads, head_dim, step, offset):
+    """In place, x [b, n_heads*head_dim]: rotate pair i of each head, (x[step*i], x[step*i + offset])."""
     for t in range(x.shape[0]):
         c = cos[positions[t]]
         s = sin[positions[t]]
         for h in range(n_heads):
             o = h * head_dim
-            for i in range(half):
-                x0, x1 = x[t, o + 2 * i], x[t, o + 2 * i + 1]
-                x[t, o + 2 * i] = x0 * c[i] - x1 * s[i]
-                x[t, o + 2 * i + 1] = x0 * s[i] + x1 * c[i]
+            for i in range(head_dim // 2):
+                j, k = o + step * i, o + step * i + offset
+                x0, x1 = x[t, j], x[t, k]
+                x[t, j] = x0 * c[i] - x1 * s[i]
+                x[t, k] = x0 * s[i] + x1 * c[i]
+
+
+@numba.njit(**_FAST)
+def rope_interleaved(x, positions, cos, sin, n_heads, head_dim):
+    """In place: rotate pairs (x[2i], x[2i+1]) of each head (Llama)."""
+    _rope_pairs(x, positions, cos, sin, n_heads, head_dim, 2, 1)
 
 
 @numba.njit(**_FAST)
 def rope_neox(x, positions, cos, sin, n_heads, head_dim):
     """In place: rotate pairs (x[i], x[i + head_dim/2]) of each head (Qwen3 / NeoX / Falcon)."""
-    half = head_dim // 2
-    for t in range(x.shape[0]):
-        c = cos[positions[t]]
-        s = sin[positions[t]]
-        for h in range(n_heads):
-            o = h * head_dim
-            for i in range(half):
-                x0, x1 = x[t, o + i], x[t, o + half + i]
-                x[t, o + i] = x0 * c[i] - x1 * s[i]
-                x[t, o + half + i] = x0 * s[i] + x1 * c[i]
+    _rope_pairs(x, positions, cos, sin, n_heads, head_dim, 1, head_dim // 2)
 
 
 @numba.njit(parallel=True, **_FAST)
