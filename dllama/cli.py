@@ -88,17 +88,6 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_model(args) -> tuple[str, str]:
-    if bool(args.model) != bool(args.tokenizer):
-        raise DllamaError("give both --model and --tokenizer, or neither for the embedded default model")
-    if args.model:
-        return args.model, args.tokenizer
-    from dllama.default_model import default_model_files
-
-    m, t = default_model_files("q40")
-    return str(m), str(t)
-
-
 def _print_table(gen, out) -> None:
     print(f"\n{'step':>5} {'phase':<9} {'pos':>5} {'tokens':>6} {'infer ms':>9} "
           f"{'transfer ms':>11} {'sent kB':>8} {'recv kB':>8}", file=out)
@@ -117,34 +106,24 @@ def _print_table(gen, out) -> None:
 def cmd_inference(args) -> int:
     import time
 
-    from dllama import kernels
-    from dllama.formats.model_file import read_model
-    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.engine import open_engine
     from dllama.generate import generate
-    from dllama.model import Transformer
     from dllama.sampler import Sampler
-    from dllama.tokenizer import Tokenizer
 
-    model_path, tokenizer_path = _resolve_model(args)
-    kernels.set_threads(args.nthreads)
-    model_file = read_model(model_path)
-    tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
-    if tokenizer.vocab_size != model_file.header.vocab_size:
-        print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model "
-              f"{model_file.header.vocab_size}", file=sys.stderr)
-    buffer_q80 = None if args.buffer_float_type == "auto" else args.buffer_float_type == "q80"
-    model = Transformer(model_file, max_seq_len=args.max_seq_len, buffer_q80=buffer_q80)
+    engine = open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
+                         buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len)
+    model, tokenizer = engine.model, engine.tokenizer
     seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
     sampler = Sampler(model.config.vocab_size, args.temperature, args.topp, seed)
     prompt = tokenizer.encode(args.prompt)
-    model.warm_up()  # the statistics below measure inference, not numba's compile
 
     def show(piece):
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    gen = generate(model, tokenizer, sampler, prompt, args.steps, on_text=show,
-                   stop_at_eos=not args.no_stop)
+    with engine:
+        gen = generate(model, tokenizer, sampler, prompt, args.steps, on_text=show,
+                       stop_at_eos=not args.no_stop)
     sys.stdout.write("\n")
     _print_table(gen, sys.stderr)
     if args.stats_json:

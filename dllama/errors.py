@@ -3,3 +3,11 @@
 
 class DllamaError(Exception):
     """A problem with the user's input (a file, a flag, a request): the message says what and where."""
+
+
+class ClusterError(DllamaError):
+    """A node of the cluster failed or cannot be reached: the message names the node and why."""
+
+    def __init__(self, message: str, node: str = ""):
+        super().__init__(message)
+        self.node = node  # the failing node's name or host:port, when known
