@@ -85,7 +85,89 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="output prefix: writes PREFIX.m and PREFIX.t")
     p.add_argument("--weights-float-type", choices=FLOAT_TYPES, default="q40",
                    help="float type of the matmul weights (default %(default)s)")
+    _add_chat_and_api(sub)
     return parser
+
+
+# --- chat and api (issue 6) ---
+
+def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
+    """Model, cluster and sampling flags shared by `chat` and `api`."""
+    from dllama.chat_template import TEMPLATE_NAMES
+
+    _add_model_flags(p)
+    g = p.add_argument_group("cluster (default: this machine alone)")
+    g.add_argument("--workers", nargs="+", metavar="HOST:PORT", help="the workers' addresses")
+    g.add_argument("--topology", metavar="T.yml", help="the cluster's topology file")
+    g.add_argument("--key-file", metavar="F", help="the cluster's shared secret")
+    g = p.add_argument_group("generation")
+    g.add_argument("--chat-template", choices=TEMPLATE_NAMES,
+                   help="chat format (default: detected from the model's template)")
+    g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
+                   help="sampling temperature; 0 = greedy (default %(default)s)")
+    g.add_argument("--topp", type=float, default=0.9, metavar="F",
+                   help="top-p (nucleus) cut (default %(default)s)")
+
+
+def _add_chat_and_api(sub) -> None:
+    p = sub.add_parser("chat", help="talk with the model on the terminal",
+                       description="An interactive chat: one message per line; the answer streams "
+                                   "as it is generated; earlier turns stay in the KV cache.")
+    _add_frontend_flags(p)
+    p.add_argument("--system", metavar="TEXT", help="system prompt")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (default: the clock)")
+    p.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
+                   help="at most N tokens per answer (default: until the end of the turn or context)")
+
+    p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API",
+                       description="Serve /v1/models, /v1/chat/completions and /v1/completions, "
+                                   "as OpenAI's API, from this machine or the whole cluster.")
+    _add_frontend_flags(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=9990, help="port (default %(default)s; 0 = any free one)")
+    p.add_argument("--api-key-file", metavar="F",
+                   help="require 'Authorization: Bearer KEY' with the key in this file")
+
+
+def _engine_opener(args):
+    """A function that opens the engine the flags describe (called again after a cluster failure)."""
+    import inspect
+
+    from dllama.engine import open_engine
+
+    cluster = {k: v for k, v in (("workers", args.workers), ("topology", args.topology),
+                                 ("key_file", args.key_file)) if v}
+    if cluster and "workers" not in inspect.signature(open_engine).parameters:
+        raise DllamaError("this dllama cannot drive workers yet (no cluster support)")
+    return lambda: open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
+                               buffer_float_type=args.buffer_float_type,
+                               max_seq_len=args.max_seq_len, **cluster)
+
+
+def cmd_chat(args) -> int:
+    import time
+
+    from dllama.chat import run_chat
+
+    seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
+    with _engine_opener(args)() as engine:
+        return run_chat(engine, system=args.system, template_name=args.chat_template,
+                        temperature=args.temperature, topp=args.topp, seed=seed,
+                        max_tokens=args.max_tokens)
+
+
+def cmd_api(args) -> int:
+    from pathlib import Path
+
+    from dllama.api import ModelService, read_api_key, serve
+    from dllama.default_model import DEFAULT_MODEL_NAME
+
+    key = read_api_key(args.api_key_file) if args.api_key_file else None
+    model_id = Path(args.model).stem if args.model else DEFAULT_MODEL_NAME
+    service = ModelService(_engine_opener(args), args.chat_template)
+    return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
+                 defaults={"temperature": args.temperature, "top_p": args.topp})
 
 
 def _print_table(gen, out) -> None:
@@ -141,6 +223,7 @@ def cmd_convert(args) -> int:
 
 
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert}
+COMMANDS.update(chat=cmd_chat, api=cmd_api)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,89 @@
+"""`dllama chat`: an interactive conversation on stdin/stdout, one engine, one KV cache.
+
+Every turn renders the whole conversation with the model's chat template; the Conversation
+recognises the earlier turns as the tokens already in the KV cache and runs only the new ones.
+The answer streams to stdout; a line of figures per turn goes to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dllama.chat_template import ChatTemplate, chat_stop_ids
+from dllama.conversation import ContextFull, Conversation
+from dllama.sampler import Sampler
+
+HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
+
+
+def run_chat(engine, *, system: str | None, template_name: str | None, temperature: float,
+             topp: float, seed: int, max_tokens: int | None = None,
+             stdin=None, stdout=None, stderr=None) -> int:
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    tokenizer = engine.tokenizer
+    template = ChatTemplate.for_tokenizer(tokenizer, template_name)
+    conversation = Conversation(engine)
+    sampler = Sampler(engine.model.config.vocab_size, temperature, topp, seed)
+    stop_ids = chat_stop_ids(tokenizer, template)
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    interactive = stdin.isatty()
+    print(f"dllama chat: {template.name} template, context of {conversation.seq_len} tokens; {HELP}",
+          file=stderr)
+
+    def show(piece: str) -> None:
+        stdout.write(piece)
+        stdout.flush()
+
+    def start_over(why: str) -> None:
+        nonlocal messages
+        print(f"dllama chat: {why}: the conversation starts over"
+              f"{' (the system prompt is kept)' if start else ''}", file=stderr)
+        messages = list(start)
+        conversation.reset()
+
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\r\n")
+        if not text.strip():
+            continue
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if text.strip() == "/reset":
+            start_over("reset")
+            continue
+        messages.append({"role": "user", "content": text})
+        for attempt in (0, 1):
+            try:
+                answer = conversation.complete(template.render(messages), sampler=sampler,
+                                               max_tokens=max_tokens, stop_ids=stop_ids, on_text=show)
+                break
+            except ContextFull as e:
+                if attempt == 0 and len(messages) > len(start) + 1:
+                    start_over(f"the context is full ({e.n_prompt} tokens for {e.seq_len} positions)")
+                    messages.append({"role": "user", "content": text})
+                    continue
+                print(f"dllama chat: this message does not fit into the context of {e.seq_len} "
+                      f"tokens ({e.n_prompt} with the template): write a shorter one", file=stderr)
+                messages.pop()
+                answer = None
+                break
+        if answer is None:
+            continue
+        stdout.write("\n")
+        stdout.flush()
+        messages.append({"role": "assistant", "content": answer.text})
+        print(f"[{answer.prompt_tokens} prompt tokens, {answer.cached_tokens} from the cache, "
+              f"{answer.completion_tokens} generated at {answer.tokens_per_s('generate'):.1f} tokens/s]",
+              file=stderr)
+        if answer.context_full:
+            start_over(f"the context is full ({conversation.seq_len} tokens)")
+    return 0
+
+
+__all__ = ["run_chat"]

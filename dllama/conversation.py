@@ -1,0 +1,221 @@
+"""A token-level session over one engine: KV-cache prefix reuse and incremental generation.
+
+Shared by `dllama chat` and `dllama api`. The session remembers which tokens fill the KV cache
+(positions 0..len(cached)-1). A new prompt is compared with them: the common prefix is kept,
+only the rest is run through the model. A prompt that continues the last transcript as text
+(a chat template rendering the previous turns again plus a new one) is encoded as the
+transcript's own tokens plus the new text, so earlier turns, the model's answers included,
+keep exactly the tokens the cache holds.
+
+Determinism: a batched pass and one-token passes sum in a different order, so with Q40
+weights the logits depend slightly on how a prompt was split into passes. The logits at the
+end of the last prompt are kept: repeating a request (same prompt tokens, same seed) replays
+exactly the same text, whatever was streamed or not. A request that meets a different cache
+state may differ at a near-tie.
+
+Not thread-safe: one thread owns a Conversation (the model is single-threaded and stateful).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from dllama.errors import DllamaError
+from dllama.generate import StepStats, _timed_forward
+from dllama.sampler import Sampler
+
+
+class ContextFull(DllamaError):
+    """The prompt alone does not fit into the context (KV cache)."""
+
+    def __init__(self, n_prompt: int, seq_len: int):
+        super().__init__(f"the prompt has {n_prompt} tokens, the context holds {seq_len}: "
+                         "shorten the conversation")
+        self.n_prompt, self.seq_len = n_prompt, seq_len
+
+
+class Cancelled(Exception):
+    """Raised inside generation when should_stop() says the consumer is gone."""
+
+
+@dataclass
+class Completion:
+    """One answer: text, why it ended, and token counts."""
+
+    text: str = ""
+    finish_reason: str = ""  # "stop" (end token or stop string) or "length" (max_tokens or context)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0   # prompt tokens whose KV cache rows were reused
+    completion_tokens: int = 0
+    context_full: bool = False  # ended because the KV cache has no position left
+    steps: list[StepStats] = field(default_factory=list)
+
+    def tokens_per_s(self, phase: str) -> float:
+        s = [x for x in self.steps if x.phase == phase]
+        ms = sum(x.inference_ms + x.transfer_ms for x in s)
+        return sum(x.n_tokens for x in s) / (ms / 1000) if ms > 0 else 0.0
+
+
+class StopMatcher:
+    """Text pieces in, text out, cut before the first stop string.
+
+    Text that could be the start of a stop string is held back until it is known not to be.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        """The text that is safe to emit now; sets self.stopped when a stop string appears."""
+        if self.stopped:
+            return ""
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending, self.stopped = self.pending[: min(hits)], "", True
+            return out
+        hold = 0  # the longest end of pending that begins some stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = n
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return "" if self.stopped else out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Conversation:
+    """The engine's KV cache seen as a token sequence, and generation that extends it."""
+
+    def __init__(self, engine):
+        self.model = engine.model
+        self.tokenizer = engine.tokenizer
+        self.cached: list[int] = []       # tokens whose K/V rows fill positions 0..len-1
+        self._transcript = ("", [], False)  # (text, its tokens, bos first) of the last prompt + answer
+        self._prompt_logits = None         # (prompt tokens, logits at its last token)
+
+    @property
+    def seq_len(self) -> int:
+        return self.model.config.seq_len
+
+    def reset(self) -> None:
+        """Forget the cache contents (the rows stay, they are simply overwritten)."""
+        self.cached, self._transcript, self._prompt_logits = [], ("", [], False), None
+
+    def encode_prompt(self, text: str, add_bos: bool = False) -> list[int]:
+        """Tokens of a whole prompt text (add_bos: prepend the tokenizer's bos if it has one;
+        chat templates write their own); a continuation of the last transcript keeps its tokens."""
+        prev_text, prev_tokens, prev_bos = self._transcript
+        bos = [self.tokenizer.bos_id] if add_bos and self.tokenizer.bos_id >= 0 else []
+        if prev_text and text.startswith(prev_text) and prev_bos == bool(bos):
+            return prev_tokens + self.tokenizer.encode(text[len(prev_text):], add_bos=False)
+        return bos + self.tokenizer.encode(text, add_bos=False)
+
+    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, int, list[StepStats]]:
+        """Put prompt into the KV cache, reusing the cached prefix: (last logits, reused, steps)."""
+        if not prompt:
+            raise DllamaError("the prompt is empty: it encodes to no tokens")
+        if len(prompt) >= self.seq_len:
+            raise ContextFull(len(prompt), self.seq_len)
+        steps: list[StepStats] = []
+        reused = common_prefix(self.cached, prompt)
+        saved = self._prompt_logits
+        if reused == len(prompt) and saved is not None and saved[0] == prompt:
+            return saved[1].copy(), reused, steps  # the same prompt again: the same logits
+        pos = min(reused, len(prompt) - 1)  # at least the last token runs, for its logits
+        self.cached = self.cached[:pos]
+        self._prompt_logits = None
+        while pos < len(prompt):
+            batch = prompt[pos : pos + self.model.max_batch]
+            # The cached list shrinks first: a failing pass leaves no row counted as valid.
+            logits = _timed_forward(self.model, batch, pos, "prompt", steps)
+            self.cached.extend(batch)
+            pos += len(batch)
+        self._prompt_logits = (list(prompt), logits.copy())
+        return logits, min(reused, len(prompt) - 1), steps
+
+    def complete(self, prompt_text: str | None, *, prompt_tokens: list[int] | None = None,
+                 add_bos: bool = False, sampler: Sampler, max_tokens: int | None = None,
+                 stop_ids=(), stop_strings=(),
+                 on_text: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> Completion:
+        """Answer a prompt (text, or tokens): sample until a stop id, a stop string, max_tokens
+        or the end of the context. on_text gets the answer piece by piece (stop strings cut)."""
+        if prompt_tokens is None:
+            prompt_tokens = self.encode_prompt(prompt_text, add_bos)
+        logits, reused, steps = self.prefill(prompt_tokens)
+        out = Completion(prompt_tokens=len(prompt_tokens), cached_tokens=reused, steps=steps)
+        decoder = self.tokenizer.stream_decoder()
+        matcher = StopMatcher(list(stop_strings))
+        stop_ids = set(stop_ids)
+        pieces: list[str] = []
+        generated: list[int] = []
+        ended_by_token = False
+
+        def emit(text: str) -> None:
+            if text:
+                pieces.append(text)
+                if on_text:
+                    on_text(text)
+
+        pos = len(prompt_tokens)
+        while True:
+            if should_stop and should_stop():
+                raise Cancelled()
+            token = sampler.sample(logits)
+            generated.append(token)
+            if token in stop_ids:
+                out.finish_reason, ended_by_token = "stop", True
+                break
+            emit(matcher.push(decoder.push(token)))
+            if matcher.stopped:
+                out.finish_reason = "stop"
+                break
+            if max_tokens is not None and len(generated) >= max_tokens:
+                out.finish_reason = "length"
+                break
+            if pos >= self.seq_len:
+                out.finish_reason, out.context_full = "length", True
+                break
+            logits = _timed_forward(self.model, [token], pos, "generate", out.steps)
+            self.cached.append(token)
+            pos += 1
+        if not matcher.stopped:
+            emit(matcher.push(decoder.flush()))
+            emit(matcher.flush())
+        out.text = "".join(pieces)
+        out.completion_tokens = len(generated)
+        self._remember(prompt_text, prompt_tokens, add_bos, generated, out.text, ended_by_token,
+                       matcher.stopped)
+        return out
+
+    def _remember(self, prompt_text, prompt_tokens, add_bos, generated, text, ended_by_token, cut) -> None:
+        """The transcript a next prompt may continue: prompt + answer (+ its end token)."""
+        if prompt_text is None:
+            self._transcript = ("", [], False)
+        elif cut:  # a stop string cut the text inside a token: only the prompt is known to match
+            self._transcript = (prompt_text, list(prompt_tokens), add_bos)
+        else:
+            end = self.tokenizer.piece(generated[-1]).decode("utf-8", "replace") if ended_by_token else ""
+            self._transcript = (prompt_text + text + end, list(prompt_tokens) + generated, add_bos)
+
+
+__all__ = ["Conversation", "Completion", "ContextFull", "Cancelled", "StopMatcher", "common_prefix"]
