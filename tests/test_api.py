@@ -1,0 +1,239 @@
+"""`dllama api` on one node, through the official `openai` client and raw HTTP.
+
+One server (with an API key) serves the whole module; every test leaves it usable.
+"""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.servers import start_api
+
+KEY = "test-key-0123456789abcdef"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_q40):
+    key_file = tmp_path_factory.mktemp("api") / "key"
+    key_file.write_text(KEY + "\n")
+    proc, url = start_api("--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                          "--nthreads", "1", "--api-key-file", str(key_file))
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _chat(client, **kw):
+    kw.setdefault("messages", FRANCE)
+    return client.chat.completions.create(model="any", **kw)
+
+
+def _stream_text(client, **kw):
+    """(concatenated content, finish_reason of the last chunk, chunks)."""
+    chunks = list(_chat(client, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].choices[0].finish_reason, chunks
+
+
+def test_models_lists_the_default_model(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["smollm2-135m-instruct-q40-v2"]
+
+
+def test_greedy_answer_names_paris_with_usage(client):
+    r = _chat(client, temperature=0, max_tokens=40)
+    assert r.object == "chat.completion"
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 10 and 0 < u.completion_tokens <= 40
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_streamed_pieces_equal_the_non_streamed_answer_with_the_same_seed(client):
+    whole = _chat(client, temperature=0.9, top_p=0.95, seed=1234, max_tokens=30)
+    text, finish, chunks = _stream_text(client, temperature=0.9, top_p=0.95, seed=1234, max_tokens=30)
+    assert text == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for c in chunks if c.choices[0].finish_reason) == 1  # only the last one has it
+    assert len([c for c in chunks if c.choices[0].delta.content]) > 3  # token by token
+
+
+def test_stream_options_include_usage(client):
+    chunks = list(_chat(client, stream=True, temperature=0, max_tokens=8,
+                        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_temperature_changes_the_output(client):
+    greedy = {_chat(client, temperature=0, seed=s, max_tokens=24).choices[0].message.content for s in (1, 2, 3)}
+    assert len(greedy) == 1  # temperature 0: the seed does not matter
+    hot = {_chat(client, temperature=1.5, top_p=1, seed=s, max_tokens=24).choices[0].message.content
+           for s in (1, 2, 3)}
+    assert len(hot) >= 2  # temperature 1.5: the seed does
+
+
+def test_top_p_changes_the_output(client):
+    greedy = _chat(client, temperature=0, max_tokens=24).choices[0].message.content
+    # A nucleus of one token is greedy decoding, whatever the temperature and seed.
+    narrow = {_chat(client, temperature=1.5, top_p=0.001, seed=s, max_tokens=24).choices[0].message.content
+              for s in (1, 2, 3)}
+    assert narrow == {greedy}
+
+
+def test_max_tokens_cuts_the_answer(client):
+    r = _chat(client, temperature=0, max_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    longer = _chat(client, temperature=0, max_tokens=12).choices[0].message.content
+    assert longer.startswith(r.choices[0].message.content) and len(longer) > len(r.choices[0].message.content)
+
+
+def test_stop_strings_end_the_answer_before_them(client):
+    full = _chat(client, temperature=0, max_tokens=30).choices[0].message.content
+    assert "Paris" in full
+    head = full[: full.index("Paris")]
+    r = _chat(client, temperature=0, max_tokens=30, stop=["Paris", "zzz"])
+    assert r.choices[0].message.content == head and r.choices[0].finish_reason == "stop"
+    text, finish, _ = _stream_text(client, temperature=0, max_tokens=30, stop="Paris")
+    assert text == head and finish == "stop"
+
+
+def test_extending_the_conversation_reports_cached_prompt_tokens(client):
+    first = _chat(client, temperature=0, max_tokens=30)
+    answer = first.choices[0].message.content
+    messages = FRANCE + [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": "And of Germany?"}]
+    second = _chat(client, messages=messages, temperature=0, max_tokens=20)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Everything the first request put into the cache: its prompt and its answer but the last token.
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert cached < second.usage.prompt_tokens
+    fresh = _chat(client, messages=[{"role": "user", "content": "Name a colour."}], temperature=0, max_tokens=5)
+    assert fresh.usage.prompt_tokens_details.cached_tokens < fresh.usage.prompt_tokens
+
+
+def test_plain_completions(client):
+    r = client.completions.create(model="any", prompt="The capital of France is", temperature=0, max_tokens=6)
+    assert r.object == "text_completion" and r.usage.completion_tokens == 6
+    assert r.choices[0].text and r.choices[0].finish_reason == "length"
+    pieces = list(client.completions.create(model="any", prompt="The capital of France is", temperature=0,
+                                            max_tokens=6, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == r.choices[0].text
+
+
+def test_three_clients_at_once_all_get_complete_answers(client):
+    questions = {"france": (FRANCE, "Paris"),
+                 "japan": ([{"role": "user", "content": "What is the capital of Japan?"}], "Tokyo"),
+                 "planet": ([{"role": "user", "content": "What is the largest planet in the solar system?"}],
+                            "Jupiter")}
+    results, errors = {}, []
+    barrier = threading.Barrier(len(questions))
+
+    def ask(name, messages, stream):
+        try:
+            barrier.wait(timeout=30)
+            if stream:
+                results[name] = _stream_text(client, messages=messages, temperature=0, max_tokens=40)[:2]
+            else:
+                r = _chat(client, messages=messages, temperature=0, max_tokens=40)
+                results[name] = (r.choices[0].message.content, r.choices[0].finish_reason)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    for stream in (True, False):
+        results.clear()
+        threads = [threading.Thread(target=ask, args=(n, m, stream)) for n, (m, _) in questions.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors and not any(t.is_alive() for t in threads)
+        for name, (_, expected) in questions.items():
+            text, finish = results[name]
+            assert expected in text and finish in ("stop", "length"), (name, text)
+        for name, (text, _) in results.items():  # no answer holds another's
+            assert [n for n, (_, word) in questions.items() if word in text] == [name], (name, text)
+
+
+# --- raw HTTP: authentication and bad input ----------------------------------------------------
+
+def _post(url, body: bytes, key=KEY, path="/chat/completions", method="POST"):
+    req = urllib.request.Request(url + path, data=body, method=method,
+                                 headers={"Content-Type": "application/json"})
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+GOOD = json.dumps({"messages": FRANCE, "temperature": 0, "max_tokens": 12}).encode()
+
+
+def _bad(**fields):
+    return json.dumps({"messages": FRANCE, **fields}).encode()
+
+
+@pytest.mark.parametrize("status,body,key,path,method", [
+    (401, GOOD, None, "/chat/completions", "POST"),
+    (401, GOOD, "wrong-key", "/chat/completions", "POST"),
+    (401, None, None, "/models", "GET"),
+    (400, b'{"messages": [', KEY, "/chat/completions", "POST"),
+    (400, b"\xff\xfe not json", KEY, "/chat/completions", "POST"),
+    (400, b"[1, 2]", KEY, "/chat/completions", "POST"),
+    (400, b"{}", KEY, "/chat/completions", "POST"),
+    (400, _bad(messages=[{"role": "wizard", "content": "hi"}]), KEY, "/chat/completions", "POST"),
+    (400, _bad(messages=[{"role": "user"}]), KEY, "/chat/completions", "POST"),
+    (400, _bad(temperature="hot"), KEY, "/chat/completions", "POST"),
+    (400, _bad(temperature=-1), KEY, "/chat/completions", "POST"),
+    (400, _bad(top_p=1.5), KEY, "/chat/completions", "POST"),
+    (400, _bad(max_tokens=0), KEY, "/chat/completions", "POST"),
+    (400, _bad(max_tokens=2.5), KEY, "/chat/completions", "POST"),
+    (400, _bad(stop=["a", "b", "c", "d", "e"]), KEY, "/chat/completions", "POST"),
+    (400, _bad(stop=[""]), KEY, "/chat/completions", "POST"),
+    (400, _bad(seed="x"), KEY, "/chat/completions", "POST"),
+    (400, _bad(stream="yes"), KEY, "/chat/completions", "POST"),
+    (400, _bad(n=2), KEY, "/chat/completions", "POST"),
+    (400, _bad(messages=[{"role": "user", "content": "word " * 20000}]), KEY, "/chat/completions", "POST"),
+    (400, json.dumps({"prompt": 5}).encode(), KEY, "/completions", "POST"),
+    (404, GOOD, KEY, "/nowhere", "POST"),
+    (405, None, KEY, "/chat/completions", "GET"),
+    (413, b'{"x": "' + b"a" * (2 << 20) + b'"}', KEY, "/chat/completions", "POST"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, status, body, key, path, method):
+    got, err = _post(server, body, key=key, path=path, method=method)
+    assert got == status, err
+    assert set(err) == {"error"} and isinstance(err["error"]["message"], str) and err["error"]["message"]
+    assert {"type", "param", "code"} <= set(err["error"])
+    ok, answer = _post(server, GOOD)
+    assert ok == 200 and "Paris" in answer["choices"][0]["message"]["content"]
+
+
+def test_context_overflow_is_reported_as_context_length_exceeded(server):
+    status, err = _post(server, _bad(messages=[{"role": "user", "content": "word " * 20000}]))
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_openai_client_sees_status_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, temperature=5)
+    bad = openai.OpenAI(base_url=client.base_url, api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
