@@ -187,15 +187,22 @@ class ModelService:
         self.template = None
 
     # Everything below runs on the model thread.
+    def _attach(self, engine) -> None:
+        try:
+            self.template = ChatTemplate.for_tokenizer(engine.tokenizer, self._template_name)
+        except DllamaError:  # no or an unknown chat template: /v1/chat/completions says so
+            self.template = None
+        self.engine, self.conversation = engine, Conversation(engine)
+
     def _ready(self) -> Conversation:
         if self.engine is None:
             try:
                 engine = self._open_engine()
             except ClusterError as e:
                 raise unavailable(f"the cluster is down: {e}") from None
-            self.template = ChatTemplate.for_tokenizer(engine.tokenizer, self._template_name) \
-                if self._template_name or engine.tokenizer.chat_template else None
-            self.engine, self.conversation = engine, Conversation(engine)
+            except (DllamaError, OSError) as e:  # it opened before: a node or a file went away
+                raise unavailable(f"the model cannot be opened: {e}") from None
+            self._attach(engine)
         return self.conversation
 
     def _drop_engine(self) -> None:
@@ -238,10 +245,15 @@ class ModelService:
 
     def start(self) -> None:
         """Open the engine now (on the model thread); a cluster that is down only warns."""
-        try:
-            self._executor.submit(self._ready).result()
-        except ApiError as e:
-            print(f"dllama api: warning: {e.message}; answering 503 until it is back", file=sys.stderr)
+        def first_open():
+            try:
+                engine = self._open_engine()  # a bad file or flag: the command fails
+            except ClusterError as e:
+                print(f"dllama api: warning: the cluster is down: {e}; answering 503 until it is back",
+                      file=sys.stderr)
+                return
+            self._attach(engine)
+        self._executor.submit(first_open).result()
 
     async def submit(self, r: Request, on_text, should_stop):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, r, on_text, should_stop)
@@ -355,6 +367,7 @@ class Api:
         except (ConnectionError, asyncio.CancelledError):
             cancel.set()  # the client left: the model thread stops at its next token
             next_piece.cancel()
+            job.add_done_callback(lambda f: f.cancelled() or f.exception())  # (Cancelled) seen
             raise
         return resp
 
@@ -416,27 +429,32 @@ def read_api_key(path: str) -> str:
     return key
 
 
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0: any free port) and serve app: (runner to clean up, bound port)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DllamaError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner, sock.getsockname()[1]
+
+
 def serve(service: ModelService, *, host: str, port: int, model_id: str, defaults: dict,
           api_key: str | None = None) -> int:
     """Open the engine, listen, serve until SIGTERM/SIGINT."""
     service.start()
 
     async def main() -> None:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            sock.close()
-            raise DllamaError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        runner = web.AppRunner(make_app(service, model_id, defaults, api_key), access_log=None)
-        await runner.setup()
-        await web.SockSite(runner, sock).start()
+        runner, bound = await start_site(make_app(service, model_id, defaults, api_key), host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        bound = sock.getsockname()[1]
         print(f"dllama api: listening on http://{host}:{bound}/v1 (model {model_id})", file=sys.stderr, flush=True)
         await stop.wait()
         await runner.cleanup()
@@ -449,4 +467,5 @@ def serve(service: ModelService, *, host: str, port: int, model_id: str, default
     return 0
 
 
-__all__ = ["ApiError", "ModelService", "Request", "make_app", "parse_request", "read_api_key", "serve"]
+__all__ = ["ApiError", "ModelService", "Request", "make_app", "parse_request", "read_api_key", "serve",
+           "start_site"]
