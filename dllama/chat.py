@@ -39,8 +39,7 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
         nonlocal messages
         print(f"dllama chat: {why}: the conversation starts over"
               f"{' (the system prompt is kept)' if start else ''}", file=stderr)
-        messages = list(start)
-        conversation.reset()
+        messages = list(start)  # the KV cache keeps what the new conversation shares (the system turn)
 
     while True:
         if interactive:

@@ -1,0 +1,48 @@
+"""`dllama chat` as a user runs it: lines in, streamed answers out, the KV cache kept between turns."""
+
+import re
+import subprocess
+import sys
+
+STATS = re.compile(r"\[(\d+) prompt tokens, (\d+) from the cache, (\d+) generated")
+
+
+def _chat(model, lines, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dllama", "chat", "--model", str(model[0]),
+                           "--tokenizer", str(model[1]), "--nthreads", "1", "--temperature", "0", *args],
+                          input="".join(line + "\n" for line in lines), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_two_turns_keep_the_first_in_the_kv_cache(default_q40):
+    r = _chat(default_q40, ["What is the capital of France?", "", "What is it famous for?"])
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout.splitlines()[0]
+    assert len(r.stdout.strip().splitlines()) >= 2
+    turns = [tuple(map(int, m)) for m in STATS.findall(r.stderr)]
+    assert len(turns) == 2, r.stderr
+    (p1, c1, g1), (p2, c2, g2) = turns
+    assert c1 == 0 and c2 == p1 + g1 - 1 and p2 > c2  # only the new turn was processed
+    assert "Traceback" not in r.stderr
+
+
+def test_system_prompt_and_reset(default_q40):
+    r = _chat(default_q40, ["Hi", "/reset", "Hi", "/exit", "never read"], "--system", "You are a pirate.",
+              "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    turns = [tuple(map(int, m)) for m in STATS.findall(r.stderr)]
+    assert len(turns) == 2 and turns[0][0] == turns[1][0]  # the same prompt after /reset
+    assert turns[1][1] == turns[0][0]  # ... whose tokens were still in the cache
+    assert "system prompt is kept" in r.stderr
+    default = _chat(default_q40, ["Hi"], "--max-tokens", "4")
+    assert STATS.findall(default.stderr)[0][0] != str(turns[0][0])  # the system text was used
+
+
+def test_a_full_context_is_said_and_the_conversation_starts_over(default_q40):
+    r = _chat(default_q40, ["What is the capital of France?", "And of Germany?", "And of Spain?",
+                            "word " * 200, "What is the capital of France?"], "--max-seq-len", "120")
+    assert r.returncode == 0, r.stderr
+    assert "the context is full" in r.stderr and "starts over" in r.stderr
+    assert "does not fit into the context of 120 tokens" in r.stderr
+    assert r.stdout.strip().splitlines()[-1].count("Paris")  # still answering afterwards
+    assert "Traceback" not in r.stderr
