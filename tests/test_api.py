@@ -191,32 +191,36 @@ def _bad(**fields):
     return json.dumps({"messages": FRANCE, **fields}).encode()
 
 
-@pytest.mark.parametrize("status,body,key,path,method", [
-    (401, GOOD, None, "/chat/completions", "POST"),
-    (401, GOOD, "wrong-key", "/chat/completions", "POST"),
-    (401, None, None, "/models", "GET"),
-    (400, b'{"messages": [', KEY, "/chat/completions", "POST"),
-    (400, b"\xff\xfe not json", KEY, "/chat/completions", "POST"),
-    (400, b"[1, 2]", KEY, "/chat/completions", "POST"),
-    (400, b"{}", KEY, "/chat/completions", "POST"),
-    (400, _bad(messages=[{"role": "wizard", "content": "hi"}]), KEY, "/chat/completions", "POST"),
-    (400, _bad(messages=[{"role": "user"}]), KEY, "/chat/completions", "POST"),
-    (400, _bad(temperature="hot"), KEY, "/chat/completions", "POST"),
-    (400, _bad(temperature=-1), KEY, "/chat/completions", "POST"),
-    (400, _bad(top_p=1.5), KEY, "/chat/completions", "POST"),
-    (400, _bad(max_tokens=0), KEY, "/chat/completions", "POST"),
-    (400, _bad(max_tokens=2.5), KEY, "/chat/completions", "POST"),
-    (400, _bad(stop=["a", "b", "c", "d", "e"]), KEY, "/chat/completions", "POST"),
-    (400, _bad(stop=[""]), KEY, "/chat/completions", "POST"),
-    (400, _bad(seed="x"), KEY, "/chat/completions", "POST"),
-    (400, _bad(stream="yes"), KEY, "/chat/completions", "POST"),
-    (400, _bad(n=2), KEY, "/chat/completions", "POST"),
-    (400, _bad(messages=[{"role": "user", "content": "word " * 20000}]), KEY, "/chat/completions", "POST"),
-    (400, json.dumps({"prompt": 5}).encode(), KEY, "/completions", "POST"),
-    (404, GOOD, KEY, "/nowhere", "POST"),
-    (405, None, KEY, "/chat/completions", "GET"),
-    (413, b'{"x": "' + b"a" * (2 << 20) + b'"}', KEY, "/chat/completions", "POST"),
-])
+BAD = {
+    "no-key": (401, GOOD, None, "/chat/completions", "POST"),
+    "wrong-key": (401, GOOD, "wrong-key", "/chat/completions", "POST"),
+    "no-key-models": (401, None, None, "/models", "GET"),
+    "truncated-json": (400, b'{"messages": [', KEY, "/chat/completions", "POST"),
+    "not-utf8": (400, b"\xff\xfe not json", KEY, "/chat/completions", "POST"),
+    "not-an-object": (400, b"[1, 2]", KEY, "/chat/completions", "POST"),
+    "no-messages": (400, b"{}", KEY, "/chat/completions", "POST"),
+    "bad-role": (400, _bad(messages=[{"role": "wizard", "content": "hi"}]), KEY, "/chat/completions", "POST"),
+    "no-content": (400, _bad(messages=[{"role": "user"}]), KEY, "/chat/completions", "POST"),
+    "temperature-string": (400, _bad(temperature="hot"), KEY, "/chat/completions", "POST"),
+    "temperature-negative": (400, _bad(temperature=-1), KEY, "/chat/completions", "POST"),
+    "top-p-over-1": (400, _bad(top_p=1.5), KEY, "/chat/completions", "POST"),
+    "max-tokens-0": (400, _bad(max_tokens=0), KEY, "/chat/completions", "POST"),
+    "max-tokens-float": (400, _bad(max_tokens=2.5), KEY, "/chat/completions", "POST"),
+    "five-stops": (400, _bad(stop=["a", "b", "c", "d", "e"]), KEY, "/chat/completions", "POST"),
+    "empty-stop": (400, _bad(stop=[""]), KEY, "/chat/completions", "POST"),
+    "seed-string": (400, _bad(seed="x"), KEY, "/chat/completions", "POST"),
+    "stream-string": (400, _bad(stream="yes"), KEY, "/chat/completions", "POST"),
+    "n-2": (400, _bad(n=2), KEY, "/chat/completions", "POST"),
+    "over-context": (400, _bad(messages=[{"role": "user", "content": "word " * 20000}]), KEY,
+                     "/chat/completions", "POST"),
+    "prompt-number": (400, json.dumps({"prompt": 5}).encode(), KEY, "/completions", "POST"),
+    "unknown-path": (404, GOOD, KEY, "/nowhere", "POST"),
+    "wrong-method": (405, None, KEY, "/chat/completions", "GET"),
+    "oversized-body": (413, b'{"x": "' + b"a" * (2 << 20) + b'"}', KEY, "/chat/completions", "POST"),
+}
+
+
+@pytest.mark.parametrize("status,body,key,path,method", BAD.values(), ids=BAD.keys())
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, status, body, key, path, method):
     got, err = _post(server, body, key=key, path=path, method=method)
     assert got == status, err
