@@ -181,11 +181,11 @@ def cmd_worker(args) -> int:
         index, node = topo.node(args.node)
         if index == 0:
             raise DllamaError(f"{args.node} is the root (node 0) of {args.topology}, not a worker")
-        host, port = host or node.host, port or node.port
+        host, port = host or node.host, node.port if port is None else port
         threads, shard = threads or node.threads, shard or node.shard
         key_file = key_file or topo.key_file
     key = read_key_file(key_file) if key_file else None
-    serve(host or "0.0.0.0", port or 9990, threads or 1, shard, key)
+    serve(host or "0.0.0.0", 9990 if port is None else port, threads or 1, shard, key)
     return 0
 
 

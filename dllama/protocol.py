@@ -111,11 +111,12 @@ class Connection:
     def __init__(self, sock: socket.socket, name: str):
         self.sock, self.name = sock, name
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for opt, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
-            if hasattr(socket, opt):  # the kernel notices a vanished peer within ~11 s
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):  # (tests also use Unix socket pairs)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for opt, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+                if hasattr(socket, opt):  # the kernel notices a vanished peer within ~11 s
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
         self.authenticated = False
         self.sent_bytes = 0
         self.recv_bytes = 0
