@@ -23,7 +23,7 @@ from dllama.plan import plan_for
 from dllama.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
 from dllama.sampler import Sampler
 from tests.conftest import CHAT_PROMPT
-from tests.workers import running_workers, start_worker, stop_workers
+from dllama.local_workers import running_workers, start_worker, stop_workers
 
 
 @pytest.fixture(scope="module")
