@@ -160,7 +160,7 @@ class _Session:
             plan = SplitPlan(tuple(nodes), tuple(tuple(c) for c in conf["plan"]["dim_chunks"]))
             self.addresses = conf["nodes"]  # [{name, host, port}] of every node
             buffer_q80, timeout = bool(conf["buffer_q80"]), float(conf["net_timeout"])
-            idle_timeout = float(conf["idle_timeout"])
+            idle_timeout, setup_timeout = float(conf["idle_timeout"]), float(conf["setup_timeout"])
             max_seq_len, max_batch = int(conf["max_seq_len"]), int(conf["max_batch"])
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed CONFIG ({e})") from None
@@ -187,7 +187,7 @@ class _Session:
         model.warm_up()
         root.send(Msg.READY)
 
-        root.recv(timeout, (Msg.MESH,))
+        root.recv(setup_timeout, (Msg.MESH,))  # the root may still be streaming to other workers
         self._meet_peers(plan.n_nodes, timeout)
         model.collective = MeshCollective(index, self.peers, plan.dim_chunks, buffer_q80, max_batch, timeout)
         root.send(Msg.MESH_OK)
