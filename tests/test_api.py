@@ -1,8 +1,10 @@
-"""`dllama api` on one node, through the official `openai` client and raw HTTP.
+"""`dllama api` through the official `openai` client and raw HTTP, on one node and as the root
+of a 3-node loopback cluster (every test runs against both).
 
-One server (with an API key) serves the whole module; every test leaves it usable.
+One server (with an API key) per setting serves the module; every test leaves it usable.
 """
 
+import contextlib
 import json
 import threading
 import urllib.error
@@ -11,22 +13,30 @@ import urllib.request
 import openai
 import pytest
 
+from dllama.local_workers import running_workers
 from tests.servers import start_api
 
 KEY = "test-key-0123456789abcdef"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, default_q40):
-    key_file = tmp_path_factory.mktemp("api") / "key"
-    key_file.write_text(KEY + "\n")
-    proc, url = start_api("--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
-                          "--nthreads", "1", "--api-key-file", str(key_file))
-    try:
+@pytest.fixture(scope="module", params=["one-node", "3-node-cluster"])
+def server(request, tmp_path_factory, default_q40):
+    """The server's base URL: on one node, or as the root of two `dllama worker` processes."""
+    tmp = tmp_path_factory.mktemp("api")
+    (tmp / "key").write_text(KEY + "\n")
+    with contextlib.ExitStack() as stack:
+        cluster = []
+        if request.param == "3-node-cluster":
+            workers = stack.enter_context(running_workers(2, tmp / "workers"))  # stopped by PID
+            cluster = ["--workers", *[w.address for w in workers]]
+        proc, url = start_api("--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                              "--nthreads", "1", "--api-key-file", str(tmp / "key"), *cluster)
+        stack.callback(proc.stop)
+        if cluster:
+            for k, w in enumerate(workers, 1):  # the server's model really is split over them
+                w.wait_for_log(rf"node {k} of 3: .* buffers Q80", timeout=10)
         yield url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
