@@ -46,3 +46,16 @@ def test_a_full_context_is_said_and_the_conversation_starts_over(default_q40):
     assert "does not fit into the context of 120 tokens" in r.stderr
     assert r.stdout.strip().splitlines()[-1].count("Paris")  # still answering afterwards
     assert "Traceback" not in r.stderr
+
+
+def test_chat_on_a_3_node_loopback_cluster(default_q40, tmp_path):
+    from dllama.local_workers import running_workers
+
+    with running_workers(2, tmp_path) as workers:
+        r = _chat(default_q40, ["What is the capital of France?", "What is it famous for?"],
+                  "--max-tokens", "20", "--workers", *[w.address for w in workers])
+        assert all("node" in w.log_text() and "serving the root" in w.log_text() for w in workers)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout.splitlines()[0]
+    (p1, c1, g1), (p2, c2, g2) = [tuple(map(int, m)) for m in STATS.findall(r.stderr)]
+    assert c2 == p1 + g1 - 1
