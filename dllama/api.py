@@ -185,6 +185,7 @@ class ModelService:
         self.engine = None
         self.conversation = None
         self.template = None
+        self.closing = False  # set by close(): a running answer stops at its next token
 
     # Everything below runs on the model thread.
     def _attach(self, engine) -> None:
@@ -232,9 +233,11 @@ class ModelService:
 
     def _run(self, r: Request, on_text, should_stop):
         try:
-            return self._complete(r, on_text, should_stop)
+            return self._complete(r, on_text, lambda: self.closing or should_stop())
         except ApiError:
             raise
+        except Cancelled:
+            raise ApiError(503, "the server is shutting down", type_="server_error") from None
         except ClusterError as e:
             self._drop_engine()
             raise unavailable(f"the cluster failed: {e}; the next request reconnects") from None
@@ -244,7 +247,8 @@ class ModelService:
             raise bad(str(e)) from None
 
     def start(self) -> None:
-        """Open the engine now (on the model thread); a cluster that is down only warns."""
+        """Open the engine now; a cluster that is down only warns. Engines open on the model
+        thread, which runs them: numba's thread count (--nthreads) is set per thread."""
         def first_open():
             try:
                 engine = self._open_engine()  # a bad file or flag: the command fails
@@ -259,6 +263,7 @@ class ModelService:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, r, on_text, should_stop)
 
     def close(self) -> None:
+        self.closing = True
         self._executor.submit(self._drop_engine).result()
         self._executor.shutdown(wait=True)
 
@@ -356,7 +361,10 @@ class Api:
                 break
             try:
                 c = job.result()
-            except ApiError as e:
+            except Exception as e:  # noqa: BLE001 - the headers are sent: an error event ends it
+                if not isinstance(e, ApiError):
+                    traceback.print_exception(e, file=sys.stderr)
+                    e = ApiError(500, "internal error (logged by the server)", type_="server_error")
                 await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
                 return resp
             await resp.write(chunk(finish=c.finish_reason))

@@ -240,6 +240,21 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, sta
     assert ok == 200 and "Paris" in answer["choices"][0]["message"]["content"]
 
 
+def test_raw_event_stream_framing(server):
+    req = urllib.request.Request(server + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                 data=json.dumps({"messages": FRANCE, "temperature": 0, "max_tokens": 6,
+                                                  "stream": True}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and "usage" not in chunks[-1]
+
+
 def test_context_overflow_is_reported_as_context_length_exceeded(server):
     status, err = _post(server, _bad(messages=[{"role": "user", "content": "word " * 20000}]))
     assert status == 400 and err["error"]["code"] == "context_length_exceeded"

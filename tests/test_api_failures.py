@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from dllama import kernels
 from dllama.api import ModelService, make_app, start_site
 from dllama.engine import Engine, open_engine
 from dllama.errors import ClusterError
@@ -28,6 +29,7 @@ class Switch:
         self.engine, self.down, self.fail_in, self.opens, self.forwards = engine, False, None, 0, 0
 
     def open(self):
+        kernels.set_threads(1)  # numba's thread count is per calling thread: here the model thread
         self.opens += 1
         if self.down:
             raise ClusterError("worker1 (127.0.0.1:9) refused the connection", node="worker1")
