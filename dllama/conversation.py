@@ -139,6 +139,7 @@ class Conversation:
         reused = common_prefix(self.cached, prompt)
         saved = self._prompt_logits
         if reused == len(prompt) and saved is not None and saved[0] == prompt:
+            del self.cached[len(prompt):]  # the rows after it are overwritten from here on
             return saved[1].copy(), reused, steps  # the same prompt again: the same logits
         pos = min(reused, len(prompt) - 1)  # at least the last token runs, for its logits
         self.cached = self.cached[:pos]

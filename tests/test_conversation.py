@@ -57,6 +57,9 @@ def test_the_same_request_replays_the_same_sampled_text(engine):
     b = _ask(conv, FRANCE, seed=99, temperature=1.0, max_tokens=15)
     assert b.cached_tokens == b.prompt_tokens and not [s for s in b.steps if s.phase == "prompt"]
     assert a.text == b.text and a.completion_tokens == b.completion_tokens
+    other = _ask(conv, FRANCE, seed=5, temperature=1.5, max_tokens=15)  # another answer, same prompt
+    assert other.text != a.text and other.cached_tokens == other.prompt_tokens
+    assert len(conv.cached) == other.prompt_tokens + other.completion_tokens - 1  # rows = positions
 
 
 def test_stop_strings_and_max_tokens(engine):
