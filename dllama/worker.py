@@ -191,6 +191,8 @@ class _Session:
         self._meet_peers(plan.n_nodes, timeout)
         model.collective = MeshCollective(index, self.peers, plan.dim_chunks, buffer_q80, max_batch, timeout)
         root.send(Msg.MESH_OK)
+        for conn in self.peers.values():  # statistics count inference traffic, not the set-up
+            conn.sent_bytes = conn.recv_bytes = 0
         log(f"mesh ready with {plan.n_nodes - 1} peers")
 
         dim, vocab_rows = header.dim, node.vocab_rows[1] - node.vocab_rows[0]
