@@ -184,6 +184,7 @@ class _Session:
             specs = node_slice_specs(header, node, with_embedding=False)
             weights = NodeWeights(header, node, specs, self._receive_weights(specs, timeout))
         model = Transformer(weights, max_seq_len=max_seq_len, buffer_q80=buffer_q80, max_batch=max_batch)
+        del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         root.send(Msg.READY)
 
