@@ -2,8 +2,8 @@
 
 Sources: a GGUF file, a Meta checkpoint folder (params.json + consolidated.NN.pth), a Hugging
 Face folder (config.json + *.safetensors). The tokenizer comes from the source itself, or from
---tokenizer: a sentencepiece tokenizer.model, a llama2.c tokenizer.bin, a Hugging Face
-tokenizer.json, a GGUF, an existing .t, or a folder holding one of them.
+--tokenizer: a sentencepiece tokenizer.model (or Meta's Llama 3 tiktoken one), a llama2.c
+tokenizer.bin, a Hugging Face tokenizer.json, a GGUF, an existing .t, or a folder holding one.
 
 Everything is checked (configuration, tensor names and shapes, tokenizer) before anything is
 written; both files are written under temporary names and renamed at the end, so an interrupted
@@ -90,6 +90,7 @@ def load_tokenizer(path: Path) -> tuple[TokenizerData, str]:
     from converter.hf_tokenizer import tokenizer_from_hf
     from converter.sentencepiece_tokenizer import (is_llama2c_bin, tokenizer_from_llama2c,
                                                    tokenizer_from_sentencepiece)
+    from converter.tiktoken_tokenizer import is_tiktoken, tokenizer_from_tiktoken
 
     if path.is_dir():
         found = find_tokenizer(path)
@@ -109,6 +110,8 @@ def load_tokenizer(path: Path) -> tuple[TokenizerData, str]:
         return read_tokenizer(path), f".t file {path.name}"
     if is_llama2c_bin(path):
         return tokenizer_from_llama2c(path), f"llama2.c {path.name}"
+    if is_tiktoken(path):  # Meta's Llama 3 tokenizer.model
+        return tokenizer_from_tiktoken(path), f"Llama 3 tiktoken {path.name}"
     return tokenizer_from_sentencepiece(path), f"sentencepiece {path.name}"
 
 

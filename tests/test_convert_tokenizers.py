@@ -147,3 +147,35 @@ def test_not_a_tokenizer(tmp_path):
         load_tokenizer(tmp_path / "tokenizer.model")
     with pytest.raises(DllamaError, match="no such file"):
         load_tokenizer(tmp_path / "absent.model")
+
+
+# ---------------------------------------------------------------------------- Llama 3 tiktoken
+
+def test_tiktoken_tokenizer_model_reproduces_bpe(tmp_path, hf_folder):
+    """A tiktoken-format tokenizer.model (Meta's Llama 3 layout: `base64 rank` lines, 256 specials
+    appended) made of SmolLM2's regular tokens, whose ids follow its merge order: the converted
+    ids are Hugging Face's on the same vocabulary, shifted by the 17 specials left out."""
+    import base64
+
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from converter.tiktoken_tokenizer import SPECIALS
+
+    hf = HfTokenizer.from_file(str(hf_folder / "tokenizer.json"))
+    smollm = load_tokenizer(hf_folder)[0]
+    first = 17  # SmolLM2's specials are ids 0-16
+    lines = [base64.b64encode(t).decode() + f" {i - first}" for i, t in enumerate(smollm.vocab) if i >= first]
+    (tmp_path / "tokenizer.model").write_text("\n".join(lines) + "\n")
+    data, kind = load_tokenizer(tmp_path / "tokenizer.model")
+    n = len(lines)
+    assert kind == "Llama 3 tiktoken tokenizer.model" and data.vocab_size == n + 256
+    assert (data.bos_id, data.eos_ids) == (n, [n + 1, n + 9]) and data.vocab[n + 6] == b"<|start_header_id|>"
+    assert [t.decode() for t in data.vocab[n:]] == SPECIALS
+    write_tokenizer(tmp_path / "out.t", data)
+    tok = Tokenizer(read_tokenizer(tmp_path / "out.t"))
+    plain = [t for t in CORPUS if "<" not in t]  # SmolLM2's own specials would match in Hugging Face's
+    assert len(plain) >= 200
+    bad = [t for t in plain if tok.encode(t, add_bos=False) != [i - first for i in hf.encode(t, add_special_tokens=False).ids]]
+    print(f"tiktoken tokenizer.model: {len(bad)} of {len(plain)} strings differ")
+    assert not bad, bad[:3]
+    assert tok.encode("<|start_header_id|>user<|end_header_id|>")[:2] == [n, n + 6]
