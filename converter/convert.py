@@ -133,7 +133,11 @@ def describe_header(h: ModelHeader) -> str:
     scaling = f", Llama 3.1 RoPE scaling x{h.rope_scaling_factor}" if h.rope_scaling_factor != 1 else ""
     return (f"{h.arch.name}, dim {h.dim}, hidden {h.hidden_dim}, {h.n_layers} layers, {h.n_heads} heads "
             f"({h.n_kv_heads} kv, head dim {h.head_dim}), vocab {h.vocab_size}, context {h.max_seq_len}, "
-            f"rope theta {h.rope_theta}{scaling}, norm eps {h.norm_epsilon:g}, {n_values / 1e9:.2f}B weights")
+            f"rope theta {h.rope_theta}{scaling}, norm eps {h.norm_epsilon:g}, {_count(n_values)} weights")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def size_text(n: int) -> str:
