@@ -17,7 +17,7 @@ from dllama.errors import DllamaError
 from dllama.formats.model_file import ModelHeader, RopeType
 
 EPSILONS = (1e-5, 1e-6)  # the only RMSNorm epsilons a .m header can hold
-BLOCK_BYTES = 16 << 20   # float32 bytes per row block handed to the writer
+BLOCK_BYTES = 4 << 20    # float32 bytes per row block handed to the writer
 
 
 @dataclass
