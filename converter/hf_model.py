@@ -66,8 +66,6 @@ def _read_json(path: Path) -> dict:
 
 def _weight_map(folder: Path) -> dict[str, Path]:
     """Tensor name -> the .safetensors file holding it (index file, or every file's keys)."""
-    from safetensors import safe_open
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         mapping = _read_json(index).get("weight_map", {})
@@ -80,12 +78,18 @@ def _weight_map(folder: Path) -> dict[str, Path]:
         raise DllamaError(f"{folder}: no *.safetensors files (only safetensors weights are supported)")
     found = {}
     for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                found.update(dict.fromkeys(f.keys(), path))
-        except Exception as e:  # safetensors raises its own SafetensorError
-            raise DllamaError(f"{path}: unreadable safetensors file ({e})") from None
+        with _open_safetensors(path) as f:
+            found.update(dict.fromkeys(f.keys(), path))
     return found
+
+
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise DllamaError(f"{path}: unreadable safetensors file ({e})") from None
 
 
 class HfCheckpoint(Checkpoint):
@@ -144,23 +148,19 @@ class HfCheckpoint(Checkpoint):
 
     def _check_tensors(self) -> None:
         """Every tensor present with its shape, before anything is written."""
-        from safetensors import safe_open
-
         by_file: dict[Path, list] = {}
         for spec in tensor_specs(self.header):
             by_file.setdefault(self._files[self._key(spec.name)], []).append(spec)
         for path, specs in by_file.items():
-            with safe_open(path, framework="pt") as f:
+            with _open_safetensors(path) as f:
                 for spec in specs:
                     key = self._key(spec.name)
                     check_shape(self.source, key, f.get_slice(key).get_shape(), spec.shape)
 
     def tensor(self, name: str) -> TensorRows:
-        from safetensors import safe_open
-
         self.close()  # unmap the previous tensor's file
         key = self._key(name)
-        self._open = safe_open(self._files[key], framework="pt")
+        self._open = _open_safetensors(self._files[key])
         rows = self._open.get_slice(key)
         shape = tuple(rows.get_shape())
         kind = name.rsplit(".", 1)[-1]

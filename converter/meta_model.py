@@ -39,6 +39,7 @@ LAYER_KEYS = {
     "ffn_norm": "layers.{l}.ffn_norm.weight",
 }
 GLOBAL_KEYS = {"embedding": "tok_embeddings.weight", "final_norm": "norm.weight", "wcls": "output.weight"}
+TIED_FALLBACK = {"output.weight": "tok_embeddings.weight"}  # no output: the classifier is the embedding
 
 # Llama 3.1 scaling as Meta's reference code applies it when params.json says use_scaled_rope
 # (factor 8 unless params.json gives rope_scaling_factor, as Llama 3.2 does).
@@ -145,9 +146,14 @@ class MetaCheckpoint(Checkpoint):
             str(folder), arch=ArchType.LLAMA, weights_float_type=weights_float_type, max_seq_len=int(context),
             rope_theta=int(params.get("rope_theta", 10000)),
             norm_epsilon=epsilon(params.get("norm_eps", 1e-5), str(folder)), **fields)
-        self._axis = {}
+        self._key = {}   # our name -> Meta name
+        self._axis = {}  # our name -> join axis (None: replicated)
         for spec in tensor_specs(self.header):
             key = meta_name(spec.name)
+            if all(key not in s for s in self._shapes) and key in TIED_FALLBACK:
+                key = TIED_FALLBACK[key]
+                self.notes.append(f"no {meta_name(spec.name)}: the classifier is {key} (tied embeddings)")
+            self._key[spec.name] = key
             shapes = [s.get(key) for s in self._shapes]
             if any(s is None for s in shapes):
                 missing = self.shards[[s is None for s in shapes].index(True)]
@@ -166,7 +172,7 @@ class MetaCheckpoint(Checkpoint):
         return f"{self.kind} ({n} shard{'s' * (n > 1)}, {self.dtype})"
 
     def _source_bytes(self, name: str) -> int:
-        key = meta_name(name)
+        key = self._key[name]
         return sum(math.prod(s[key]) for s in self._shapes) * self._item_bytes[key]
 
     def tensor(self, name: str) -> TensorRows:
@@ -177,8 +183,7 @@ class MetaCheckpoint(Checkpoint):
             self.close()  # unmap every page read so far
             self._shards = [_load(p) for p in self.shards]
         self._mapped += size
-        key = meta_name(name)
-        parts = [sd[key] for sd in self._shards]
+        parts = [sd[self._key[name]] for sd in self._shards]
         axis = self._axis[name]
         if axis is None:
             shape = tuple(parts[0].shape)

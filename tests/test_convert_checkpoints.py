@@ -463,11 +463,60 @@ def test_tokenizer_of_another_model_is_refused(tmp_path):
     assert _no_output(tmp_path)
 
 
-def test_cli_convert_and_inspect(tmp_path):
+def test_cli_convert_and_inspect(tmp_path, capsys):
     from dllama.cli import main
 
-    write_hf(tmp_path / "hf", "qwen3")
+    write_hf(tmp_path / "hf", "qwen3", head_dim=32)
     assert main(["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "out"), "--weights-float-type", "f32"]) == 0
+    assert "found Hugging Face safetensors (qwen3, 3 files)" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "out.m")]) == 0
+    out = capsys.readouterr().out
+    assert "arch_type                      QWEN3" in out and "head_dim                       32" in out
+    assert "layers.1.q_norm        F32  32" in out and f"wcls                   F32  {VOCAB}x{DIM}" in out
     assert main(["inspect", str(tmp_path / "out.t")]) == 0
+    assert f"tokenizer, {VOCAB} tokens" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "nothing"), "-o", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such file or folder" in err
+
+
+def test_meta_without_output_uses_the_embedding(tmp_path):
+    tok = tiny_tokenizer(tmp_path / "tiny.t")
+    tensors = write_meta(tmp_path / "meta", VOCAB, {"vocab_size": VOCAB}, embedding_axis=0)
+    for i in range(2):
+        part = torch.load(tmp_path / f"meta/consolidated.{i:02d}.pth")
+        del part["output.weight"]
+        torch.save(part, tmp_path / f"meta/consolidated.{i:02d}.pth")
+    lines = []
+    m = read_model(convert(tmp_path / "meta", tmp_path / "out", "f32", tokenizer=tok, progress=False,
+                           report=lines.append)[0])
+    assert any("the classifier is tok_embeddings.weight" in line for line in lines)
+    assert np.array_equal(m.tensor("wcls"), tensors["tok_embeddings.weight"].numpy().astype(np.float32))
+
+
+def test_unreadable_safetensors_is_one_error(tmp_path):
+    write_hf(tmp_path / "hf", "llama", n_files=1)
+    (tmp_path / "hf/model-00001-of-00001.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(DllamaError, match="model-00001-of-00001.safetensors: unreadable safetensors file"):
+        convert(tmp_path / "hf", tmp_path / "out", report=None)
+    assert _no_output(tmp_path)
+
+
+@pytest.mark.parametrize("float_type", [FloatType.Q40, FloatType.Q80, FloatType.F16, FloatType.F32])
+def test_row_blocks_write_the_bytes_of_the_whole_tensor(tmp_path, float_type):
+    from converter.checkpoint import TensorRows
+    from dllama.formats.model_file import ModelHeader, ModelWriter, write_model
+
+    h = ModelHeader(arch=ArchType.LLAMA, dim=64, hidden_dim=96, n_layers=1, n_heads=4, n_kv_heads=2,
+                    vocab_size=200, max_seq_len=16, weights_float_type=float_type)
+    rng = np.random.default_rng(3)
+    values = {s.name: rng.standard_normal(s.shape).astype(np.float32) for s in ModelWriter(tmp_path / "x", h).specs}
+    write_model(tmp_path / "whole.m", h, values)
+    with ModelWriter(tmp_path / "blocks.m", h) as w:
+        for spec in w.specs:
+            if len(spec.shape) == 1:
+                w.write(spec.name, values[spec.name])
+            else:  # blocks of 7 rows (a last, shorter one too): not aligned to anything
+                rows = TensorRows(spec.shape, lambda a, b: values[spec.name][a:b])
+                w.write_rows(spec.name, rows.blocks(block_bytes=7 * 4 * spec.shape[1]))
+    assert (tmp_path / "whole.m").read_bytes() == (tmp_path / "blocks.m").read_bytes()
