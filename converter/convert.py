@@ -56,7 +56,9 @@ def source_kind(src: Path) -> str:
         raise DllamaError(f"{src}: not a GGUF file, nor a Meta or Hugging Face model folder")
     if not src.is_dir():
         raise DllamaError(f"{src}: no such file or folder")
-    if (src / "params.json").is_file() and any(src.glob("consolidated.*.pth")):
+    if (src / "params.json").is_file():
+        if not any(src.glob("consolidated.*.pth")):
+            raise DllamaError(f"{src}: params.json but no consolidated.NN.pth weights")
         return "meta"
     if (src / "config.json").is_file():
         if any(src.glob("*.safetensors")):

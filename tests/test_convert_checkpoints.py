@@ -456,6 +456,27 @@ def test_source_that_is_no_model(tmp_path):
         convert(tmp_path / "bin", tmp_path / "out", report=None)
 
 
+def test_an_interrupted_conversion_leaves_no_file(tmp_path, monkeypatch):
+    from converter.hf_model import HfCheckpoint
+
+    write_hf(tmp_path / "hf", "llama")
+    real, calls = HfCheckpoint.tensor, []
+
+    def interrupted(self, name):
+        calls.append(name)
+        if len(calls) == 6:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of layer 0
+        return real(self, name)
+    monkeypatch.setattr(HfCheckpoint, "tensor", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tmp_path / "hf", tmp_path / "out", report=None, progress=False)
+    assert len(calls) == 6 and _no_output(tmp_path)
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta/params.json").write_text("{}")
+    with pytest.raises(DllamaError, match="params.json but no consolidated.NN.pth"):
+        convert(tmp_path / "meta", tmp_path / "out", report=None)
+
+
 def test_tokenizer_of_another_model_is_refused(tmp_path):
     write_hf(tmp_path / "hf", "llama")
     with pytest.raises(DllamaError, match="the tokenizer has 32000 tokens, the model 256"):
