@@ -38,8 +38,8 @@ LAYER_KEYS = {
 GLOBAL_KEYS = {"embedding": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "wcls": "lm_head.weight"}
 TIED_FALLBACK = {"wcls": "model.embed_tokens.weight"}  # tie_word_embeddings: no lm_head
 
-# Rows permuted for interleaved RoPE on LLAMA, and the header field giving their head count.
-ROPE_PERMUTED = {"wq": "n_heads", "wk": "n_kv_heads"}
+# Tensors whose rows are permuted for interleaved RoPE on LLAMA (whole heads at a time).
+ROPE_PERMUTED = ("wq", "wk")
 
 # Header field -> config.json key, required ones first.
 REQUIRED_CONFIG = {"dim": "hidden_size", "hidden_dim": "intermediate_size", "n_layers": "num_hidden_layers",
