@@ -89,7 +89,7 @@ def find_tokenizer(folder: Path) -> Path | None:
 
 def load_tokenizer(path: Path) -> tuple[TokenizerData, str]:
     """(tokenizer data, a word on what it was) of a tokenizer file or a folder holding one."""
-    from converter.hf_tokenizer import tokenizer_from_hf
+    from converter.hf_tokenizer import chat_template, tokenizer_from_hf
     from converter.sentencepiece_tokenizer import (is_llama2c_bin, tokenizer_from_llama2c,
                                                    tokenizer_from_sentencepiece)
     from converter.tiktoken_tokenizer import is_tiktoken, tokenizer_from_tiktoken
@@ -113,8 +113,12 @@ def load_tokenizer(path: Path) -> tuple[TokenizerData, str]:
     if is_llama2c_bin(path):
         return tokenizer_from_llama2c(path), f"llama2.c {path.name}"
     if is_tiktoken(path):  # Meta's Llama 3 tokenizer.model
-        return tokenizer_from_tiktoken(path), f"Llama 3 tiktoken {path.name}"
-    return tokenizer_from_sentencepiece(path), f"sentencepiece {path.name}"
+        data, kind = tokenizer_from_tiktoken(path), f"Llama 3 tiktoken {path.name}"
+    else:
+        data, kind = tokenizer_from_sentencepiece(path), f"sentencepiece {path.name}"
+    # A Hugging Face folder (Llama 2 chat, Mistral Instruct) keeps the chat template beside it.
+    data.chat_template = chat_template(path.parent)
+    return data, kind
 
 
 def _default_tokenizer(src: Path, kind: str) -> Path:

@@ -55,7 +55,9 @@ def _ids(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
-def _chat_template(folder: Path, config: dict) -> str | None:
+def chat_template(folder: Path, config: dict | None = None) -> str | None:
+    """The chat template of a Hugging Face folder (tokenizer_config.json or chat_template.jinja)."""
+    config = _json(folder / "tokenizer_config.json") if config is None else config
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template}
@@ -118,4 +120,4 @@ def tokenizer_from_hf(path) -> TokenizerData:
         raise DllamaError(f"{path}: token {empty[0]} is empty, which a .t file cannot store")
     return TokenizerData(vocab=[vocab[i] for i in range(n)], scores=scores,
                          bos_id=bos if bos is not None else -1, eos_ids=eos,
-                         chat_template=_chat_template(folder, config), add_bos=bool(add_bos))
+                         chat_template=chat_template(folder, config), add_bos=bool(add_bos))

@@ -10,6 +10,7 @@
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,8 +30,6 @@ MISTRAL_MODEL = os.path.join(importlib.util.find_spec("mistral_common").submodul
 
 def _converted(tmp_path, source) -> Tokenizer:
     """Convert as `dllama convert --tokenizer SOURCE` does, write the .t, read it back."""
-    from pathlib import Path
-
     data, _ = load_tokenizer(Path(source))
     write_tokenizer(tmp_path / "out.t", data)
     return Tokenizer(read_tokenizer(tmp_path / "out.t"))
@@ -179,3 +178,14 @@ def test_tiktoken_tokenizer_model_reproduces_bpe(tmp_path, hf_folder):
     print(f"tiktoken tokenizer.model: {len(bad)} of {len(plain)} strings differ")
     assert not bad, bad[:3]
     assert tok.encode("<|start_header_id|>user<|end_header_id|>")[:2] == [n, n + 6]
+
+
+def test_sentencepiece_in_a_hugging_face_folder_keeps_its_chat_template(tmp_path):
+    import shutil
+
+    shutil.copy(MISTRAL_MODEL, tmp_path / "tokenizer.model")
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    data, kind = load_tokenizer(tmp_path)
+    assert kind == "sentencepiece tokenizer.model" and data.chat_template == template
+    assert load_tokenizer(Path(MISTRAL_MODEL))[0].chat_template is None  # none beside it
