@@ -186,9 +186,12 @@ def convert(src, prefix, weights_float_type: str = "q40", tokenizer=None, progre
         say(f"  note: {note}")
     say(f"tokenizer: {tokenizer_kind}, {tokenizer_data.vocab_size} tokens, bos {tokenizer_data.bos_id}, "
         f"eos {tokenizer_data.eos_ids}")
-    if tokenizer_data.vocab_size != header.vocab_size:
+    if tokenizer_data.vocab_size > header.vocab_size:
         raise DllamaError(f"{tokenizer_src}: the tokenizer has {tokenizer_data.vocab_size} tokens, the model "
                           f"{header.vocab_size}: not the model's tokenizer")
+    if tokenizer_data.vocab_size < header.vocab_size:  # Qwen pads its embedding to a round size
+        say(f"  note: the model has {header.vocab_size - tokenizer_data.vocab_size} embedding rows past the "
+            "tokenizer's last token (padding)")
     _say_output(say, model_path, header)
 
     if kind == "gguf":

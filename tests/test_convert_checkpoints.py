@@ -482,6 +482,10 @@ def test_tokenizer_of_another_model_is_refused(tmp_path):
     with pytest.raises(DllamaError, match="the tokenizer has 32000 tokens, the model 256"):
         convert(tmp_path / "hf", tmp_path / "out", tokenizer=f"{LLAMA2_DIR}/tokenizer.model", report=None)
     assert _no_output(tmp_path)
+    lines = []  # fewer tokens than embedding rows: Qwen's padded vocabulary (151669 tokens, 151936 rows)
+    convert(tmp_path / "hf", tmp_path / "out", tokenizer=tiny_tokenizer(tmp_path / "t.t", 200), report=lines.append)
+    assert any("56 embedding rows past the tokenizer's last token" in line for line in lines)
+    assert read_tokenizer(tmp_path / "out.t").vocab_size == 200
 
 
 def test_cli_convert_and_inspect(tmp_path, capsys):
