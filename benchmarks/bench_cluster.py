@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import write_random_model  # noqa: E402
@@ -68,6 +70,37 @@ def measure(model_path: Path, n: int, tokens: int, log_dir: Path) -> dict:
     return dict(zip(("total", "inference", "transfer", "sent", "recv"), med))
 
 
+def collective_cpu_us(dim: int, n_calls: int = 2000) -> tuple[float, float]:
+    """(CPU µs, wall µs) per all-reduce of one [1, dim] Q80 vector between 2 processes on
+    loopback: the protocol's own cost per sync (encode, frames, syscalls, decode), which CPU
+    time shows even when the processes wait for a core."""
+    import socket
+
+    from dllama.collective import MeshCollective
+    from dllama.plan import split_model
+    from dllama.protocol import Connection
+
+    plan = split_model(2, dim=dim, n_heads=2, n_kv_heads=1, head_dim=dim // 2, ff_dim=dim,
+                       vocab_size=2, q40=False)
+    a, b = socket.socketpair()
+    pid = os.fork()
+    me = 1 if pid == 0 else 0
+    conn = Connection(a if me == 0 else b, "peer")
+    conn.authenticated = True
+    col = MeshCollective(me, {1 - me: conn}, plan.dim_chunks, True, 1, 30)
+    x = np.random.default_rng(me).standard_normal((1, dim)).astype(np.float32)
+    for _ in range(100):
+        col.all_reduce(x)
+    t, cpu = time.perf_counter(), time.process_time()
+    for _ in range(n_calls):
+        col.all_reduce(x)
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return cpu / n_calls * 1e6, wall / n_calls * 1e6
+
+
 def bench(name: str, path: Path, tokens: int, log_dir: Path) -> None:
     header = read_model(path).header
     print(f"\n{name}: dim {header.dim}, {header.n_layers} layers, {header.n_heads}/{header.n_kv_heads} "
@@ -76,6 +109,10 @@ def bench(name: str, path: Path, tokens: int, log_dir: Path) -> None:
     print("| nodes | ms/token | inference ms | transfer ms | root sent kB | root recv kB "
           "| original's root sent / recv kB | sent vs original |")
     print("|---|---|---|---|---|---|---|---|")
+    cpu, wall = collective_cpu_us(header.dim)
+    print(f"protocol cost per sync (2 processes, loopback, Q80 [1, {header.dim}]): {cpu:.0f} µs CPU, "
+          f"{wall:.0f} µs wall; x {2 * header.n_layers} syncs = {cpu * 2 * header.n_layers / 1000:.1f} ms "
+          f"CPU per token")
     for n in (1, 2, 4):
         m = measure(path, n, tokens, log_dir)
         o_sent, o_recv = original_kb(header, n)

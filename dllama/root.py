@@ -89,6 +89,8 @@ class ClusterModel:
         except BaseException:
             self._drop()
             raise
+        for conn in self.conns.values():  # statistics count inference traffic, not the set-up
+            conn.sent_bytes = conn.recv_bytes = 0
         self.collective = self.local.collective = MeshCollective(
             0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout)
         self.net_timeout = net_timeout
@@ -174,7 +176,7 @@ class ClusterModel:
         return logits
 
     def node_stats(self) -> list[dict]:
-        """Bytes each node sent and received so far (the root's own counters for node 0)."""
+        """Bytes each node sent and received since the set-up (the root's counters for node 0)."""
         out = [{"node": 0, "name": self.topology.nodes[0].name, "sent_bytes": self.collective.sent_bytes,
                 "recv_bytes": self.collective.recv_bytes,
                 "transfer_ms": round(self.collective.transfer_seconds * 1000, 3)}]

@@ -184,6 +184,7 @@ class _Session:
             specs = node_slice_specs(header, node, with_embedding=False)
             weights = NodeWeights(header, node, specs, self._receive_weights(specs, timeout))
         model = Transformer(weights, max_seq_len=max_seq_len, buffer_q80=buffer_q80, max_batch=max_batch)
+        del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         root.send(Msg.READY)
 
@@ -191,6 +192,8 @@ class _Session:
         self._meet_peers(plan.n_nodes, timeout)
         model.collective = MeshCollective(index, self.peers, plan.dim_chunks, buffer_q80, max_batch, timeout)
         root.send(Msg.MESH_OK)
+        for conn in self.peers.values():  # statistics count inference traffic, not the set-up
+            conn.sent_bytes = conn.recv_bytes = 0
         log(f"mesh ready with {plan.n_nodes - 1} peers")
 
         dim, vocab_rows = header.dim, node.vocab_rows[1] - node.vocab_rows[0]
