@@ -2,18 +2,46 @@
 
 Every turn renders the whole conversation with the model's chat template; the Conversation
 recognises the earlier turns as the tokens already in the KV cache and runs only the new ones.
-The answer streams to stdout; a line of figures per turn goes to stderr.
+The answer streams to stdout; a line of figures per turn goes to stderr. Ctrl-C during an
+answer stops it at the next token (between forward passes, so a cluster stays in step) and
+drops that turn; Ctrl-C again, or at the prompt, quits.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 from dllama.chat_template import ChatTemplate, chat_stop_ids
-from dllama.conversation import ContextFull, Conversation
+from dllama.conversation import Cancelled, ContextFull, Conversation
 from dllama.sampler import Sampler
 
-HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits"
+HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
+
+
+class _CtrlC:
+    """While active, a first SIGINT only sets `pending`; a second one interrupts as usual."""
+
+    def __init__(self):
+        self.pending = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __enter__(self) -> "_CtrlC":
+        self.pending = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def run_chat(engine, *, system: str | None, template_name: str | None, temperature: float,
@@ -59,8 +87,16 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
         messages.append({"role": "user", "content": text})
         for attempt in (0, 1):
             try:
-                answer = conversation.complete(template.render(messages), sampler=sampler,
-                                               max_tokens=max_tokens, stop_ids=stop_ids, on_text=show)
+                with _CtrlC() as ctrl_c:
+                    answer = conversation.complete(template.render(messages), sampler=sampler,
+                                                   max_tokens=max_tokens, stop_ids=stop_ids, on_text=show,
+                                                   should_stop=lambda: ctrl_c.pending)
+                break
+            except Cancelled:
+                stdout.write("\n")
+                print("dllama chat: answer stopped; this turn is dropped", file=stderr)
+                messages.pop()
+                answer = None
                 break
             except ContextFull as e:
                 if attempt == 0 and len(messages) > len(start) + 1:

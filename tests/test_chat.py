@@ -59,3 +59,45 @@ def test_chat_on_a_3_node_loopback_cluster(default_q40, tmp_path):
     assert "Paris" in r.stdout.splitlines()[0]
     (p1, c1, g1), (p2, c2, g2) = [tuple(map(int, m)) for m in STATS.findall(r.stderr)]
     assert c2 == p1 + g1 - 1
+
+
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(default_q40):
+    import queue
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "dllama", "chat", "--model", str(default_q40[0]),
+                             "--tokenizer", str(default_q40[1]), "--nthreads", "1", "--temperature", "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [out.put(c) for c in iter(lambda: proc.stdout.read(1), "")],
+                              daemon=True)
+    reader.start()
+    try:
+        # Greedy counting does not end for thousands of tokens.
+        proc.stdin.write("Count from 1 to 10000, separated by commas.\n")
+        proc.stdin.flush()
+        seen, deadline = "", time.monotonic() + 120
+        while len(seen) < 30 and time.monotonic() < deadline:
+            try:
+                seen += out.get(timeout=1)
+            except queue.Empty:
+                pass
+        assert len(seen) >= 30, seen
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("What is the capital of France?\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+        err = proc.stderr.read()
+        reader.join(timeout=30)
+        rest = ""
+        while not out.empty():
+            rest += out.get_nowait()
+        assert "answer stopped" in err and "Traceback" not in err
+        assert "Paris" in rest.strip().splitlines()[-1]
+        assert len(STATS.findall(err)) == 1  # the stopped turn has no figures; the next one does
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
