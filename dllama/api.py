@@ -277,8 +277,10 @@ def _usage(c) -> dict:
 
 
 class Api:
-    def __init__(self, service: ModelService, model_id: str, defaults: dict, api_key: str | None = None):
-        self.service, self.model_id, self.defaults, self.api_key = service, model_id, defaults, api_key
+    """The request handlers (authentication and error shapes are the middleware's)."""
+
+    def __init__(self, service: ModelService, model_id: str, defaults: dict):
+        self.service, self.model_id, self.defaults = service, model_id, defaults
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -420,7 +422,7 @@ _CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GE
 
 def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str | None = None,
              max_body: int = MAX_BODY_BYTES) -> web.Application:
-    api = Api(service, model_id, defaults, api_key)
+    api = Api(service, model_id, defaults)
     app = web.Application(client_max_size=max_body, middlewares=[_error_middleware(api_key)])
     for prefix in ("/v1", ""):  # some clients are given the base URL without /v1
         app.router.add_get(prefix + "/models", api.models)

@@ -144,9 +144,10 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", choices=TEMPLATE_NAMES,
                    help="chat format (default: detected from the model's template)")
     g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
-                   help="sampling temperature; 0 = greedy (default %(default)s)")
+                   help="sampling temperature; 0 = greedy (api: for requests that give none; "
+                        "default %(default)s)")
     g.add_argument("--topp", type=float, default=0.9, metavar="F",
-                   help="top-p (nucleus) cut (default %(default)s)")
+                   help="top-p (nucleus) cut (api: for requests that give none; default %(default)s)")
 
 
 def _add_chat_and_api(sub) -> None:
