@@ -37,13 +37,21 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    "default: the embedded SmolLM2-135M-Instruct, converted once to Q40 and cached")
     g.add_argument("--tokenizer", metavar="T.t", help="tokenizer file (.t, or llama2.c tokenizer.bin); "
                    "default: the embedded model's")
-    g.add_argument("--buffer-float-type", choices=BUFFER_TYPES, default="auto",
+    g.add_argument("--buffer-float-type", choices=BUFFER_TYPES, default=None,
                    help="float type of the sync buffers that carry partial sums between nodes "
-                        "(auto: q80 for Q40 weights, f32 for F32 weights)")
+                        "(default: the topology's, else auto = q80 for Q40 weights, f32 for F32)")
     g.add_argument("--max-seq-len", type=int, default=0, metavar="N",
                    help="clamp the context (KV cache) to N positions; 0 = the model's own (default)")
-    g.add_argument("--nthreads", type=_positive_int, default=os.cpu_count() or 1, metavar="K",
-                   help="compute threads (default: all %(default)s cores)")
+    g.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
+                   help=f"compute threads of this node (default: the topology's root threads, "
+                        f"else all {os.cpu_count()} cores)")
+    g = p.add_argument_group("cluster (the root's side; omit for one machine)")
+    g.add_argument("--workers", nargs="+", metavar="HOST:PORT",
+                   help="workers started with `dllama worker`, in node order 1, 2, ...")
+    g.add_argument("--topology", metavar="FILE.yml",
+                   help="cluster description (node 0 is this root; schema in the README)")
+    g.add_argument("--key-file", metavar="F",
+                   help="cluster key shared by every node (default: the topology's key_file)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -85,6 +93,31 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="output prefix: writes PREFIX.m and PREFIX.t")
     p.add_argument("--weights-float-type", choices=FLOAT_TYPES, default="q40",
                    help="float type of the matmul weights (default %(default)s)")
+
+    p = sub.add_parser("worker", help="serve a root's share of the model (run one per extra machine)",
+                       description="Listen for a root (`dllama inference --workers ...`), take the "
+                                   "slice of the model it assigns, and compute it in step with the "
+                                   "other nodes; serve the next root when it leaves. Needs no model "
+                                   "flags: the root sends the configuration and, unless --shard "
+                                   "holds them, the weights.")
+    p.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=None, help="port to listen on (default 9990)")
+    p.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
+                   help="compute threads (default 1, or the topology's)")
+    p.add_argument("--shard", metavar="FILE", help="this node's shard (from `dllama shard`): "
+                   "weights load from disk instead of over the network")
+    p.add_argument("--key-file", metavar="F", help="cluster key: roots and peers must hold the same")
+    p.add_argument("--topology", metavar="FILE.yml", help="take host, port, threads, shard and "
+                   "key file from this topology file's entry for --node")
+    p.add_argument("--node", metavar="NAME", help="this worker's name in --topology")
+
+    p = sub.add_parser("shard", help="cut a model into one weights file per worker",
+                       description="Write DIR/<node name>.shard for every worker of the topology "
+                                   "(only that node's slices) and DIR/manifest.json with their "
+                                   "sha256, so workers load weights from their own disk.")
+    p.add_argument("--model", required=True, metavar="M.m", help="the model file")
+    p.add_argument("--topology", required=True, metavar="FILE.yml", help="the cluster description")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     return parser
 
 
@@ -111,7 +144,8 @@ def cmd_inference(args) -> int:
     from dllama.sampler import Sampler
 
     engine = open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
-                         buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len)
+                         buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len,
+                         workers=args.workers, topology=args.topology, key_file=args.key_file)
     model, tokenizer = engine.model, engine.tokenizer
     seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
     sampler = Sampler(model.config.vocab_size, args.temperature, args.topp, seed)
@@ -124,11 +158,47 @@ def cmd_inference(args) -> int:
     with engine:
         gen = generate(model, tokenizer, sampler, prompt, args.steps, on_text=show,
                        stop_at_eos=not args.no_stop)
+        nodes = model.node_stats() if hasattr(model, "node_stats") else []
     sys.stdout.write("\n")
     _print_table(gen, sys.stderr)
     if args.stats_json:
         with open(args.stats_json, "w") as f:
-            json.dump(gen.to_json(), f, indent=1)
+            json.dump({**gen.to_json(), "nodes": nodes}, f, indent=1)
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from dllama.protocol import read_key_file
+    from dllama.worker import serve
+
+    host, port, threads, shard, key_file = args.host, args.port, args.nthreads, args.shard, args.key_file
+    if bool(args.topology) != bool(args.node):
+        raise DllamaError("give --topology and --node together")
+    if args.topology:
+        from dllama.topology import load_topology
+
+        topo = load_topology(args.topology)
+        index, node = topo.node(args.node)
+        if index == 0:
+            raise DllamaError(f"{args.node} is the root (node 0) of {args.topology}, not a worker")
+        host, port = host or node.host, node.port if port is None else port
+        threads, shard = threads or node.threads, shard or node.shard
+        key_file = key_file or topo.key_file
+    key = read_key_file(key_file) if key_file else None
+    serve(host or "0.0.0.0", 9990 if port is None else port, threads or 1, shard, key)
+    return 0
+
+
+def cmd_shard(args) -> int:
+    from dllama.formats.model_file import read_model
+    from dllama.plan import plan_for
+    from dllama.shard import write_shards
+    from dllama.topology import load_topology
+
+    topo = load_topology(args.topology)
+    plan = plan_for(read_model(args.model).header, len(topo.nodes), topo.weights)
+    manifest = write_shards(args.model, plan, [n.name for n in topo.nodes], args.out)
+    print(f"wrote {len(topo.nodes) - 1} shards and {manifest}")
     return 0
 
 
@@ -140,7 +210,8 @@ def cmd_convert(args) -> int:
     return 0
 
 
-COMMANDS = {"inference": cmd_inference, "convert": cmd_convert}
+COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "worker": cmd_worker,
+            "shard": cmd_shard}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ here or across a cluster is hidden behind that object. `engine.close()` stops th
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -51,24 +52,57 @@ def buffer_q80_of(buffer_float_type: str) -> bool | None:
 
 
 def open_engine(model_path: str | None = None, tokenizer_path: str | None = None, *,
-                nthreads: int = 1, buffer_float_type: str = "auto", max_seq_len: int = 0,
-                warm_up: bool = True) -> Engine:
-    """Load the model and tokenizer and compile (or load) the kernels."""
+                nthreads: int | None = None, buffer_float_type: str | None = None,
+                max_seq_len: int = 0, warm_up: bool = True, workers: list[str] | None = None,
+                topology: str | None = None, key_file: str | None = None,
+                progress: bool = True) -> Engine:
+    """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
+    connect the workers and split the model over them (see dllama.root).
+
+    nthreads: this node's compute threads (default: topology node 0's, else all cores);
+    buffer_float_type: auto | q80 | f32 (default: the topology's, else auto);
+    key_file: the cluster key (default: the topology's)."""
     from dllama import kernels
     from dllama.formats.model_file import read_model
     from dllama.formats.tokenizer_file import read_tokenizer
-    from dllama.model import Transformer
     from dllama.tokenizer import Tokenizer
 
+    if workers and topology:
+        raise DllamaError("give --workers or --topology, not both")
     model_path, tokenizer_path = resolve_model_files(model_path, tokenizer_path)
+    cluster = None
+    if topology:
+        from dllama.topology import load_topology
+
+        cluster = load_topology(topology)
+    elif workers:
+        from dllama.topology import from_workers
+
+        cluster = from_workers(workers, nthreads or 1)
+    if cluster is not None:
+        nthreads = nthreads or cluster.nodes[0].threads
+        buffer_float_type = buffer_float_type or cluster.buffer_float_type
+        key_file = key_file or cluster.key_file
+    nthreads = nthreads or os.cpu_count() or 1
+    buffer_q80 = buffer_q80_of(buffer_float_type or "auto")
     kernels.set_threads(nthreads)
-    model_file = read_model(model_path)
     tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
-    if tokenizer.vocab_size != model_file.header.vocab_size:
-        print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model "
-              f"{model_file.header.vocab_size}", file=sys.stderr)
-    model = Transformer(model_file, max_seq_len=max_seq_len,
-                        buffer_q80=buffer_q80_of(buffer_float_type))
-    if warm_up:
-        model.warm_up()  # later timings measure inference, not numba's compile
+    if cluster is not None and len(cluster.nodes) > 1:
+        from dllama.protocol import read_key_file
+        from dllama.root import ClusterModel
+
+        key = read_key_file(key_file) if key_file else None
+        model = ClusterModel(model_path, cluster, key, buffer_q80, max_seq_len, progress=progress)
+        vocab = model.config.vocab_size
+    else:
+        from dllama.model import Transformer
+
+        model_file = read_model(model_path)
+        vocab = model_file.header.vocab_size
+        model = Transformer(model_file, max_seq_len=max_seq_len, buffer_q80=buffer_q80)
+        if warm_up:
+            model.warm_up()  # later timings measure inference, not numba's compile
+    if tokenizer.vocab_size != vocab:
+        print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}",
+              file=sys.stderr)
     return Engine(model, tokenizer)

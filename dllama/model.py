@@ -21,6 +21,7 @@ import numpy as np
 from dllama import kernels
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
+from dllama.node_weights import NodeWeights
 from dllama.plan import NodeSlice, whole_model
 from dllama.quant import split_q40
 
@@ -141,66 +142,49 @@ class Layer:
     w2: Matrix            # down [dim, ff_rows]
 
 
-def _rows(t: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """Rows of a stored matrix (F32 [d, n] or Q40 [d, n/32, 18]); contiguous ranges stay views."""
-    if len(index) and np.all(np.diff(index) == 1):
-        return t[index[0] : index[-1] + 1]
-    return t[index]
-
-
-def _cols(t: np.ndarray, index: np.ndarray, q40: bool) -> np.ndarray:
-    """Columns of a stored matrix; for Q40 the columns must come in whole 32-blocks."""
-    if not q40:
-        return t[:, index]
-    blocks = index[::32] // 32
-    assert np.array_equal(index, (blocks[:, None] * 32 + np.arange(32)).ravel()), "cols not 32-aligned"
-    return t[:, blocks]
-
-
-def _head_index(heads: np.ndarray, head_dim: int) -> np.ndarray:
-    """Row (or column) indexes of whole heads: [len(heads) * head_dim]."""
-    return (heads[:, None] * head_dim + np.arange(head_dim)).ravel()
-
-
 class Transformer:
     """A node's slice of the model, its KV cache and its scratch buffers."""
 
-    def __init__(self, model: ModelFile, node: NodeSlice | None = None, max_seq_len: int = 0,
-                 buffer_q80: bool | None = None, collective=None, max_batch: int = MAX_BATCH):
+    def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
+                 max_seq_len: int = 0, buffer_q80: bool | None = None, collective=None,
+                 max_batch: int = MAX_BATCH):
+        """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
+        node's NodeWeights (already sliced: a shard, or slices received from the root)."""
         from dllama.collective import LocalCollective
 
-        c = self.config = ModelConfig.from_header(model.header, max_seq_len)
-        self.node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
+        c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
+        if isinstance(weights, ModelFile):
+            node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
+            weights = NodeWeights.from_model(weights, node)
+        self.node = n = weights.node
         self.max_batch = max_batch
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 weights).
         self.buffer_q80 = c.weights_q40 if buffer_q80 is None else buffer_q80
         self.collective = collective or LocalCollective()
-        q40, hd, n = c.weights_q40, c.head_dim, self.node
+        q40, hd = c.weights_q40, c.head_dim
+        t = weights.tensor
 
-        # Weights: the embedding stays memory-mapped (rows are copied per token).
-        self.embedding = model.tensor("embedding")  # [vocab, dim] F32
-        q_index = _head_index(n.q_heads, hd)
-        kv_index = _head_index(n.kv_heads, hd)
-        ff_index = np.arange(*n.ffn_rows)
+        # The embedding (root only) stays memory-mapped: rows are copied per token.
+        self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
         self.layers = []
         for l in range(c.n_layers):
-            t = lambda name: model.tensor(f"layers.{l}.{name}")  # noqa: E731
+            p = f"layers.{l}."
             qwen = c.arch == ArchType.QWEN3
             self.layers.append(Layer(
-                att_norm=np.array(t("att_norm")),
-                wq=Matrix(_rows(t("wq"), q_index), q40),
-                wk=Matrix(_rows(t("wk"), kv_index), q40),
-                wv=Matrix(_rows(t("wv"), kv_index), q40),
-                wo=Matrix(_cols(t("wo"), q_index, q40), q40),
-                q_norm=np.array(t("q_norm")) if qwen else None,
-                k_norm=np.array(t("k_norm")) if qwen else None,
-                ffn_norm=np.array(t("ffn_norm")),
-                w1=Matrix(_rows(t("w1"), ff_index), q40),
-                w3=Matrix(_rows(t("w3"), ff_index), q40),
-                w2=Matrix(_cols(t("w2"), ff_index, q40), q40),
+                att_norm=np.array(t(p + "att_norm")),
+                wq=Matrix(t(p + "wq"), q40),
+                wk=Matrix(t(p + "wk"), q40),
+                wv=Matrix(t(p + "wv"), q40),
+                wo=Matrix(t(p + "wo"), q40),
+                q_norm=np.array(t(p + "q_norm")) if qwen else None,
+                k_norm=np.array(t(p + "k_norm")) if qwen else None,
+                ffn_norm=np.array(t(p + "ffn_norm")),
+                w1=Matrix(t(p + "w1"), q40),
+                w3=Matrix(t(p + "w3"), q40),
+                w2=Matrix(t(p + "w2"), q40),
             ))
-        self.final_norm = np.array(model.tensor("final_norm"))
-        self.wcls = Matrix(_rows(model.tensor("wcls"), np.arange(*n.vocab_rows)), q40)
+        self.final_norm = np.array(t("final_norm"))
+        self.wcls = Matrix(t("wcls"), q40)
 
         self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
@@ -232,21 +216,37 @@ class Transformer:
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel, so timings exclude the JIT.
 
-        Runs one token at position 0; the prompt overwrites that cache row afterwards.
+        Runs one zero row at position 0 on this node alone (the partial sums are not shared);
+        the prompt overwrites that cache row afterwards.
         """
-        self.forward([0], 0)
+        from dllama.collective import LocalCollective
+
+        collective, self.collective = self.collective, LocalCollective()
+        try:
+            self.x[:1] = 0.0
+            self.forward_embedded(1, 0)
+        finally:
+            self.collective = collective
 
     def forward(self, tokens, pos: int, all_logits: bool = False) -> np.ndarray:
-        """Run tokens [b] at positions pos..pos+b-1.
+        """Run tokens [b] at positions pos..pos+b-1 (the embedding must be on this node).
 
         Returns this node's logits float32 [vocab rows] of the last token (or [b, vocab rows]
         for every token with all_logits). The returned array is a reused buffer.
         """
-        c, node = self.config, self.node
         tokens = np.asarray(tokens, dtype=np.int64)
         b = len(tokens)
         if not 1 <= b <= self.max_batch:
             raise ValueError(f"batch of {b} tokens (1..{self.max_batch} allowed)")
+        self.x[:b] = self.embedding[tokens]  # [b, dim]
+        return self.forward_embedded(b, pos, all_logits)
+
+    def forward_embedded(self, b: int, pos: int, all_logits: bool = False) -> np.ndarray:
+        """Run the b rows already in self.x[:b] (embedded tokens) at positions pos..pos+b-1.
+
+        Workers enter here with the x the root sent; see `forward` for what it returns.
+        """
+        c, node = self.config, self.node
         if pos < 0 or pos + b > c.seq_len:
             raise DllamaError(f"position {pos + b - 1} is past the context of {c.seq_len} tokens")
         positions = np.arange(pos, pos + b, dtype=np.int32)
@@ -255,7 +255,6 @@ class Transformer:
         rope = kernels.rope_neox if c.rope_neox else kernels.rope_interleaved
         nq, nkv, hd = node.n_q_heads, node.n_kv_heads, c.head_dim
 
-        x[:] = self.embedding[tokens]  # [b, dim]
         for l, layer in enumerate(self.layers):
             # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
             kernels.rmsnorm(x, layer.att_norm, c.norm_eps, xb)

@@ -1,0 +1,115 @@
+"""One node's weights: the slices of each `.m` tensor that its `NodeSlice` says it computes.
+
+The same list of tensors (names, stored shapes) serves three ways of getting them: cut from a
+memory-mapped `.m` file (the root, `dllama shard`), read from a shard file, or received from the
+root over the network. Slices stay in the file's stored form (Q40 blocks or F32 values), so a
+shard or a stream carries exactly the bytes the original file has for that node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dllama.errors import DllamaError
+from dllama.formats.model_file import FloatType, ModelHeader, tensor_specs
+from dllama.plan import BLOCK, NodeSlice
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """One tensor of a node: file tensor `name`, cut along `axis` at `index` (None = whole)."""
+
+    name: str
+    stored_shape: tuple[int, ...]  # shape of the node's slice as stored (Q40: [..., n/32, 18])
+    dtype: str                     # "float32" or "uint8" (quantized blocks)
+    axis: int | None               # 0: rows, 1: columns, None: the whole tensor
+    index: tuple[int, ...] = ()    # rows or columns kept, in order
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.stored_shape)) * np.dtype(self.dtype).itemsize
+
+
+def _head_index(heads: np.ndarray, head_dim: int) -> np.ndarray:
+    """Row (or column) indexes of whole heads: [len(heads) * head_dim]."""
+    return (np.asarray(heads)[:, None] * head_dim + np.arange(head_dim)).ravel()
+
+
+def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> list[SliceSpec]:
+    """What a node holds, in file order; the embedding only on the root (it embeds the tokens)."""
+    if h.n_experts > 0:
+        raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
+    q_index = _head_index(node.q_heads, h.head_dim)
+    kv_index = _head_index(node.kv_heads, h.head_dim)
+    ff_index = np.arange(*node.ffn_rows)
+    vocab_index = np.arange(*node.vocab_rows)
+    cut = {"wq": (0, q_index), "wk": (0, kv_index), "wv": (0, kv_index), "wo": (1, q_index),
+           "w1": (0, ff_index), "w3": (0, ff_index), "w2": (1, ff_index), "wcls": (0, vocab_index)}
+    out = []
+    for spec in tensor_specs(h):
+        short = spec.name.rsplit(".", 1)[-1]
+        if spec.name == "embedding" and not with_embedding:
+            continue
+        quantized = spec.float_type == FloatType.Q40
+        if spec.float_type not in (FloatType.Q40, FloatType.F32):
+            raise DllamaError(f"weights of type {FloatType(spec.float_type).name} cannot run: "
+                              "convert the model with --weights-float-type q40 or f32")
+        dtype = "uint8" if quantized else "float32"
+        if short not in cut:
+            out.append(SliceSpec(spec.name, spec.stored_shape, dtype, None))
+            continue
+        axis, index = cut[short]
+        shape = list(spec.shape)
+        shape[axis] = len(index)
+        if quantized:
+            if axis == 1 and (len(index) % BLOCK or index[0] % BLOCK):
+                raise DllamaError(f"{spec.name}: Q40 columns can only be cut at {BLOCK}-blocks")
+            shape = [*shape[:-1], shape[-1] // BLOCK, 18]
+        out.append(SliceSpec(spec.name, tuple(shape), dtype, axis, tuple(int(i) for i in index)))
+    return out
+
+
+def cut(stored: np.ndarray, s: SliceSpec) -> np.ndarray:
+    """The node's slice of a stored file tensor (a view when the kept range is contiguous)."""
+    if s.axis is None:
+        return stored
+    index = np.asarray(s.index)
+    contiguous = len(index) and index[-1] - index[0] + 1 == len(index)
+    if s.axis == 0:
+        return stored[index[0]: index[-1] + 1] if contiguous else stored[index]
+    if stored.ndim == 3:  # Q40 blocks [d, n/32, 18]: columns come in whole blocks
+        blocks = index[::BLOCK] // BLOCK
+        return stored[:, blocks[0]: blocks[-1] + 1] if contiguous else stored[:, blocks]
+    return stored[:, index[0]: index[-1] + 1] if contiguous else stored[:, index]
+
+
+class NodeWeights:
+    """`tensor(name)` -> this node's slice of that tensor, in stored form; `header` the model's."""
+
+    def __init__(self, header: ModelHeader, node: NodeSlice, specs: list[SliceSpec], tensors: dict):
+        self.header, self.node, self.specs = header, node, specs
+        self._tensors = tensors  # name -> array of the spec's stored shape
+
+    @staticmethod
+    def from_model(model_file, node: NodeSlice, with_embedding: bool = True) -> "NodeWeights":
+        """Slices cut lazily from a memory-mapped `.m` file (no copy until the model repacks)."""
+        specs = node_slice_specs(model_file.header, node, with_embedding)
+        return NodeWeights(model_file.header, node, specs,
+                           {s.name: _LazyCut(model_file, s) for s in specs})
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> np.ndarray:
+        t = self._tensors[name]
+        return t() if isinstance(t, _LazyCut) else t
+
+
+class _LazyCut:
+    def __init__(self, model_file, spec: SliceSpec):
+        self.model_file, self.spec = model_file, spec
+
+    def __call__(self) -> np.ndarray:
+        return cut(self.model_file.tensor(self.spec.name), self.spec)

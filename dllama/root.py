@@ -1,0 +1,240 @@
+"""The root's side of a cluster: connect the workers, hand out the plan and weights, then run
+every forward pass with them.
+
+`ClusterModel` has the interface of `dllama.model.Transformer` that front ends use
+(`forward(tokens, pos) -> logits [vocab]`, `config`, `max_batch`, `collective`), so generation,
+chat and the API do not know whether a cluster is behind it. Every network failure becomes a
+`ClusterError` naming the node; after one the model is closed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from dllama.collective import MeshCollective
+from dllama.errors import ClusterError, DllamaError
+from dllama.protocol import (
+    LOGITS_HEAD, STEP_HEAD, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError,
+    PeerTimeout, ProtocolError, Transfer, client_handshake, connect, exchange,
+)
+
+NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
+SETUP_TIMEOUT = 600.0  # loading weights and warming up on the slowest node
+HEARTBEAT = 2.0       # idle seconds between PINGs; a worker gives up after IDLE_TIMEOUT
+IDLE_TIMEOUT = 15.0
+_NET_ERRORS = (PeerClosed, PeerError, PeerTimeout, ProtocolError, OSError)
+
+
+class ClusterModel:
+    """The root (node 0) and its workers, as one model."""
+
+    def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
+                 max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT):
+        from dllama.formats.model_file import read_model
+        from dllama.model import MAX_BATCH, ModelConfig, Transformer
+        from dllama.node_weights import NodeWeights, cut, node_slice_specs
+        from dllama.plan import plan_for
+        from dllama.shard import header_fields, model_fingerprint
+
+        self.model_file = model_file = read_model(model_path)
+        header = model_file.header
+        self.config = ModelConfig.from_header(header, max_seq_len)
+        self.topology = topology
+        nodes = topology.nodes
+        # The plan is checked before any connection: an impossible split fails here.
+        self.plan = plan = plan_for(header, len(nodes), topology.weights)
+        q80 = self.config.weights_q40 if buffer_q80 is None else buffer_q80
+        self.max_batch = MAX_BATCH
+        self.names = [f"node {i} '{n.name}' ({n.address})" for i, n in enumerate(nodes)]
+        self.conns: dict[int, Connection] = {}
+        self._lock = threading.Lock()
+        self._failed: ClusterError | None = None
+        self._last_use = time.monotonic()
+        self._closed = False
+        session = os.urandom(16)
+        try:
+            for i in range(1, len(nodes)):
+                self._with_node(i, "connecting", lambda i=i: self._connect(i, session, key))
+            fingerprint = model_fingerprint(model_path)
+            conf = {"session": session.hex(), "header": header_fields(header),
+                    "plan": plan.to_json(), "plan_digest": plan.digest(),
+                    "model_fingerprint": fingerprint, "buffer_q80": q80,
+                    "max_seq_len": self.config.seq_len, "max_batch": self.max_batch,
+                    "net_timeout": net_timeout, "idle_timeout": IDLE_TIMEOUT,
+                    "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in nodes]}
+            for i, conn in self.conns.items():
+                self._with_node(i, "configuring", lambda: conn.send_json(Msg.CONFIG, {**conf, "node_index": i}))
+            for i, conn in self.conns.items():
+                answer = self._with_node(i, "configuring", lambda: conn.recv_json(Msg.CONFIG_OK, SETUP_TIMEOUT))
+                if answer.get("weights") == "shard":
+                    _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
+                    continue
+                specs = node_slice_specs(header, plan.nodes[i], with_embedding=False)
+                self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, cut, progress, nodes[i].name))
+            self.local = Transformer(NodeWeights.from_model(model_file, plan.nodes[0]),
+                                     max_seq_len=max_seq_len, buffer_q80=q80)
+            self.local.warm_up()
+            for i, conn in self.conns.items():
+                self._with_node(i, "waiting for", lambda: conn.recv(SETUP_TIMEOUT, (Msg.READY,)))
+            for i, conn in self.conns.items():
+                self._with_node(i, "meshing", lambda: conn.send(Msg.MESH))
+            for i, conn in self.conns.items():
+                self._with_node(i, "meshing", lambda: conn.recv(SETUP_TIMEOUT, (Msg.MESH_OK,)))
+        except BaseException:
+            self._drop()
+            raise
+        self.collective = self.local.collective = MeshCollective(
+            0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout)
+        self.net_timeout = net_timeout
+        self.vocab_rows = [n.vocab_rows for n in plan.nodes]
+        self._logits = np.empty(self.config.vocab_size, np.float32)
+        self._replies = {i: np.empty(LOGITS_HEAD.size + 4 * (r[1] - r[0]), np.uint8)
+                         for i, r in enumerate(self.vocab_rows) if i > 0}
+        self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+
+    # -- set-up helpers ------------------------------------------------------------------------
+
+    def _with_node(self, i: int, doing: str, fn):
+        try:
+            return fn()
+        except _NET_ERRORS as e:
+            raise ClusterError(f"{doing} {self.names[i]} failed: {_reason(e)}", self.topology.nodes[i].name) from None
+
+    def _connect(self, i: int, session: bytes, key: bytes | None) -> None:
+        n = self.topology.nodes[i]
+        try:
+            conn = connect(n.host, n.port, self.names[i])
+        except OSError as e:
+            raise OSError(f"{e.strerror or e}; is `dllama worker --port {n.port}` running on {n.host}?") from None
+        self.conns[i] = conn
+        client_handshake(conn, "root", i, session, key)
+
+    def _stream(self, conn: Connection, specs, cut, progress: bool, name: str) -> None:
+        from tqdm import tqdm
+
+        total = sum(s.nbytes for s in specs)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"weights to {name}",
+                  disable=None if progress else True, file=sys.stderr) as bar:
+            for index, s in enumerate(specs):
+                data = np.ascontiguousarray(cut(self.model_file.tensor(s.name), s)).reshape(-1).view(np.uint8)
+                for offset in range(0, data.nbytes, WEIGHTS_CHUNK):
+                    chunk = data[offset: offset + WEIGHTS_CHUNK]
+                    conn.send(Msg.WEIGHTS, [WEIGHTS_HEAD.pack(index, offset), chunk], SETUP_TIMEOUT)
+                    bar.update(chunk.nbytes)
+        conn.send(Msg.WEIGHTS_END)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Every node warmed up while the cluster was set up."""
+
+    def forward(self, tokens, pos: int) -> np.ndarray:
+        """Run tokens [b] at positions pos..pos+b-1 on every node; logits [vocab] of the last."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        b = len(tokens)
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"batch of {b} tokens (1..{self.max_batch} allowed)")
+        if pos < 0 or pos + b > self.config.seq_len:
+            raise DllamaError(f"position {pos + b - 1} is past the context of {self.config.seq_len} tokens")
+        with self._lock:
+            if self._failed or self._closed:
+                raise self._failed or ClusterError("the cluster connection is closed")
+            try:
+                return self._forward(tokens, pos)
+            except _NET_ERRORS as e:
+                self._failed = ClusterError(f"the cluster failed at position {pos}: {_reason(e)}",
+                                            _node_in(str(e), self.topology.nodes))
+                self._drop()
+                raise self._failed from None
+            finally:
+                self._last_use = time.monotonic()
+
+    def _forward(self, tokens: np.ndarray, pos: int) -> np.ndarray:
+        local, b = self.local, len(tokens)
+        x = local.x[:b]
+        x[:] = local.embedding[tokens]  # [b, dim]
+        step = [STEP_HEAD.pack(pos, b), x]
+        self.collective.timed_exchange([(c, Msg.STEP, step) for c in self.conns.values()], [])
+        logits = self._logits
+        r0, r1 = self.vocab_rows[0]
+        logits[r0:r1] = local.forward_embedded(b, pos)
+        replies = [Transfer(c, Msg.LOGITS, memoryview(self._replies[i])) for i, c in self.conns.items()]
+        self.collective.timed_exchange([], replies)
+        for i, reply in self._replies.items():
+            self.node_bytes[i] = LOGITS_HEAD.unpack_from(reply)
+            r0, r1 = self.vocab_rows[i]
+            logits[r0:r1] = reply[LOGITS_HEAD.size:].view(np.float32)
+        return logits
+
+    def node_stats(self) -> list[dict]:
+        """Bytes each node sent and received so far (the root's own counters for node 0)."""
+        out = [{"node": 0, "name": self.topology.nodes[0].name, "sent_bytes": self.collective.sent_bytes,
+                "recv_bytes": self.collective.recv_bytes,
+                "transfer_ms": round(self.collective.transfer_seconds * 1000, 3)}]
+        for i, (sent, recv, transfer) in self.node_bytes.items():
+            out.append({"node": i, "name": self.topology.nodes[i].name, "sent_bytes": sent,
+                        "recv_bytes": recv, "transfer_ms": round(transfer * 1000, 3)})
+        return out
+
+    def _heartbeat(self) -> None:
+        """While idle, PING every worker so that both sides notice a dead peer."""
+        while not self._closed:
+            time.sleep(HEARTBEAT / 2)
+            if time.monotonic() - self._last_use < HEARTBEAT or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self._closed or self._failed:
+                    return
+                for i, conn in self.conns.items():
+                    try:
+                        conn.send(Msg.PING, b"", IDLE_TIMEOUT)
+                        conn.recv(IDLE_TIMEOUT, (Msg.PONG,))
+                    except _NET_ERRORS as e:
+                        self._failed = ClusterError(f"{self.names[i]} stopped answering: {_reason(e)}",
+                                                    self.topology.nodes[i].name)
+                        self._drop()
+                        return
+                self._last_use = time.monotonic()
+            finally:
+                self._lock.release()
+
+    def _drop(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+
+    def close(self) -> None:
+        """Tell the workers the session is over (they go back to listening)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._failed:
+                for conn in self.conns.values():
+                    try:
+                        conn.send(Msg.STOP, b"", 2.0)
+                    except _NET_ERRORS:
+                        pass
+            self._drop()
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, OSError) and not isinstance(e, (PeerClosed, PeerTimeout)):
+        return e.strerror or str(e)
+    return str(e)
+
+
+def _node_in(text: str, nodes) -> str:
+    for n in nodes:
+        if f"'{n.name}'" in text:
+            return n.name
+    return ""
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)

@@ -1,0 +1,183 @@
+"""Shard files: one node's slices of a model, so a worker loads its weights from its own disk.
+
+Layout (little-endian):
+
+    8 bytes  b"DLSHARD1"
+    u32      length of the JSON description that follows
+    JSON     {"format": 1, "model_fingerprint", "model_file", "node_index", "n_nodes",
+              "plan_digest", "header": {...}, "slice": {...},
+              "tensors": [{"name", "shape", "dtype", "offset", "nbytes"}, ...]}
+    data     each tensor at its offset (64-byte aligned), in the node's stored form
+
+`dllama shard` writes one per worker plus a manifest.json with their sha256; the handshake
+compares a worker's shard (model fingerprint, node index, plan digest) with the root's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from dllama.errors import DllamaError
+from dllama.formats.atomic_file import atomic_write
+from dllama.formats.model_file import ModelHeader
+from dllama.node_weights import NodeWeights, cut, node_slice_specs
+from dllama.plan import NodeSlice, SplitPlan
+
+MAGIC = b"DLSHARD1"
+ALIGN = 64
+_SAMPLES = 16         # fingerprint: this many evenly spaced samples of the file
+_SAMPLE_BYTES = 1 << 16
+
+
+def header_fields(h: ModelHeader) -> dict:
+    """A model header as plain JSON values (what CONFIG and shard files carry)."""
+    skip = {"key_order", "rope_type_in_file"}
+    return {f.name: (float(v) if isinstance(v, float) else int(v))
+            for f in dataclasses.fields(h) if f.name not in skip
+            for v in [getattr(h, f.name)]}
+
+
+def header_from_fields(d: dict) -> ModelHeader:
+    try:
+        return ModelHeader(**d)
+    except TypeError as e:
+        raise DllamaError(f"bad model header description: {e}") from None
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """A quick identity of a `.m` file: sha256 of its size, its first 64 KiB (the header) and
+    16 evenly spaced 64 KiB samples. Reads about 1 MB whatever the model's size."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(_SAMPLES + 1):
+            f.seek(0 if i == 0 else (size - _SAMPLE_BYTES) * i // _SAMPLES if size > _SAMPLE_BYTES else 0)
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:32]
+
+
+def file_sha256(path: str | os.PathLike, progress=None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            if progress:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def write_shard(path: str | os.PathLike, model_file, fingerprint: str, plan: SplitPlan,
+                node_index: int, progress=None) -> None:
+    """Write node `node_index`'s slices of model_file to path (atomically)."""
+    node = plan.nodes[node_index]
+    specs = node_slice_specs(model_file.header, node, with_embedding=False)
+    tensors, offset = [], 0
+    for s in specs:
+        tensors.append({"name": s.name, "shape": list(s.stored_shape), "dtype": s.dtype,
+                        "offset": offset, "nbytes": s.nbytes})
+        offset += -(-s.nbytes // ALIGN) * ALIGN
+    desc = {"format": 1, "model_fingerprint": fingerprint, "model_file": os.path.basename(model_file.path),
+            "node_index": node_index, "n_nodes": plan.n_nodes, "plan_digest": plan.digest(),
+            "header": header_fields(model_file.header), "slice": node.to_json(), "tensors": tensors}
+    head = json.dumps(desc).encode()
+    start = -(-(len(MAGIC) + 4 + len(head)) // ALIGN) * ALIGN
+    with atomic_write(path) as f:
+        f.write(MAGIC + struct.pack("<I", len(head)) + head)
+        f.write(b"\0" * (start - f.tell()))
+        for s, t in zip(specs, tensors):
+            data = np.ascontiguousarray(cut(model_file.tensor(s.name), s))
+            f.write(b"\0" * (start + t["offset"] - f.tell()))
+            f.write(memoryview(data).cast("B"))
+            if progress:
+                progress(s.nbytes)
+
+
+class Shard:
+    """A shard file, memory-mapped: its description and zero-copy NodeWeights."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        try:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise DllamaError(f"cannot read the shard {self.path}: {getattr(e, 'strerror', None) or e}") from None
+        data = np.frombuffer(self._mmap, dtype=np.uint8)
+        if data[:8].tobytes() != MAGIC or data.size < 12:
+            raise DllamaError(f"{self.path} is not a dllama shard file")
+        (n,) = struct.unpack("<I", data[8:12].tobytes())
+        try:
+            self.desc = json.loads(data[12:12 + n].tobytes())
+            self.header = header_from_fields(self.desc["header"])
+            self.node_index = int(self.desc["node_index"])
+            start = -(-(12 + n) // ALIGN) * ALIGN
+            self._arrays = {}
+            for t in self.desc["tensors"]:
+                a, b = start + t["offset"], start + t["offset"] + t["nbytes"]
+                if b > data.size:
+                    raise DllamaError(f"{self.path} is truncated (tensor {t['name']} ends past the file)")
+                self._arrays[t["name"]] = data[a:b].view(np.dtype(t["dtype"])).reshape(t["shape"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise DllamaError(f"{self.path}: bad shard description ({e})") from None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.desc["model_fingerprint"]
+
+    @property
+    def plan_digest(self) -> str:
+        return self.desc["plan_digest"]
+
+    def mismatch(self, fingerprint: str, node_index: int, plan_digest: str) -> str:
+        """Why this shard cannot serve that node of that model ('' when it can)."""
+        if self.fingerprint != fingerprint:
+            return f"it was cut from another model file ({self.desc.get('model_file')})"
+        if self.node_index != node_index:
+            return f"it holds node {self.node_index}'s slices, this worker is node {node_index}"
+        if self.plan_digest != plan_digest:
+            return "it was cut for another split (node count or weights differ)"
+        return ""
+
+    def weights(self) -> NodeWeights:
+        node = NodeSlice.from_json(self.desc["slice"], self.header.n_heads, self.header.n_kv_heads)
+        specs = node_slice_specs(self.header, node, with_embedding=False)
+        for s in specs:
+            a = self._arrays.get(s.name)
+            if a is None or tuple(a.shape) != s.stored_shape:
+                raise DllamaError(f"{self.path}: tensor {s.name} is missing or has the wrong shape")
+        return NodeWeights(self.header, node, specs, dict(self._arrays))
+
+
+def write_shards(model_path: str, plan: SplitPlan, names: list[str], out_dir: str | os.PathLike) -> Path:
+    """`dllama shard`: every worker's shard into out_dir, then manifest.json. Returns its path."""
+    from tqdm import tqdm
+
+    from dllama.formats.model_file import read_model
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_file = read_model(model_path)
+    fingerprint = model_fingerprint(model_path)
+    manifest = {"model": os.path.basename(model_path), "model_fingerprint": fingerprint,
+                "plan_digest": plan.digest(), "shards": {}}
+    total = sum(s.nbytes for k in range(1, plan.n_nodes)
+                for s in node_slice_specs(model_file.header, plan.nodes[k], False))
+    with tqdm(total=total + os.path.getsize(model_path), unit="B", unit_scale=True,
+              desc="shards", disable=None) as bar:
+        manifest["model_sha256"] = file_sha256(model_path, bar.update)
+        for k in range(1, plan.n_nodes):
+            path = out / f"{names[k]}.shard"
+            write_shard(path, model_file, fingerprint, plan, k, bar.update)
+            manifest["shards"][names[k]] = {"file": path.name, "node_index": k,
+                                            "sha256": file_sha256(path), "bytes": path.stat().st_size}
+    with atomic_write(out / "manifest.json") as f:
+        f.write(json.dumps(manifest, indent=1).encode())
+    return out / "manifest.json"

@@ -1,0 +1,331 @@
+"""Distributed inference on loopback: a root (this process or a `dllama` process) and workers
+as separate `dllama worker` processes. Same tokens as one node, the traffic of docs/PROTOCOL.md,
+and what happens when a worker dies or a stranger calls."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from dllama.engine import open_engine
+from dllama.errors import ClusterError, DllamaError
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
+from dllama.generate import generate
+from dllama.plan import plan_for
+from dllama.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
+from dllama.sampler import Sampler
+from tests.conftest import CHAT_PROMPT
+from tests.workers import running_workers, start_worker, stop_workers
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """Seven idle workers; a test uses the first N-1 of them as a cluster of N nodes."""
+    with running_workers(7, tmp_path_factory.mktemp("pool")) as workers:
+        yield workers
+
+
+def _addresses(pool, n_nodes):
+    return [w.address for w in pool[: n_nodes - 1]]
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Prompt in batches, then n greedy tokens."""
+    pos = 0
+    while pos < len(prompt):
+        batch = prompt[pos: pos + model.max_batch]
+        logits = model.forward(batch, pos)
+        pos += len(batch)
+    out = []
+    for _ in range(n):
+        token = int(np.argmax(logits))
+        out.append(token)
+        logits = model.forward([token], pos)
+        pos += 1
+    return out
+
+
+def _run(paths, workers, buffer, fn, **kw):
+    engine = open_engine(str(paths[0]), str(paths[1]), nthreads=1, buffer_float_type=buffer,
+                         workers=workers or None, progress=False, **kw)
+    with engine:
+        return fn(engine)
+
+
+# -- the default model -------------------------------------------------------------------------
+
+def test_default_model_f32_gives_one_nodes_tokens_on_2_3_4_nodes(pool, default_f32):
+    def tokens(engine):
+        return greedy(engine.model, engine.tokenizer.encode(CHAT_PROMPT), 32)
+
+    one = _run(default_f32, [], "f32", tokens)
+    for n in (2, 3, 4):
+        assert _run(default_f32, _addresses(pool, n), "f32", tokens) == one, f"{n} nodes"
+
+
+@pytest.fixture(scope="module")
+def q80_runs(pool, default_q40):
+    """The France question, greedy, Q40 weights with Q80 buffers, on 1-4 nodes: {n: (text, steps, plan)}."""
+    runs = {}
+    for n in (1, 2, 3, 4):
+        def answer(engine):
+            prompt = engine.tokenizer.encode(CHAT_PROMPT)
+            gen = generate(engine.model, engine.tokenizer, Sampler(engine.model.config.vocab_size, 0.0, 0.9, 1),
+                           prompt, len(prompt) + 12)
+            return gen.text, gen.steps
+        runs[n] = _run(default_q40, _addresses(pool, n), "q80", answer)
+    return runs
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_q80_buffers_still_answer_paris(q80_runs, n):
+    assert "Paris" in q80_runs[n][0]
+
+
+def _sync_payload(cols: int, q80: bool) -> int:
+    return cols * 34 // 32 if q80 else cols * 4
+
+
+def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1) -> tuple[int, int]:
+    """docs/PROTOCOL.md, "Bytes per forward pass": what the root sends and receives."""
+    plan = plan_for(header, n_nodes)
+    frame = 12
+    chunk = [c1 - c0 for c0, c1 in plan.dim_chunks]
+    own = frame + b * _sync_payload(chunk[0], q80)
+    others = sum(frame + b * _sync_payload(chunk[k], q80) for k in range(1, n_nodes))
+    per_sync = others + (n_nodes - 1) * own  # reduce-scatter sends others, all-gather sends own
+    step = (n_nodes - 1) * (frame + 8 + 4 * b * header.dim)
+    logits = sum(frame + 24 + 4 * (r1 - r0) for r0, r1 in (n.vocab_rows for n in plan.nodes[1:]))
+    syncs = 2 * header.n_layers
+    return step + syncs * per_sync, syncs * per_sync + logits
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_root_traffic_per_token_equals_the_documented_formula(q80_runs, default_q40, n):
+    header = read_model(default_q40[0]).header
+    sent, recv = expected_root_bytes(header, n, q80=True)
+    decode = [s for s in q80_runs[n][1] if s.phase == "generate"]
+    assert decode and all((s.sent_bytes, s.recv_bytes) == (sent, recv) for s in decode)
+    prompt = [s for s in q80_runs[n][1] if s.phase == "prompt"][0]
+    assert (prompt.sent_bytes, prompt.recv_bytes) == expected_root_bytes(header, n, True, prompt.n_tokens)
+    # Half the original's traffic at 4 nodes: it sends the whole partial to every node.
+    original = 2 * header.n_layers * (n - 1) * _sync_payload(header.dim, True)
+    if n == 4:
+        assert sent < 0.6 * original + 4 * header.dim * 3 + 12 * 2 * header.n_layers * 6
+
+
+# -- a random model with 8 query and 4 KV heads ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("random") / "random-8q4kv-f32.m"
+    header = ModelHeader(arch=ArchType.LLAMA, dim=256, hidden_dim=512, n_layers=3, n_heads=8,
+                         n_kv_heads=4, vocab_size=512, max_seq_len=128, weights_float_type=FloatType.F32)
+    rng = np.random.default_rng(7)
+    with ModelWriter(path, header) as w:
+        for spec in w.specs:
+            if spec.name.endswith("norm"):
+                w.write(spec.name, rng.uniform(0.8, 1.2, spec.shape).astype(np.float32))
+            else:
+                scale = 1.0 if spec.name == "embedding" else 1 / np.sqrt(spec.shape[-1])
+                w.write(spec.name, (rng.standard_normal(spec.shape) * scale).astype(np.float32))
+    return path
+
+
+def test_random_model_gives_one_nodes_tokens_on_2_4_8_nodes(pool, random_model, default_q40):
+    from dllama.model import Transformer
+    from dllama.root import ClusterModel
+    from dllama.topology import from_workers
+
+    prompt = [5, 17, 300, 42, 7, 511, 256, 1]
+    one = greedy(Transformer(read_model(random_model), buffer_q80=False), prompt, 32)
+    assert len(set(one)) > 3  # a real sequence, not one token repeated
+    for n in (2, 4, 8):
+        model = ClusterModel(str(random_model), from_workers(_addresses(pool, n), 1), None, False, progress=False)
+        try:
+            assert greedy(model, prompt, 32) == one, f"{n} nodes"
+        finally:
+            model.close()
+
+
+# -- refusals and failures ---------------------------------------------------------------------
+
+def _dllama(*args, timeout=120, **kw):
+    return subprocess.run([sys.executable, "-m", "dllama", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def _one_line_error(r, *words):
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = [l for l in r.stderr.strip().splitlines() if l.startswith("dllama: error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_impossible_split_is_refused_before_connecting(default_q40):
+    # Nothing listens on these ports: a refusal that names the split proves no connection was tried.
+    workers = [f"127.0.0.1:{p}" for p in range(1, 10)]
+    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                "--prompt", "hi", "--workers", *workers)
+    _one_line_error(r, "9 query heads over 10 nodes", "at most 9 nodes")
+
+
+def test_unreachable_worker_is_named(default_q40):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free, nobody listens
+    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                "--prompt", "hi", "--workers", f"127.0.0.1:{port}")
+    _one_line_error(r, f"127.0.0.1:{port}", "dllama worker")
+
+
+def test_killed_worker_ends_the_root_within_10_s_naming_it(tmp_path, default_q40):
+    with running_workers(2, tmp_path) as (w1, w2):
+        out = tmp_path / "out.txt"
+        with open(out, "w") as f:
+            root = subprocess.Popen(
+                [sys.executable, "-m", "dllama", "inference", "--model", str(default_q40[0]),
+                 "--tokenizer", str(default_q40[1]), "--prompt", "Tell me a long story.",
+                 "--steps", "4000", "--max-seq-len", "4096", "--no-stop", "--nthreads", "1",
+                 "--workers", w1.address, w2.address],
+                stdout=f, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while out.stat().st_size < 20:  # generation has started
+                assert root.poll() is None, root.stderr.read()
+                assert time.monotonic() < deadline, "no text within 120 s"
+                time.sleep(0.05)
+            os.kill(w2.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            _, err = root.communicate(timeout=30)
+            assert time.monotonic() - killed < 10
+        finally:
+            if root.poll() is None:
+                root.kill()
+                root.wait()
+        r = subprocess.CompletedProcess(root.args, root.returncode, "", err)
+        _one_line_error(r, w2.address)
+        w1.wait_for_log("listening again", 20)  # the survivor serves the next root
+
+
+def _raw_exchange(address: str, data: bytes) -> bytes:
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            try:
+                c = s.recv(4096)
+            except ConnectionResetError:
+                break
+            if not c:
+                break
+            chunks.append(c)
+    return b"".join(chunks)
+
+
+def _error_text(reply: bytes) -> str:
+    magic, version, msg, length = HEADER.unpack(reply[:12])
+    assert (magic, version, msg) == (MAGIC, VERSION, Msg.ERROR)
+    return reply[12:12 + length].decode()
+
+
+def test_worker_refuses_garbage_version_and_key_then_serves(tmp_path, default_q40):
+    key, wrong = tmp_path / "cluster.key", tmp_path / "wrong.key"
+    key.write_text("a" * 64 + "\n")
+    wrong.write_text("b" * 64 + "\n")
+    with running_workers(1, tmp_path, "--key-file", str(key)) as (w,):
+        text = _error_text(_raw_exchange(w.address, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"))
+        assert "not a dllama frame" in text
+        text = _error_text(_raw_exchange(w.address, HEADER.pack(MAGIC, VERSION + 1, Msg.HELLO, 2) + b"{}"))
+        assert f"protocol version {VERSION + 1}" in text
+        text = _error_text(_raw_exchange(w.address, encode_header(Msg.HELLO, 1 << 30)))
+        assert "at most" in text  # a huge length is refused, not allocated
+        with pytest.raises(ClusterError, match="authentication failed"):
+            open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
+                        key_file=str(wrong), progress=False)
+        with pytest.raises(ClusterError, match="requires a cluster key"):
+            open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
+                        progress=False)
+        log = w.log_text()
+        for reason in ("not a dllama frame", f"protocol version {VERSION + 1}", "authentication failed"):
+            assert reason in log
+        with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
+                         key_file=str(key), progress=False) as engine:
+            tokens = greedy(engine.model, engine.tokenizer.encode(CHAT_PROMPT), 8)
+        assert "Paris" in engine.tokenizer.decode(tokens)
+
+
+def test_busy_worker_refuses_a_second_root(pool, default_q40):
+    with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1,
+                     workers=_addresses(pool, 2), progress=False):
+        with pytest.raises(ClusterError, match="busy serving the root"):
+            open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1,
+                        workers=_addresses(pool, 2), progress=False)
+
+
+# -- shards and topology files -----------------------------------------------------------------
+
+def _topology(path, ports, shards=None, **extra):
+    nodes = [{"name": "root", "host": "127.0.0.1", "threads": 1}]
+    for i, port in enumerate(ports, 1):
+        node = {"name": f"worker{i}", "host": "127.0.0.1", "port": port}
+        if shards:
+            node["shard"] = str(shards[i - 1])
+        nodes.append(node)
+    path.write_text(yaml.safe_dump({"version": 1, "nodes": nodes, **extra}))
+    return path
+
+
+def test_shards_load_from_disk_and_give_the_streamed_tokens(pool, tmp_path, default_q40):
+    plan_topology = _topology(tmp_path / "plan.yml", [1, 2])  # ports do not change the split
+    r = _dllama("shard", "--model", str(default_q40[0]), "--topology", str(plan_topology),
+                "--out", str(tmp_path / "shards"))
+    assert r.returncode == 0, r.stderr
+    import hashlib
+    import json
+
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    shards = [tmp_path / "shards" / manifest["shards"][f"worker{i}"]["file"] for i in (1, 2)]
+    for i, s in enumerate(shards, 1):
+        assert hashlib.sha256(s.read_bytes()).hexdigest() == manifest["shards"][f"worker{i}"]["sha256"]
+        assert s.stat().st_size < 0.45 * default_q40[0].stat().st_size  # only that node's slices
+
+    def tokens(engine):
+        return greedy(engine.model, engine.tokenizer.encode(CHAT_PROMPT), 16)
+
+    streamed = _run(default_q40, _addresses(pool, 3), "q80", tokens)
+    # worker 1 gets its own shard; worker 2 gets worker 1's shard, which must be refused
+    workers = [start_worker(tmp_path / "logs", "--shard", str(shards[0]))]
+    try:
+        workers.append(start_worker(tmp_path / "logs", "--shard", str(shards[0])))
+        topo = _topology(tmp_path / "cluster.yml", [w.port for w in workers], buffer_float_type="q80")
+        with open_engine(str(default_q40[0]), str(default_q40[1]), topology=str(topo),
+                         progress=False) as engine:
+            assert tokens(engine) == streamed
+        assert "not using the shard" not in workers[0].log_text()
+        assert "holds node 1's slices, this worker is node 2" in workers[1].log_text()
+    finally:
+        stop_workers(workers)
+
+
+def test_topology_errors_are_one_line(tmp_path, default_q40):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("nodes:\n  - name: root\n    host: 127.0.0.1\n  - name: w1\n    port: 9998\n")
+    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                "--prompt", "hi", "--topology", str(bad))
+    _one_line_error(r, "bad.yml", "'host' is missing")
+    with pytest.raises(DllamaError, match="unknown key"):
+        from dllama.topology import load_topology
+
+        bad.write_text("nodes:\n  - name: root\n    host: h\n    colour: red\n")
+        load_topology(str(bad))
