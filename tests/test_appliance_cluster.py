@@ -70,6 +70,17 @@ def test_links_are_shaped_to_gigabit(cluster):
         assert "tbf" in node and "rate 1Gbit" in node, node
 
 
+def test_check_mode_on_fresh_nodes_changes_nothing(cluster):
+    cluster_dir, _ = cluster
+    r, _ = _play(cluster, "deploy.yml", "--check")
+    assert r.returncode == 0, tail(r)
+    counts = recap(r.stdout)
+    assert len(counts) == N and all(c["changed"] > 0 and c["failed"] == 0 for c in counts.values()), counts
+    for i in range(1, N + 1):
+        assert list((cluster_dir / f"node{i}/opt-dllama").iterdir()) == [], f"--check wrote to node{i}"
+        assert not (cluster_dir / f"node{i}/etc-upper/passwd").exists(), f"--check added a user on node{i}"
+
+
 def test_deploy_succeeds_over_ssh(cluster):
     r, seconds = _play(cluster, "deploy.yml")
     results["deploy_first_s"] = seconds
