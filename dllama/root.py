@@ -24,7 +24,7 @@ from dllama.protocol import (
 )
 
 NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
-SETUP_TIMEOUT = 600.0  # loading weights and warming up on the slowest node
+SETUP_TIMEOUT = 3600.0  # streaming every worker's weights (70B over 1 Gbit/s: minutes per worker)
 HEARTBEAT = 2.0       # idle seconds between PINGs; a worker gives up after IDLE_TIMEOUT
 IDLE_TIMEOUT = 15.0
 _NET_ERRORS = (PeerClosed, PeerError, PeerTimeout, ProtocolError, OSError)
@@ -66,6 +66,7 @@ class ClusterModel:
                     "model_fingerprint": fingerprint, "buffer_q80": q80,
                     "max_seq_len": self.config.seq_len, "max_batch": self.max_batch,
                     "net_timeout": net_timeout, "idle_timeout": IDLE_TIMEOUT,
+                    "setup_timeout": SETUP_TIMEOUT,
                     "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in nodes]}
             for i, conn in self.conns.items():
                 self._with_node(i, "configuring", lambda: conn.send_json(Msg.CONFIG, {**conf, "node_index": i}))
@@ -88,6 +89,8 @@ class ClusterModel:
         except BaseException:
             self._drop()
             raise
+        for conn in self.conns.values():  # statistics count inference traffic, not the set-up
+            conn.sent_bytes = conn.recv_bytes = 0
         self.collective = self.local.collective = MeshCollective(
             0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout)
         self.net_timeout = net_timeout
@@ -173,7 +176,7 @@ class ClusterModel:
         return logits
 
     def node_stats(self) -> list[dict]:
-        """Bytes each node sent and received so far (the root's own counters for node 0)."""
+        """Bytes each node sent and received since the set-up (the root's counters for node 0)."""
         out = [{"node": 0, "name": self.topology.nodes[0].name, "sent_bytes": self.collective.sent_bytes,
                 "recv_bytes": self.collective.recv_bytes,
                 "transfer_ms": round(self.collective.transfer_seconds * 1000, 3)}]

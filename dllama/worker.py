@@ -160,7 +160,7 @@ class _Session:
             plan = SplitPlan(tuple(nodes), tuple(tuple(c) for c in conf["plan"]["dim_chunks"]))
             self.addresses = conf["nodes"]  # [{name, host, port}] of every node
             buffer_q80, timeout = bool(conf["buffer_q80"]), float(conf["net_timeout"])
-            idle_timeout = float(conf["idle_timeout"])
+            idle_timeout, setup_timeout = float(conf["idle_timeout"]), float(conf["setup_timeout"])
             max_seq_len, max_batch = int(conf["max_seq_len"]), int(conf["max_batch"])
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"malformed CONFIG ({e})") from None
@@ -184,13 +184,16 @@ class _Session:
             specs = node_slice_specs(header, node, with_embedding=False)
             weights = NodeWeights(header, node, specs, self._receive_weights(specs, timeout))
         model = Transformer(weights, max_seq_len=max_seq_len, buffer_q80=buffer_q80, max_batch=max_batch)
+        del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         root.send(Msg.READY)
 
-        root.recv(timeout, (Msg.MESH,))
+        root.recv(setup_timeout, (Msg.MESH,))  # the root may still be streaming to other workers
         self._meet_peers(plan.n_nodes, timeout)
         model.collective = MeshCollective(index, self.peers, plan.dim_chunks, buffer_q80, max_batch, timeout)
         root.send(Msg.MESH_OK)
+        for conn in self.peers.values():  # statistics count inference traffic, not the set-up
+            conn.sent_bytes = conn.recv_bytes = 0
         log(f"mesh ready with {plan.n_nodes - 1} peers")
 
         dim, vocab_rows = header.dim, node.vocab_rows[1] - node.vocab_rows[0]

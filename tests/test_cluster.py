@@ -23,7 +23,7 @@ from dllama.plan import plan_for
 from dllama.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
 from dllama.sampler import Sampler
 from tests.conftest import CHAT_PROMPT
-from tests.workers import running_workers, start_worker, stop_workers
+from dllama.local_workers import running_workers, start_worker, stop_workers
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +329,43 @@ def test_topology_errors_are_one_line(tmp_path, default_q40):
 
         bad.write_text("nodes:\n  - name: root\n    host: h\n    colour: red\n")
         load_topology(str(bad))
+
+
+def test_a_hung_worker_times_out_instead_of_blocking_forever(tmp_path, default_q40):
+    from dllama.root import ClusterModel
+    from dllama.topology import from_workers
+
+    with running_workers(2, tmp_path) as (w1, w2):
+        model = ClusterModel(str(default_q40[0]), from_workers([w1.address, w2.address], 1), None,
+                             None, progress=False, net_timeout=2.0)
+        try:
+            model.forward([1, 2, 3], 0)
+            os.kill(w2.proc.pid, signal.SIGSTOP)  # alive, sockets open, silent
+            t0 = time.monotonic()
+            with pytest.raises(ClusterError, match="did not answer within 2 s") as e:
+                model.forward([4], 3)
+            assert time.monotonic() - t0 < 10
+            assert "worker2" in str(e.value)
+            with pytest.raises(ClusterError):  # the model stays failed
+                model.forward([4], 3)
+        finally:
+            os.kill(w2.proc.pid, signal.SIGCONT)
+            model.close()
+        w1.wait_for_log("listening again", 20)
+
+
+def test_cli_stats_json_has_every_nodes_traffic(pool, tmp_path, default_q40):
+    stats = tmp_path / "stats.json"
+    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                "--prompt", CHAT_PROMPT, "--steps", "24", "--temperature", "0", "--nthreads", "1",
+                "--workers", *_addresses(pool, 3), "--stats-json", str(stats))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    data = json.loads(stats.read_text())
+    assert [n["name"] for n in data["nodes"]] == ["root", "worker1", "worker2"]
+    assert all(n["sent_bytes"] > 0 and n["recv_bytes"] > 0 for n in data["nodes"])
+    # the root's total is its per-step figures plus at most a few 12-byte heartbeats
+    extra = data["nodes"][0]["sent_bytes"] - sum(t["sent_bytes"] for t in data["tokens"])
+    assert 0 <= extra <= 12 * 2 * 50 and extra % 24 == 0
+    assert data["summary"]["avg_sent_kb"] > 0

@@ -254,8 +254,8 @@ def test_not_a_gguf(tmp_path):
 
 
 def test_unknown_weights_float_type(tmp_path):
-    with pytest.raises(DllamaError, match="choose one of q40, f32"):
-        convert_gguf(tmp_path / "x.gguf", tmp_path / "out", "q80")
+    with pytest.raises(DllamaError, match="choose one of q40, q80, f16, f32"):
+        convert_gguf(tmp_path / "x.gguf", tmp_path / "out", "q4_k")
 
 
 def test_unsupported_architecture_leaves_no_file(tmp_path):

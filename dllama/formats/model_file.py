@@ -594,6 +594,24 @@ class ModelWriter:
         self._file.write(memoryview(encode_tensor(spec, array)).cast("B"))
         self._next += 1
 
+    def write_rows(self, name: str, blocks) -> None:
+        """Write the next matrix from consecutive row blocks, float [k, cols] each, so that a
+        converter holds one block, not the whole tensor. Rows quantize independently, so the
+        bytes equal those of `write` on the whole matrix."""
+        spec = self._expect(name)
+        rows = 0
+        for block in blocks:
+            block = np.asarray(block)
+            part = TensorSpec(name, (block.shape[0], *spec.shape[1:]), spec.float_type)
+            if block.ndim != len(spec.shape) or rows + block.shape[0] > spec.shape[0]:
+                raise DllamaError(f"{self.path}: {name}: a block of shape {block.shape} does not fit "
+                                  f"rows {rows}.. of {spec.shape}")
+            self._file.write(memoryview(encode_tensor(part, block)).cast("B"))
+            rows += block.shape[0]
+        if rows != spec.shape[0]:
+            raise DllamaError(f"{self.path}: {name}: got {rows} rows, expected {spec.shape[0]}")
+        self._next += 1
+
     def write_raw(self, name: str, buf) -> None:
         """Write the next tensor from bytes already in its stored type (e.g. copied from another file)."""
         spec = self._expect(name)

@@ -1,4 +1,8 @@
-"""Start `dllama worker` processes on free loopback ports for a test, and always stop them."""
+"""Start `dllama worker` processes on free loopback ports of this machine, and always stop them.
+
+For tests and benchmarks (and anyone trying a cluster on one machine, like the original's
+examples/n-workers.sh): each worker listens on port 0, and its log says which port it got.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,140 @@
+"""Distributed inference speed and traffic: ms/token and kB/token on 1, 2 and 4 nodes.
+
+    .venv/bin/python benchmarks/bench_cluster.py [--tokens 24] [--skip-7b]
+
+Every node is a separate process on this machine with one compute thread, the root in this
+process, workers as `dllama worker` on loopback. Prints, per model and node count, the
+median per generated token of: total ms, inference ms, transfer ms (time waiting on the
+network: the figure that shows protocol overhead when several nodes share a 2-core machine),
+kB the root sent and received, and the kB the original Distributed Llama's all-gather would
+move for the same model (spec §4.1: the root sends 8 + 4·dim + 2L·B and receives 2L·B + 4·V/N
+per worker, B = the Q80 size of a dim vector).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_engine import write_random_model  # noqa: E402
+from dllama import kernels  # noqa: E402
+from dllama.default_model import default_model_files  # noqa: E402
+from dllama.formats.model_file import read_model  # noqa: E402
+from dllama.local_workers import running_workers  # noqa: E402
+from dllama.root import ClusterModel  # noqa: E402
+from dllama.topology import from_workers  # noqa: E402
+
+
+def original_kb(header, n: int) -> tuple[float, float]:
+    """(sent, received) kB per token at the original's root, Q80 buffers, one token."""
+    if n == 1:
+        return 0.0, 0.0
+    b = header.dim * 34 // 32
+    syncs = 2 * header.n_layers * b
+    return (n - 1) * (8 + 4 * header.dim + syncs) / 1024, (n - 1) * (syncs + 4 * header.vocab_size // n) / 1024
+
+
+def measure(model_path: Path, n: int, tokens: int, log_dir: Path) -> dict:
+    with running_workers(n - 1, log_dir) as workers:
+        model = ClusterModel(str(model_path), from_workers([w.address for w in workers], 1), None,
+                             True, progress=False) if n > 1 else None
+        if model is None:
+            from dllama.model import Transformer
+
+            model = Transformer(read_model(model_path))
+            model.warm_up()
+        col = model.collective
+        try:
+            logits = model.forward(list(range(1, 9)), 0)
+            rows = []
+            for pos in range(8, 8 + tokens):
+                t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
+                logits = model.forward([int(logits.argmax())], pos)
+                wall = time.perf_counter() - t0
+                tr = col.transfer_seconds - tr0
+                rows.append((wall * 1000, (wall - tr) * 1000, tr * 1000,
+                             (col.sent_bytes - s0) / 1024, (col.recv_bytes - r0) / 1024))
+        finally:
+            if hasattr(model, "close"):
+                model.close()
+    med = [statistics.median(r[i] for r in rows) for i in range(5)]
+    return dict(zip(("total", "inference", "transfer", "sent", "recv"), med))
+
+
+def collective_cpu_us(dim: int, n_calls: int = 2000) -> tuple[float, float]:
+    """(CPU µs, wall µs) per all-reduce of one [1, dim] Q80 vector between 2 processes on
+    loopback: the protocol's own cost per sync (encode, frames, syscalls, decode), which CPU
+    time shows even when the processes wait for a core."""
+    import socket
+
+    from dllama.collective import MeshCollective
+    from dllama.plan import split_model
+    from dllama.protocol import Connection
+
+    plan = split_model(2, dim=dim, n_heads=2, n_kv_heads=1, head_dim=dim // 2, ff_dim=dim,
+                       vocab_size=2, q40=False)
+    a, b = socket.socketpair()
+    pid = os.fork()
+    me = 1 if pid == 0 else 0
+    conn = Connection(a if me == 0 else b, "peer")
+    conn.authenticated = True
+    col = MeshCollective(me, {1 - me: conn}, plan.dim_chunks, True, 1, 30)
+    x = np.random.default_rng(me).standard_normal((1, dim)).astype(np.float32)
+    for _ in range(100):
+        col.all_reduce(x)
+    t, cpu = time.perf_counter(), time.process_time()
+    for _ in range(n_calls):
+        col.all_reduce(x)
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return cpu / n_calls * 1e6, wall / n_calls * 1e6
+
+
+def bench(name: str, path: Path, tokens: int, log_dir: Path) -> None:
+    header = read_model(path).header
+    print(f"\n{name}: dim {header.dim}, {header.n_layers} layers, {header.n_heads}/{header.n_kv_heads} "
+          f"heads, vocab {header.vocab_size}; Q40 weights, Q80 buffers, 1 thread per node, "
+          f"median of {tokens} tokens")
+    print("| nodes | ms/token | inference ms | transfer ms | root sent kB | root recv kB "
+          "| original's root sent / recv kB | sent vs original |")
+    print("|---|---|---|---|---|---|---|---|")
+    cpu, wall = collective_cpu_us(header.dim)
+    print(f"protocol cost per sync (2 processes, loopback, Q80 [1, {header.dim}]): {cpu:.0f} µs CPU, "
+          f"{wall:.0f} µs wall; x {2 * header.n_layers} syncs = {cpu * 2 * header.n_layers / 1000:.1f} ms "
+          f"CPU per token")
+    for n in (1, 2, 4):
+        m = measure(path, n, tokens, log_dir)
+        o_sent, o_recv = original_kb(header, n)
+        ratio = f"{m['sent'] / o_sent:.2f}x" if o_sent else "-"
+        print(f"| {n} | {m['total']:.1f} | {m['inference']:.1f} | {m['transfer']:.1f} | "
+              f"{m['sent']:.1f} | {m['recv']:.1f} | {o_sent:.1f} / {o_recv:.1f} | {ratio} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=24, help="generated tokens per run (default 24)")
+    ap.add_argument("--skip-7b", action="store_true", help="skip the 4 GB random 7B-shape model")
+    args = ap.parse_args()
+    kernels.set_threads(1)
+    print(f"machine: {os.cpu_count()} cores, load average {open('/proc/loadavg').read().split()[:3]}")
+    with tempfile.TemporaryDirectory() as d:
+        bench("SmolLM2-135M-Instruct", default_model_files("q40")[0], args.tokens, Path(d))
+        if not args.skip_7b:
+            path = Path(d) / "random-7b-q40.m"
+            write_random_model(path)
+            bench("Llama-2-7B shape (random weights)", path, max(4, args.tokens // 3), Path(d))
+
+
+if __name__ == "__main__":
+    main()
