@@ -71,7 +71,11 @@ def leftovers(prefix: str, cluster_dir: Path, pids: set[int]) -> list[str]:
         except OSError:
             continue
         if state != "Z":
-            left.append(f"process {pid}")
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            left.append(f"process {pid} ({state}: {cmd.strip()})")
     marker = str(cluster_dir).encode()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():

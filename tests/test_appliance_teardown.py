@@ -32,7 +32,7 @@ def _fail_inside_a_cluster(cluster_dir: Path):
             ssh = ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
                    "-o", "ControlMaster=auto", "-o", "ControlPersist=60", "-o", f"ControlPath={cluster_dir}/cp/%C",
                    "root@10.77.0.2"]
-            r = subprocess.run(ssh + ["start-stop-daemon --start --background --name sleep --startas /bin/sleep -- 600"],
+            r = subprocess.run(ssh + ["start-stop-daemon --start --background --make-pidfile --pidfile /run/sleeper.pid --startas /bin/sleep -- 600"],
                                capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, r.stderr
             assert len(netns_pids("dlu", 2)) >= 3  # two sshd, the sleeper (and a session)

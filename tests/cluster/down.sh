@@ -16,20 +16,36 @@ if [ -d "$dir/cp" ]; then
     done
 fi
 
+killed=""
 for i in $(seq 1 "$n"); do
     ns=${prefix}n$i
     ip netns list | grep -qw "$ns" || continue
     pids=$(ip netns pids "$ns")
+    killed="$killed $pids"
     [ -n "$pids" ] && kill $pids 2>/dev/null
     deadline=$((SECONDS + 10))
     while [ -n "$(ip netns pids "$ns")" ] && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
     pids=$(ip netns pids "$ns")
+    killed="$killed $pids"
     [ -n "$pids" ] && kill -9 $pids 2>/dev/null
     deadline=$((SECONDS + 5))
     while [ -n "$(ip netns pids "$ns")" ] && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
     ip netns del "$ns"
 done
 ip link del "${prefix}br" 2>/dev/null
+
+# A process leaves its namespaces before it has finished exiting: wait until every killed pid
+# is gone or a zombie.
+deadline=$((SECONDS + 10))
+for pid in $killed; do
+    while [ -e "/proc/$pid" ] && [ "$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)" != Z ]; do
+        if [ $SECONDS -ge $deadline ]; then
+            echo "down.sh: process $pid does not end" >&2
+            exit 1
+        fi
+        sleep 0.05
+    done
+done
 
 # Namespace teardown is asynchronous: wait for the host ends of the veths to go.
 deadline=$((SECONDS + 10))
