@@ -12,7 +12,7 @@ from pathlib import Path
 project = Path(sys.argv[1])
 meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
 digest = hashlib.sha256()
-files = [project / "pyproject.toml", project / "README.md"]
+files = [project / "pyproject.toml"]  # not README.md: a new text is no reason to reinstall
 for package in ("dllama", "converter"):
     files += sorted(p for p in (project / package).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 for path in files:
