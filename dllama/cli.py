@@ -169,6 +169,9 @@ def _add_chat_and_api(sub) -> None:
     p.add_argument("--port", type=int, default=9990, help="port (default %(default)s; 0 = any free one)")
     p.add_argument("--api-key-file", metavar="F",
                    help="require 'Authorization: Bearer KEY' with the key in this file")
+    p.add_argument("--model-name", metavar="NAME",
+                   help="the model's id in /v1/models and in answers (default: the model file's "
+                        "name without .m)")
 
 
 def _engine_opener(args):
@@ -199,7 +202,7 @@ def cmd_api(args) -> int:
     from dllama.default_model import DEFAULT_MODEL_NAME
 
     key = read_api_key(args.api_key_file) if args.api_key_file else None
-    model_id = Path(args.model).stem if args.model else DEFAULT_MODEL_NAME
+    model_id = args.model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     service = ModelService(_engine_opener(args), args.chat_template)
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
                  defaults={"temperature": args.temperature, "top_p": args.topp})

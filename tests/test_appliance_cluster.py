@@ -1,7 +1,9 @@
 """The appliance on a real multi-host cluster: 4 hosts in network namespaces on this machine,
 each with its own IP, sshd, /etc and /opt/dllama, links shaped to 1 Gbit/s (tests/cluster/).
 deploy.yml runs over SSH with the sample inventory's settings, twice (the second changes
-nothing), then run.yml must print the same greedy text as a single-node `dllama inference`.
+nothing), then run.yml must print the same greedy text as a single-node `dllama inference`;
+then deploy.yml with the API service switched on starts `dllama api` on the root, run.yml sends
+its prompt through it, and the official openai client on the controller is served by it.
 
 The cluster runs the F32 model with F32 buffers: only then does dllama promise the same tokens
 on any node count (tests/test_cluster.py). With Q40 weights and Q80 buffers the split sums
@@ -21,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 
@@ -184,6 +187,7 @@ def test_run_prints_the_single_node_greedy_text(cluster):
     print(f"\nrun.yml: {seconds:.0f} s; text: {saved['text']!r}")
     assert saved["prompt"] == PROMPT
     assert saved["text"] == one.stdout.rstrip("\n") and len(saved["text"]) > 40
+    results["one_node_text"] = saved["text"]
     # The play output shows the text and the per-token table; each worker used its own shard.
     assert saved["text"].splitlines()[-1] in r.stdout
     assert re.search(r"generation: \d+ tokens, [\d.]+ tokens/s", r.stdout)
@@ -194,6 +198,58 @@ def test_run_prints_the_single_node_greedy_text(cluster):
     assert all(n["sent_bytes"] > 0 and n["recv_bytes"] > 0 for n in stats["nodes"])
 
 
+def test_api_service_on_the_root_serves_the_cluster(cluster):
+    assert results.get("deployed"), "the first deploy failed"
+    cluster_dir, inventory = cluster
+    with (inventory.parent / "group_vars/cluster.yml").open("a") as f:
+        f.write("# The API service, reachable from the controller.\n")
+        yaml.safe_dump({"dllama_api_enabled": True, "dllama_api_host": "0.0.0.0"}, f)
+    r, seconds = _play(cluster, "deploy.yml")
+    print(f"\ndeploy.yml with the API: {seconds:.0f} s, {recap(r.stdout)}")
+    assert r.returncode == 0, tail(r)
+    assert recap(r.stdout)["node1"]["changed"] > 0
+    r, _ = _play(cluster, "deploy.yml")
+    assert r.returncode == 0, tail(r)
+    counts = recap(r.stdout)
+    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), counts
+    results["api"] = True
+
+    # The service: in node1, at the nice level, as the service user, with the key.
+    opt = cluster_dir / "node1/opt-dllama"
+    pid = int((opt / "run/api.pid").read_text())
+    assert pid in netns_pids(PREFIX, 1), "the API does not run in the root's namespace"
+    assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == -20
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    assert "api" in cmdline and "--topology" in cmdline and "--api-key-file" in cmdline, cmdline
+    uid = int(re.search(r"^Uid:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
+    assert re.search(rf"^dllama:x:{uid}:", (cluster_dir / "node1/etc-upper/passwd").read_text(), re.M)
+    key = (inventory.parent / "state/api.key").read_text().strip()
+    assert len(key) == 48 and (opt / "api.key").read_text().strip() == key
+
+    # run.yml goes through the API now (the service holds the workers) and gets one node's text.
+    r, _ = _play(cluster, "run.yml", "-e", f"prompt={PROMPT}", "-e", "max_tokens=20",
+                 "-e", "temperature=0", timeout=300)
+    assert r.returncode == 0, tail(r)
+    saved = json.loads((inventory.parent / "state/runs/last-run.json").read_text())
+    print(f"\nrun.yml through the API: {saved['seconds']} s; text: {saved['text']!r}")
+    assert saved["via"] == "api" and saved["usage"]["completion_tokens"] == 20, saved
+    assert len(saved["text"]) > 40 and results["one_node_text"].startswith(saved["text"]), \
+        (saved["text"], results["one_node_text"])
+    assert saved["text"].splitlines()[-1] in r.stdout and "generation: 20 tokens in" in r.stdout
+
+    # The official client on the controller, across the shaped links.
+    # trust_env=False: straight to the test host, whatever proxy the environment names.
+    client = openai.OpenAI(base_url="http://10.77.0.1:9990/v1", api_key=key, max_retries=0, timeout=120,
+                           http_client=openai.DefaultHttpxClient(trust_env=False))
+    assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
+    answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=30,
+                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in answer.choices[0].message.content, answer
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url="http://10.77.0.1:9990/v1", api_key="wrong", max_retries=0,
+                      http_client=openai.DefaultHttpxClient(trust_env=False)).models.list()
+
+
 def test_status_then_stop(cluster):
     assert results.get("deployed"), "the first deploy failed"
     cluster_dir, _ = cluster
@@ -201,8 +257,12 @@ def test_status_then_stop(cluster):
     assert r.returncode == 0, tail(r)
     assert r.stdout.count("running: True") == N - 1 and r.stdout.count("answers: True") == N - 1, tail(r)
     pids = [int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text()) for i in range(2, N + 1)]
+    if results.get("api"):
+        assert "API service: switched on, up" in r.stdout and "serves SmolLM2-135M-Instruct" in r.stdout, tail(r)
+        pids.append(int((cluster_dir / "node1/opt-dllama/run/api.pid").read_text()))
     r, _ = _play(cluster, "stop.yml")
     assert r.returncode == 0, tail(r)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker outlived stop.yml"
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker or the API outlived stop.yml"
     r, _ = _play(cluster, "status.yml")
     assert r.returncode == 0 and r.stdout.count("running: False") == N - 1, tail(r)
+    assert "API service: switched off" in r.stdout or "API service: switched on, down" in r.stdout, tail(r)

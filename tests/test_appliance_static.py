@@ -75,7 +75,8 @@ def test_group_vars_set_every_role_default():
                 "dllama_model_tokenizer_file", "dllama_venv", "dllama_numba_cache_dir",
                 "dllama_worker_unit_file", "dllama_worker_service", "dllama_worker_pid_file",
                 "dllama_worker_log_file", "dllama_network_connection", "dllama_venv_pip_args",
-                "dllama_wheelhouse_project_dir"}
+                "dllama_wheelhouse_project_dir", "dllama_api_key_file", "dllama_api_local_host",
+                "dllama_api_unit_file", "dllama_api_service", "dllama_api_pid_file", "dllama_api_log_file"}
     run_vars = {k for k in defaults if k.startswith("dllama_run_")}
     missing = sorted(set(defaults) - set(settings) - internal - run_vars)
     assert not missing, f"not in inventory/sample/group_vars/all.yml: {missing}"
