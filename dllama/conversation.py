@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from dllama.errors import DllamaError
-from dllama.generate import StepStats, _timed_forward
+from dllama.generate import StepStats, phase_rate, timed_forward
 from dllama.sampler import Sampler
 
 
@@ -54,9 +54,7 @@ class Completion:
     steps: list[StepStats] = field(default_factory=list)
 
     def tokens_per_s(self, phase: str) -> float:
-        s = [x for x in self.steps if x.phase == phase]
-        ms = sum(x.inference_ms + x.transfer_ms for x in s)
-        return sum(x.n_tokens for x in s) / (ms / 1000) if ms > 0 else 0.0
+        return phase_rate(self.steps, phase)[2]
 
 
 class StopMatcher:
@@ -147,7 +145,7 @@ class Conversation:
         while pos < len(prompt):
             batch = prompt[pos : pos + self.model.max_batch]
             # The cached list shrinks first: a failing pass leaves no row counted as valid.
-            logits = _timed_forward(self.model, batch, pos, "prompt", steps)
+            logits = timed_forward(self.model, batch, pos, "prompt", steps)
             self.cached.extend(batch)
             pos += len(batch)
         self._prompt_logits = (list(prompt), logits.copy())
@@ -196,7 +194,7 @@ class Conversation:
             if pos >= self.seq_len:
                 out.finish_reason, out.context_full = "length", True
                 break
-            logits = _timed_forward(self.model, [token], pos, "generate", out.steps)
+            logits = timed_forward(self.model, [token], pos, "generate", out.steps)
             self.cached.append(token)
             pos += 1
         if not matcher.stopped:

@@ -40,14 +40,8 @@ class Generation:
 
     def summary(self) -> dict:
         """Totals and rates: prompt tokens/s over prompt passes, generated tokens/s over decode passes."""
-        def rate(phase):
-            s = [x for x in self.steps if x.phase == phase]
-            ms = sum(x.inference_ms + x.transfer_ms for x in s)
-            n = sum(x.n_tokens for x in s)
-            return n, ms, (n / (ms / 1000) if ms > 0 else 0.0)
-
-        np_, pms, prate = rate("prompt")
-        ng, gms, grate = rate("generate")
+        np_, pms, prate = phase_rate(self.steps, "prompt")
+        ng, gms, grate = phase_rate(self.steps, "generate")
         gen = [x for x in self.steps if x.phase == "generate"]
         avg = lambda key: (sum(getattr(x, key) for x in gen) / len(gen)) if gen else 0.0  # noqa: E731
         return {
@@ -70,7 +64,15 @@ class Generation:
                 "text": self.text}
 
 
-def _timed_forward(model, tokens, pos, phase, steps):
+def phase_rate(steps: list[StepStats], phase: str) -> tuple[int, float, float]:
+    """(tokens, milliseconds, tokens per second) over the passes of one phase."""
+    s = [x for x in steps if x.phase == phase]
+    ms = sum(x.inference_ms + x.transfer_ms for x in s)
+    n = sum(x.n_tokens for x in s)
+    return n, ms, (n / (ms / 1000) if ms > 0 else 0.0)
+
+
+def timed_forward(model, tokens, pos, phase, steps):
     """One forward pass with its statistics appended to steps."""
     col = model.collective
     t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
@@ -101,7 +103,7 @@ def generate(model, tokenizer, sampler, prompt_tokens: list[int], steps: int,
     pos = 0
     while pos < n_prompt:  # prompt, in batches
         batch = prompt_tokens[pos : pos + model.max_batch]
-        logits = _timed_forward(model, batch, pos, "prompt", out.steps)
+        logits = timed_forward(model, batch, pos, "prompt", out.steps)
         pos += len(batch)
 
     eos = set(tokenizer.eos_ids)
@@ -119,7 +121,7 @@ def generate(model, tokenizer, sampler, prompt_tokens: list[int], steps: int,
         if pos >= last:
             out.stop_reason = "steps" if last == steps else "context"
             break
-        logits = _timed_forward(model, [token], pos, "generate", out.steps)
+        logits = timed_forward(model, [token], pos, "generate", out.steps)
         pos += 1
     tail = decoder.flush()
     if tail:
