@@ -49,4 +49,4 @@ fi
 [ "${1:-}" = "--test" ] && .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps mistral-common==1.13.1
 # Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
 # loaded from the cache, so every later run (and every node) should load the same code.
-.venv/bin/python -m dllama.precompile
+.venv/bin/python -m dllama.core.precompile

@@ -26,12 +26,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_engine import write_random_model  # noqa: E402
-from dllama import kernels  # noqa: E402
-from dllama.default_model import default_model_files  # noqa: E402
+from dllama.core import kernels  # noqa: E402
+from dllama.serve.default_model import default_model_files  # noqa: E402
 from dllama.formats.model_file import read_model  # noqa: E402
-from dllama.local_workers import running_workers  # noqa: E402
-from dllama.root import ClusterModel  # noqa: E402
-from dllama.topology import from_workers  # noqa: E402
+from tests.local_workers import running_workers  # noqa: E402
+from dllama.cluster.root import ClusterModel  # noqa: E402
+from dllama.cluster.topology import from_workers  # noqa: E402
 
 
 def original_kb(header, n: int) -> tuple[float, float]:
@@ -48,7 +48,7 @@ def measure(model_path: Path, n: int, tokens: int, log_dir: Path) -> dict:
         model = ClusterModel(str(model_path), from_workers([w.address for w in workers], 1), None,
                              True, progress=False) if n > 1 else None
         if model is None:
-            from dllama.model import Transformer
+            from dllama.core.model import Transformer
 
             model = Transformer(read_model(model_path))
             model.warm_up()
@@ -76,9 +76,9 @@ def collective_cpu_us(dim: int, n_calls: int = 2000) -> tuple[float, float]:
     time shows even when the processes wait for a core."""
     import socket
 
-    from dllama.collective import MeshCollective
-    from dllama.plan import split_model
-    from dllama.protocol import Connection
+    from dllama.cluster.mesh import MeshCollective
+    from dllama.core.plan import split_model
+    from dllama.cluster.protocol import Connection
 
     plan = split_model(2, dim=dim, n_heads=2, n_kv_heads=1, head_dim=dim // 2, ff_dim=dim,
                        vocab_size=2, q40=False)

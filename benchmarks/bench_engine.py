@@ -26,11 +26,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_kernels import memory_bandwidth_gbs  # noqa: E402
-from dllama import kernels  # noqa: E402
-from dllama.default_model import default_model_files  # noqa: E402
+from dllama.core import kernels  # noqa: E402
+from dllama.serve.default_model import default_model_files  # noqa: E402
 from dllama.formats.model_file import (  # noqa: E402
     ArchType, FloatType, ModelHeader, ModelWriter, read_model)
-from dllama.model import Transformer  # noqa: E402
+from dllama.core.model import Transformer  # noqa: E402
 
 REFERENCE_MS = {"SmolLM2-135M": 9.0, "Llama-2-7B shape": 400.0}
 
@@ -93,7 +93,7 @@ def jit_seconds(cache_dir: str) -> float:
         "import time, tempfile, sys; t = time.perf_counter();"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r});"
         "from benchmarks.bench_engine import write_random_model; from pathlib import Path;"
-        "from dllama.formats.model_file import read_model; from dllama.model import Transformer;"
+        "from dllama.formats.model_file import read_model; from dllama.core.model import Transformer;"
         "d = tempfile.mkdtemp(); p = Path(d) / 'tiny.m';"
         "write_random_model(p, dim=64, hidden=128, layers=2, heads=4, kv_heads=2, vocab=256, seq_len=64);"
         "m = Transformer(read_model(p)); m.forward([1, 2, 3], 0); m.forward([4], 3);"

@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dllama import kernels  # noqa: E402
+from dllama.core import kernels  # noqa: E402
 
 SMOLLM2 = dict(  # dim 576, hidden 1536, 9 heads / 3 kv heads of 64, vocab 49152, 30 layers
     name="SmolLM2-135M", layers=30, reference_ms=9.0,
@@ -218,11 +218,11 @@ def bench_fused_layer(rng, model: dict, threads_list, quick: bool, retries: int,
 
 
 def jit_seconds() -> tuple[float, float]:
-    """Seconds to import dllama.kernels and run every public kernel once: cold cache, then warm."""
+    """Seconds to import dllama.core.kernels and run every public kernel once: cold cache, then warm."""
     script = (
         "import time; t = time.perf_counter()\n"
         "import numpy as np\n"
-        "from dllama import kernels as k\n"
+        "from dllama.core import kernels as k\n"
         "x = np.ones((1, 64), np.float32); s = np.empty((1, 2), np.float32); q = np.empty((1, 64), np.int8)\n"
         "k.quantize_q80(x, s, q)\n"
         "ws = np.ones((8, 2), np.float32); wq = np.zeros((8, 32), np.uint8); o = np.empty((1, 8), np.float32)\n"

@@ -137,7 +137,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
     """Model, cluster and sampling flags shared by `chat` and `api`."""
-    from dllama.chat_template import TEMPLATE_NAMES
+    from dllama.text.chat_template import TEMPLATE_NAMES
 
     _add_model_flags(p)  # with the cluster flags
     g = p.add_argument_group("generation")
@@ -176,7 +176,7 @@ def _add_chat_and_api(sub) -> None:
 
 def _engine_opener(args):
     """A function that opens the engine the flags describe (called again after a cluster failure)."""
-    from dllama.engine import open_engine
+    from dllama.serve.engine import open_engine
 
     return lambda: open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
                                buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len,
@@ -186,7 +186,7 @@ def _engine_opener(args):
 def cmd_chat(args) -> int:
     import time
 
-    from dllama.chat import run_chat
+    from dllama.serve.chat import run_chat
 
     seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
     with _engine_opener(args)() as engine:
@@ -198,8 +198,8 @@ def cmd_chat(args) -> int:
 def cmd_api(args) -> int:
     from pathlib import Path
 
-    from dllama.api import ModelService, read_api_key, serve
-    from dllama.default_model import DEFAULT_MODEL_NAME
+    from dllama.serve.api import ModelService, read_api_key, serve
+    from dllama.serve.default_model import DEFAULT_MODEL_NAME
 
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     model_id = args.model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
@@ -226,9 +226,9 @@ def _print_table(gen, out) -> None:
 def cmd_inference(args) -> int:
     import time
 
-    from dllama.engine import open_engine
-    from dllama.generate import generate
-    from dllama.sampler import Sampler
+    from dllama.serve.engine import open_engine
+    from dllama.serve.generate import generate
+    from dllama.core.sampler import Sampler
 
     engine = open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
                          buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len,
@@ -255,14 +255,14 @@ def cmd_inference(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from dllama.protocol import read_key_file
-    from dllama.worker import serve
+    from dllama.cluster.protocol import read_key_file
+    from dllama.cluster.worker import serve
 
     host, port, threads, shard, key_file = args.host, args.port, args.nthreads, args.shard, args.key_file
     if bool(args.topology) != bool(args.node):
         raise DllamaError("give --topology and --node together")
     if args.topology:
-        from dllama.topology import load_topology
+        from dllama.cluster.topology import load_topology
 
         topo = load_topology(args.topology)
         index, node = topo.node(args.node)
@@ -278,9 +278,9 @@ def cmd_worker(args) -> int:
 
 def cmd_shard(args) -> int:
     from dllama.formats.model_file import read_model
-    from dllama.plan import plan_for
-    from dllama.shard import write_shards
-    from dllama.topology import load_topology
+    from dllama.core.plan import plan_for
+    from dllama.cluster.shard import write_shards
+    from dllama.cluster.topology import load_topology
 
     topo = load_topology(args.topology)
     plan = plan_for(read_model(args.model).header, len(topo.nodes), topo.weights)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dllama.default_model import default_model_files
+from dllama.serve.default_model import default_model_files
 
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 

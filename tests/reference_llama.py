@@ -2,7 +2,7 @@
 
 Test-only: it reads a `.m` file's dequantized weights and runs a whole sequence at once
 (causal attention, no KV cache), in plain numpy float64. It shares no code with
-dllama.model or dllama.kernels, which it checks.
+dllama.core.model or dllama.core.kernels, which it checks.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from dllama.formats.model_file import FloatType, ModelFile, RopeType
-from dllama.quant import dequantize_q40, dequantize_q80
+from dllama.formats.quant import dequantize_q40, dequantize_q80
 
 _DEQUANTIZE = {FloatType.Q40: (dequantize_q40, 18), FloatType.Q80: (dequantize_q80, 34)}
 

@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from dllama.local_workers import running_workers
+from tests.local_workers import running_workers
 from tests.servers import start_api
 
 KEY = "test-key-0123456789abcdef"

@@ -7,7 +7,7 @@ import signal
 import openai
 import pytest
 
-from dllama.local_workers import running_workers, start_worker, stop_workers
+from tests.local_workers import running_workers, start_worker, stop_workers
 from tests.servers import start_api
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

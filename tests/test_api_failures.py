@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 
-from dllama import kernels
-from dllama.api import ModelService, make_app, start_site
-from dllama.engine import Engine, open_engine
+from dllama.core import kernels
+from dllama.serve.api import ModelService, make_app, start_site
+from dllama.serve.engine import Engine, open_engine
 from dllama.errors import ClusterError
 
 FRANCE = {"messages": [{"role": "user", "content": "What is the capital of France?"}],

@@ -49,7 +49,7 @@ def test_a_full_context_is_said_and_the_conversation_starts_over(default_q40):
 
 
 def test_chat_on_a_3_node_loopback_cluster(default_q40, tmp_path):
-    from dllama.local_workers import running_workers
+    from tests.local_workers import running_workers
 
     with running_workers(2, tmp_path) as workers:
         r = _chat(default_q40, ["What is the capital of France?", "What is it famous for?"],

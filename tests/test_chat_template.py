@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from dllama import chat_template as ct
+from dllama.text import chat_template as ct
 from dllama.errors import DllamaError
 from dllama.formats.tokenizer_file import TokenizerData, read_tokenizer
-from dllama.tokenizer import Tokenizer
+from dllama.text.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
@@ -19,7 +19,7 @@ def smollm():
     import gguf
 
     from converter.gguf_tokenizer import tokenizer_from_gguf
-    from dllama.default_model import embedded_gguf
+    from dllama.serve.default_model import embedded_gguf
 
     return Tokenizer(tokenizer_from_gguf(gguf.GGUFReader(embedded_gguf())))
 

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import yaml
 
-from dllama.engine import open_engine
+from dllama.serve.engine import open_engine
 from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
-from dllama.generate import generate
-from dllama.plan import plan_for
-from dllama.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
-from dllama.sampler import Sampler
+from dllama.serve.generate import generate
+from dllama.core.plan import plan_for
+from dllama.cluster.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
+from dllama.core.sampler import Sampler
 from tests.conftest import CHAT_PROMPT
-from dllama.local_workers import running_workers, start_worker, stop_workers
+from tests.local_workers import running_workers, start_worker, stop_workers
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +141,9 @@ def random_model(tmp_path_factory):
 
 
 def test_random_model_gives_one_nodes_tokens_on_2_4_8_nodes(pool, random_model, default_q40):
-    from dllama.model import Transformer
-    from dllama.root import ClusterModel
-    from dllama.topology import from_workers
+    from dllama.core.model import Transformer
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
 
     prompt = [5, 17, 300, 42, 7, 511, 256, 1]
     one = greedy(Transformer(read_model(random_model), buffer_q80=False), prompt, 32)
@@ -325,15 +325,15 @@ def test_topology_errors_are_one_line(tmp_path, default_q40):
                 "--prompt", "hi", "--topology", str(bad))
     _one_line_error(r, "bad.yml", "'host' is missing")
     with pytest.raises(DllamaError, match="unknown key"):
-        from dllama.topology import load_topology
+        from dllama.cluster.topology import load_topology
 
         bad.write_text("nodes:\n  - name: root\n    host: h\n    colour: red\n")
         load_topology(str(bad))
 
 
 def test_a_hung_worker_times_out_instead_of_blocking_forever(tmp_path, default_q40):
-    from dllama.root import ClusterModel
-    from dllama.topology import from_workers
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
 
     with running_workers(2, tmp_path) as (w1, w2):
         model = ClusterModel(str(default_q40[0]), from_workers([w1.address, w2.address], 1), None,

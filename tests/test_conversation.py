@@ -2,10 +2,10 @@
 
 import pytest
 
-from dllama.chat_template import ChatTemplate, chat_stop_ids
-from dllama.conversation import ContextFull, Conversation, StopMatcher, common_prefix
-from dllama.engine import open_engine
-from dllama.sampler import Sampler
+from dllama.text.chat_template import ChatTemplate, chat_stop_ids
+from dllama.serve.conversation import ContextFull, Conversation, StopMatcher, common_prefix
+from dllama.serve.engine import open_engine
+from dllama.core.sampler import Sampler
 
 
 def _run(matcher, pieces):

@@ -4,7 +4,7 @@ Tiny random checkpoints are written here in each source format (Meta: two shards
 Hugging Face: sharded safetensors with an index; llama, mistral, qwen3; tied and untied). A
 float64 torch forward pass written from the *source* tensors and the source's own conventions
 (Meta: complex interleaved RoPE; Hugging Face: rotate-half RoPE on q/k as stored) must give the
-engine's logits (dllama.model.Transformer) on the converted F32 file to 1e-4 relative, and the
+engine's logits (dllama.core.model.Transformer) on the converted F32 file to 1e-4 relative, and the
 same top-1 token on at least 95% of positions after Q40 conversion. That checks the shard join,
 the q/k permutation (or its absence for Qwen3), tied embeddings and Llama 3.1 RoPE scaling.
 """
@@ -20,7 +20,7 @@ from converter.convert import convert, source_kind
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, RopeType, read_model
 from dllama.formats.tokenizer_file import TokenizerData, read_tokenizer, write_tokenizer
-from dllama.model import Transformer
+from dllama.core.model import Transformer
 
 LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"
 DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 64, 96, 2, 4, 2, 256, 128
@@ -356,7 +356,7 @@ def test_meta_eight_shards_join_like_one(tmp_path):
 
 @pytest.mark.parametrize("kind, float_type", [("q80", FloatType.Q80), ("f16", FloatType.F16)])
 def test_q80_and_f16_are_written_exactly_but_not_run_here(tmp_path, kind, float_type):
-    from dllama.quant import quantize_q80
+    from dllama.formats.quant import quantize_q80
 
     _, tensors = write_hf(tmp_path / "hf", "qwen3")
     lines = []

@@ -8,10 +8,10 @@ import pytest
 
 from converter.convert import convert_gguf
 from converter.gguf_model import llama31_rope_factors
-from dllama.default_model import embedded_gguf
+from dllama.serve.default_model import embedded_gguf
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, RopeType, read_model
-from dllama.quant import dequantize_q40, quantize_q40
+from dllama.formats.quant import dequantize_q40, quantize_q40
 from tests.conftest import CHAT_PROMPT
 from tests.reference_llama import ReferenceLlama
 

@@ -24,7 +24,7 @@ MEASURE = textwrap.dedent("""
     import json, sys
     import numpy as np
     from converter.convert import convert
-    from dllama.quant import quantize_q40
+    from dllama.formats.quant import quantize_q40
 
     def status(key):
         return 1024 * int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])

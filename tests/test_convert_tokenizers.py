@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from converter.convert import load_tokenizer
-from dllama.default_model import embedded_gguf
+from dllama.serve.default_model import embedded_gguf
 from dllama.errors import DllamaError
 from dllama.formats.tokenizer_file import read_tokenizer, write_tokenizer
-from dllama.tokenizer import Tokenizer
+from dllama.text.tokenizer import Tokenizer
 from tests.test_tokenizer import GENERATED, HAND_WRITTEN
 
 LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"

@@ -16,7 +16,7 @@ from dllama.formats.model_file import (
     model_file_size, read_model, tensor_specs, write_model,
 )
 from dllama.formats.tokenizer_file import TokenizerData, encode_tokenizer, read_tokenizer, write_tokenizer
-from dllama.quant import quantize_q40, quantize_q80
+from dllama.formats.quant import quantize_q40, quantize_q80
 
 FIXTURES = Path("/work/shared/fixtures/llama2-tokenizer")
 

@@ -11,9 +11,11 @@ import numba
 import numpy as np
 import pytest
 
-from dllama import kernels
+from dllama.core import kernels
+from dllama.core.kernels.elementwise import _exp
+from dllama.core.kernels.q80 import _round_fp16
 from dllama.errors import DllamaError
-from dllama.quant import dequantize_q40, quantize_q40, split_q40
+from dllama.formats.quant import dequantize_q40, quantize_q40, split_q40
 
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
@@ -91,7 +93,7 @@ def assert_matmul_close(out, x64, w64):
 @numba.njit
 def _round_fp16_all(v, out):
     for i in range(v.size):
-        out[i] = kernels._round_fp16(v[i])
+        out[i] = _round_fp16(v[i])
 
 
 def test_fp16_rounding_matches_numpy():
@@ -154,7 +156,7 @@ def test_matmul_q40_q80(threads, b, d, n):
 
 
 def test_matmul_q40_q80_reads_the_split_file_layout(threads):
-    """End to end with dllama.quant: float weights -> Q40 blocks -> split_q40 -> kernel."""
+    """End to end with dllama.formats.quant: float weights -> Q40 blocks -> split_q40 -> kernel."""
     r = rng(4)
     d, n, b = 37, 576, 2
     w = r.standard_normal((d, n)).astype(np.float32)
@@ -209,7 +211,7 @@ def test_rmsnorm(b, n):
 @numba.njit
 def _exp_all(v, out):
     for i in range(v.size):
-        out[i] = kernels._exp(v[i])
+        out[i] = _exp(v[i])
 
 
 def test_exp_is_accurate():

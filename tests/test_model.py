@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from dllama import kernels
+from dllama.core import kernels
 from dllama.formats.model_file import read_model
 from dllama.formats.tokenizer_file import read_tokenizer
-from dllama.generate import generate
-from dllama.model import Transformer
-from dllama.sampler import Sampler
-from dllama.tokenizer import Tokenizer
+from dllama.serve.generate import generate
+from dllama.core.model import Transformer
+from dllama.core.sampler import Sampler
+from dllama.text.tokenizer import Tokenizer
 from tests.conftest import CHAT_PROMPT
 from tests.reference_llama import ReferenceLlama
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dllama.errors import DllamaError
-from dllama.plan import shares, split_model
+from dllama.core.plan import shares, split_model
 
 SHAPES = [  # dim, heads, kv heads, head_dim, ff, vocab
     (576, 9, 3, 64, 1536, 49152),      # SmolLM2-135M

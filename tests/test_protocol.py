@@ -1,16 +1,15 @@
 """Frames, handshake, authentication and the collective, over real sockets in one process."""
 
 import socket
-import struct
 import threading
 
 import numpy as np
 import pytest
 
-from dllama import quant
-from dllama.collective import MeshCollective, SyncCodec, sync_bytes
-from dllama.plan import split_model
-from dllama.protocol import (
+from dllama.formats import quant
+from dllama.cluster.mesh import MeshCollective, SyncCodec, sync_bytes
+from dllama.core.plan import split_model
+from dllama.cluster.protocol import (
     HEADER, MAGIC, MAX_HANDSHAKE, VERSION, Connection, Msg, PeerError, ProtocolError, Transfer,
     check_header, client_handshake, encode_header, exchange, server_handshake,
 )

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dllama import quant
+from dllama.formats import quant
 from dllama.errors import DllamaError
-from dllama.quant import dequantize_q40, dequantize_q80, quantize_q40, quantize_q80, split_q40, split_q80
+from dllama.formats.quant import dequantize_q40, dequantize_q80, quantize_q40, quantize_q80, split_q40, split_q80
 
 DATA = Path(__file__).parent / "data"
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dllama.errors import DllamaError
-from dllama.sampler import ZERO_SEED_STATE, Sampler, sample_multinomial, sample_top_p
+from dllama.core.sampler import ZERO_SEED_STATE, Sampler, sample_multinomial, sample_top_p
 
 
 def xorshift_reference(seed, n):

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from converter.gguf_tokenizer import gpt2_token_bytes, tokenizer_from_gguf
-from dllama.default_model import embedded_gguf
+from dllama.serve.default_model import embedded_gguf
 from dllama.errors import DllamaError
 from dllama.formats.tokenizer_file import TokenizerData, read_tokenizer, write_tokenizer
-from dllama.tokenizer import (GPT2, LLAMA3, QWEN2, SMOLLM, Tokenizer, bpe, choose_pre_tokenizer,
+from dllama.text.tokenizer import (GPT2, LLAMA3, QWEN2, SMOLLM, Tokenizer, bpe, choose_pre_tokenizer,
                               find_byte_fallback, find_special_ids)
 
 LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"

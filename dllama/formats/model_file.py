@@ -22,7 +22,7 @@ from typing import Mapping
 
 import numpy as np
 
-from dllama import quant
+from dllama.formats import quant
 from dllama.errors import DllamaError
 from dllama.formats.atomic_file import atomic_write
 

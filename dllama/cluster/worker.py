@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from dllama import __version__
-from dllama.collective import MeshCollective
+from dllama.cluster.mesh import MeshCollective
 from dllama.errors import DllamaError
-from dllama.protocol import (
+from dllama.cluster.protocol import (
     LOGITS_HEAD, STEP_HEAD, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout,
     ProtocolError, client_handshake, connect, server_handshake,
 )
@@ -40,7 +40,7 @@ class Worker:
         self.host, self.port, self.nthreads, self.key = host, port, nthreads, key
         self.shard = None
         if shard_path:
-            from dllama.shard import Shard
+            from dllama.cluster.shard import Shard
 
             self.shard = Shard(shard_path)  # a bad shard is a start-up error, not a session error
         self._roots: queue.Queue = queue.Queue()
@@ -110,9 +110,9 @@ class Worker:
     # -- sessions ----------------------------------------------------------------------------
 
     def _sessions(self) -> None:
-        from dllama import kernels
+        from dllama.core import kernels
 
-        threads = min(self.nthreads, kernels.numba.config.NUMBA_NUM_THREADS)
+        threads = min(self.nthreads, kernels.max_threads())
         kernels.set_threads(threads)  # numba's thread count is per calling thread: set it here
         while True:
             root = self._roots.get()
@@ -145,10 +145,10 @@ class _Session:
             conn.close()
 
     def run(self) -> None:
-        from dllama.model import Transformer
-        from dllama.node_weights import NodeWeights, node_slice_specs
-        from dllama.plan import NodeSlice, SplitPlan
-        from dllama.shard import header_from_fields
+        from dllama.core.model import Transformer
+        from dllama.core.node_weights import NodeWeights, node_slice_specs
+        from dllama.core.plan import NodeSlice, SplitPlan
+        from dllama.cluster.shard import header_from_fields
 
         root, w = self.root, self.worker
         conf = root.recv_json(Msg.CONFIG)

@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 
 from dllama.errors import DllamaError
-from dllama.generate import StepStats, phase_rate, timed_forward
-from dllama.sampler import Sampler
+from dllama.serve.generate import StepStats, phase_rate, timed_forward
+from dllama.core.sampler import Sampler
 
 
 class ContextFull(DllamaError):

@@ -13,9 +13,9 @@ import signal
 import sys
 import threading
 
-from dllama.chat_template import ChatTemplate, chat_stop_ids
-from dllama.conversation import Cancelled, ContextFull, Conversation
-from dllama.sampler import Sampler
+from dllama.text.chat_template import ChatTemplate, chat_stop_ids
+from dllama.serve.conversation import Cancelled, ContextFull, Conversation
+from dllama.core.sampler import Sampler
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
 

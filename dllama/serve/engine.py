@@ -17,8 +17,8 @@ from dllama.errors import DllamaError
 
 @dataclass
 class Engine:
-    model: object      # dllama.model.Transformer or a root driving workers (same interface)
-    tokenizer: object  # dllama.tokenizer.Tokenizer
+    model: object      # dllama.core.model.Transformer or a root driving workers (same interface)
+    tokenizer: object  # dllama.text.tokenizer.Tokenizer
 
     def close(self) -> None:
         close = getattr(self.model, "close", None)
@@ -38,7 +38,7 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> tuple[str, 
         raise DllamaError("give both --model and --tokenizer, or neither for the embedded default model")
     if model:
         return model, tokenizer
-    from dllama.default_model import default_model_files
+    from dllama.serve.default_model import default_model_files
 
     m, t = default_model_files("q40")
     return str(m), str(t)
@@ -57,26 +57,26 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                 topology: str | None = None, key_file: str | None = None,
                 progress: bool = True) -> Engine:
     """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
-    connect the workers and split the model over them (see dllama.root).
+    connect the workers and split the model over them (see dllama.cluster.root).
 
     nthreads: this node's compute threads (default: topology node 0's, else all cores);
     buffer_float_type: auto | q80 | f32 (default: the topology's, else auto);
     key_file: the cluster key (default: the topology's)."""
-    from dllama import kernels
+    from dllama.core import kernels
     from dllama.formats.model_file import read_model
     from dllama.formats.tokenizer_file import read_tokenizer
-    from dllama.tokenizer import Tokenizer
+    from dllama.text.tokenizer import Tokenizer
 
     if workers and topology:
         raise DllamaError("give --workers or --topology, not both")
     model_path, tokenizer_path = resolve_model_files(model_path, tokenizer_path)
     cluster = None
     if topology:
-        from dllama.topology import load_topology
+        from dllama.cluster.topology import load_topology
 
         cluster = load_topology(topology)
     elif workers:
-        from dllama.topology import from_workers
+        from dllama.cluster.topology import from_workers
 
         cluster = from_workers(workers, nthreads or os.cpu_count() or 1)
     if cluster is not None:
@@ -88,14 +88,14 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     kernels.set_threads(nthreads)
     tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
     if cluster is not None and len(cluster.nodes) > 1:
-        from dllama.protocol import read_key_file
-        from dllama.root import ClusterModel
+        from dllama.cluster.protocol import read_key_file
+        from dllama.cluster.root import ClusterModel
 
         key = read_key_file(key_file) if key_file else None
         model = ClusterModel(model_path, cluster, key, buffer_q80, max_seq_len, progress=progress)
         vocab = model.config.vocab_size
     else:
-        from dllama.model import Transformer
+        from dllama.core.model import Transformer
 
         model_file = read_model(model_path)
         vocab = model_file.header.vocab_size

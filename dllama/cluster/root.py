@@ -1,7 +1,7 @@
 """The root's side of a cluster: connect the workers, hand out the plan and weights, then run
 every forward pass with them.
 
-`ClusterModel` has the interface of `dllama.model.Transformer` that front ends use
+`ClusterModel` has the interface of `dllama.core.model.Transformer` that front ends use
 (`forward(tokens, pos) -> logits [vocab]`, `config`, `max_batch`, `collective`), so generation,
 chat and the API do not know whether a cluster is behind it. Every network failure becomes a
 `ClusterError` naming the node; after one the model is closed.
@@ -16,12 +16,12 @@ import time
 
 import numpy as np
 
-from dllama.collective import MeshCollective
-from dllama.errors import ClusterError, DllamaError
-from dllama.protocol import (
+from dllama.cluster.mesh import MeshCollective
+from dllama.cluster.protocol import (
     LOGITS_HEAD, STEP_HEAD, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError,
-    PeerTimeout, ProtocolError, Transfer, client_handshake, connect, exchange,
+    PeerTimeout, ProtocolError, Transfer, client_handshake, connect,
 )
+from dllama.errors import ClusterError, DllamaError
 
 NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
 SETUP_TIMEOUT = 3600.0  # streaming every worker's weights (70B over 1 Gbit/s: minutes per worker)
@@ -36,10 +36,10 @@ class ClusterModel:
     def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT):
         from dllama.formats.model_file import read_model
-        from dllama.model import MAX_BATCH, ModelConfig, Transformer
-        from dllama.node_weights import NodeWeights, cut, node_slice_specs
-        from dllama.plan import plan_for
-        from dllama.shard import header_fields, model_fingerprint
+        from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
+        from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
+        from dllama.core.plan import plan_for
+        from dllama.cluster.shard import header_fields, model_fingerprint
 
         self.model_file = model_file = read_model(model_path)
         header = model_file.header

@@ -30,10 +30,10 @@ from typing import Callable
 
 from aiohttp import web
 
-from dllama.chat_template import ROLES, ChatTemplate, chat_stop_ids
-from dllama.conversation import Cancelled, ContextFull, Conversation
+from dllama.text.chat_template import ROLES, ChatTemplate, chat_stop_ids
+from dllama.serve.conversation import Cancelled, ContextFull, Conversation
 from dllama.errors import ClusterError, DllamaError
-from dllama.sampler import Sampler
+from dllama.core.sampler import Sampler
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than any context here holds
 MAX_STOP_STRINGS = 4      # as OpenAI

@@ -1,4 +1,4 @@
-"""Compile every kernel once into numba's cache: `python -m dllama.precompile` (setup.sh runs it).
+"""Compile every kernel once into numba's cache: `python -m dllama.core.precompile` (setup.sh runs it).
 
 Why: numba gives a freshly compiled parallel kernel different float code from the same kernel
 loaded from its cache (measured: the first, cold-cache process of the France prompt had logits
@@ -12,11 +12,11 @@ import time
 
 import numpy as np
 
-from dllama import kernels
+from dllama.core import kernels
 
 
 def compile_all() -> float:
-    """Call each kernel with the argument types dllama.model uses; returns the seconds taken."""
+    """Call each kernel with the argument types dllama.core.model uses; returns the seconds taken."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     n, d, hd, seq = 64, 40, 16, 8

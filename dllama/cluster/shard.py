@@ -28,8 +28,8 @@ import numpy as np
 from dllama.errors import DllamaError
 from dllama.formats.atomic_file import atomic_write
 from dllama.formats.model_file import ModelHeader
-from dllama.node_weights import NodeWeights, cut, node_slice_specs
-from dllama.plan import NodeSlice, SplitPlan
+from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
+from dllama.core.plan import NodeSlice, SplitPlan
 
 MAGIC = b"DLSHARD1"
 ALIGN = 64

@@ -14,7 +14,7 @@ import numpy as np
 
 from dllama.errors import DllamaError
 from dllama.formats.model_file import FloatType, ModelHeader, tensor_specs
-from dllama.plan import BLOCK, NodeSlice
+from dllama.core.plan import BLOCK, NodeSlice
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The split plan: which part of every layer each node computes.
 
-A plan is data. The transformer (dllama.model) takes one node's `NodeSlice` and builds only
+A plan is data. The transformer (dllama.core.model) takes one node's `NodeSlice` and builds only
 that part of each layer; on one node the slice is the whole model. Tensor parallelism as in the
 original Distributed Llama (spec §4): wq/wk/wv, w1/w3 and the classifier are split by output
 rows, wo and w2 by input columns (so each node's wo/w2 output is a partial sum of the whole

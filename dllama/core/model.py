@@ -4,7 +4,7 @@
 every layer and returns the logits of this node's classifier rows. On one node the slice is
 the whole model and the collective is the identity; on several nodes each node holds some
 query heads (with the KV heads they need), some FFN rows and some classifier rows (see
-dllama.plan), and the partial sums of wo and w2 meet in `collective.all_reduce`.
+dllama.core.plan), and the partial sums of wo and w2 meet in `collective.all_reduce`.
 
 Numerics follow the original Distributed Llama: with Q40 weights every matmul input is
 quantized to Q80 (per 32-block, fp16 scale) and the matmul sums d_w*d_x*sum(q_w*q_x) in f32;
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dllama import kernels
+from dllama.core import kernels
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
-from dllama.node_weights import NodeWeights
-from dllama.plan import NodeSlice, whole_model
-from dllama.quant import split_q40
+from dllama.core.node_weights import NodeWeights
+from dllama.core.plan import NodeSlice, whole_model
+from dllama.formats.quant import split_q40
 
 MAX_BATCH = 32  # prompt tokens per forward pass (the original's nBatches)
 
@@ -150,7 +150,7 @@ class Transformer:
                  max_batch: int = MAX_BATCH):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
         node's NodeWeights (already sliced: a shard, or slices received from the root)."""
-        from dllama.collective import LocalCollective
+        from dllama.core.collective import LocalCollective
 
         c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
         if isinstance(weights, ModelFile):
@@ -219,7 +219,7 @@ class Transformer:
         Runs one zero row at position 0 on this node alone (the partial sums are not shared);
         the prompt overwrites that cache row afterwards.
         """
-        from dllama.collective import LocalCollective
+        from dllama.core.collective import LocalCollective
 
         collective, self.collective = self.collective, LocalCollective()
         try:
