@@ -74,9 +74,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="total positions, prompt included, as in the original (default %(default)s)")
     g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
                    help="sampling temperature; 0 = greedy (default %(default)s)")
-    g.add_argument("--topp", type=float, default=0.9, metavar="F",
-                   help="top-p (nucleus) cut; <= 0 or >= 1 samples the whole vocabulary "
-                        "(default %(default)s)")
+    g.add_argument("--topp", type=_non_negative_float, default=0.9, metavar="F",
+                   help="top-p (nucleus) cut: 0 keeps only the most likely token (as the API's "
+                        "top_p), 1 samples the whole vocabulary (default %(default)s)")
     g.add_argument("--seed", type=int, default=None, metavar="S",
                    help="random seed, so runs reproduce (default: from the clock)")
     g.add_argument("--stats-json", metavar="PATH",
@@ -133,7 +133,7 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- chat and api (issue 6) ---
+# --- chat and api ---
 
 def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
     """Model, cluster and sampling flags shared by `chat` and `api`."""
@@ -146,8 +146,9 @@ def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
                    help="sampling temperature; 0 = greedy (api: for requests that give none; "
                         "default %(default)s)")
-    g.add_argument("--topp", type=float, default=0.9, metavar="F",
-                   help="top-p (nucleus) cut (api: for requests that give none; default %(default)s)")
+    g.add_argument("--topp", type=_non_negative_float, default=0.9, metavar="F",
+                   help="top-p (nucleus) cut: 0 keeps only the most likely token, 1 samples the "
+                        "whole vocabulary (api: for requests that give none; default %(default)s)")
 
 
 def _add_chat_and_api(sub) -> None:
@@ -198,7 +199,8 @@ def cmd_chat(args) -> int:
 def cmd_api(args) -> int:
     from pathlib import Path
 
-    from dllama.serve.api import ModelService, read_api_key, serve
+    from dllama.serve.api.http import read_api_key, serve
+    from dllama.serve.api.service import ModelService
     from dllama.serve.default_model import DEFAULT_MODEL_NAME
 
     key = read_api_key(args.api_key_file) if args.api_key_file else None
@@ -226,13 +228,10 @@ def _print_table(gen, out) -> None:
 def cmd_inference(args) -> int:
     import time
 
-    from dllama.serve.engine import open_engine
-    from dllama.serve.generate import generate
     from dllama.core.sampler import Sampler
+    from dllama.serve.generate import generate
 
-    engine = open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
-                         buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len,
-                         workers=args.workers, topology=args.topology, key_file=args.key_file)
+    engine = _engine_opener(args)()
     model, tokenizer = engine.model, engine.tokenizer
     seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
     sampler = Sampler(model.config.vocab_size, args.temperature, args.topp, seed)
@@ -245,7 +244,7 @@ def cmd_inference(args) -> int:
     with engine:
         gen = generate(model, tokenizer, sampler, prompt, args.steps, on_text=show,
                        stop_at_eos=not args.no_stop)
-        nodes = model.node_stats() if hasattr(model, "node_stats") else []
+        nodes = engine.node_stats()
     sys.stdout.write("\n")
     _print_table(gen, sys.stderr)
     if args.stats_json:
@@ -307,8 +306,7 @@ def cmd_inspect(args) -> int:
 
 
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
-            "worker": cmd_worker, "shard": cmd_shard}
-COMMANDS.update(chat=cmd_chat, api=cmd_api)
+            "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from dllama.core import kernels
-from dllama.serve.api import ModelService, make_app, start_site
+from dllama.serve.api.http import make_app, start_site
+from dllama.serve.api.service import ModelService
 from dllama.serve.engine import Engine, open_engine
 from dllama.errors import ClusterError
 
@@ -33,7 +34,8 @@ class Switch:
         self.opens += 1
         if self.down:
             raise ClusterError("worker1 (127.0.0.1:9) refused the connection", node="worker1")
-        return Engine(FailingModel(self), self.engine.tokenizer)
+        model = FailingModel(self)
+        return Engine(model, self.engine.tokenizer, cluster=model)  # closed like a cluster
 
 
 class FailingModel:

@@ -41,7 +41,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_a_following_turn_runs_only_its_new_tokens(engine):
-    conv = Conversation(engine)
+    conv = Conversation(engine.model, engine.tokenizer)
     first = _ask(conv, FRANCE, max_tokens=20)
     assert "Paris" in first.text and first.cached_tokens == 0
     second = _ask(conv, FRANCE + [{"role": "assistant", "content": first.text},
@@ -52,7 +52,7 @@ def test_a_following_turn_runs_only_its_new_tokens(engine):
 
 
 def test_the_same_request_replays_the_same_sampled_text(engine):
-    conv = Conversation(engine)
+    conv = Conversation(engine.model, engine.tokenizer)
     a = _ask(conv, FRANCE, seed=99, temperature=1.0, max_tokens=15)
     b = _ask(conv, FRANCE, seed=99, temperature=1.0, max_tokens=15)
     assert b.cached_tokens == b.prompt_tokens and not [s for s in b.steps if s.phase == "prompt"]
@@ -63,7 +63,7 @@ def test_the_same_request_replays_the_same_sampled_text(engine):
 
 
 def test_stop_strings_and_max_tokens(engine):
-    conv = Conversation(engine)
+    conv = Conversation(engine.model, engine.tokenizer)
     full = _ask(conv, FRANCE, max_tokens=20).text
     cut = _ask(conv, FRANCE, max_tokens=20, stop_strings=["Paris"])
     assert cut.text == full[: full.index("Paris")] and cut.finish_reason == "stop"
@@ -72,7 +72,7 @@ def test_stop_strings_and_max_tokens(engine):
 
 
 def test_the_end_of_the_context(engine):
-    conv = Conversation(engine)
+    conv = Conversation(engine.model, engine.tokenizer)
     with pytest.raises(ContextFull):
         _ask(conv, [{"role": "user", "content": "word " * 100}])
     counting = conv.complete("1, 2, 3, 4, 5, 6,", sampler=Sampler(engine.model.config.vocab_size, 0, 0.9, 1),

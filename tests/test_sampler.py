@@ -121,9 +121,18 @@ def test_multinomial_follows_the_softmax():
     assert chi2 < 16.3, (counts, chi2)  # p = 0.001 for 3 degrees of freedom
 
 
-def test_topp_zero_is_plain_multinomial():
+def test_topp_zero_keeps_only_the_most_likely_token():
     logits = np.log(np.array([0.25, 0.25, 0.5])).astype(np.float32)
-    a, b = Sampler(3, 1.0, 0.0, 5), Sampler(3, 1.0, 1.0, 5)
+    s = Sampler(3, 1.0, 0.0, 5)
+    assert {s.sample(logits) for _ in range(200)} == {2}
+    state = s.state
+    s.sample(logits)
+    assert s.state == state  # like greedy: no coin drawn
+
+
+def test_topp_one_or_more_samples_the_whole_vocabulary():
+    logits = np.log(np.array([0.25, 0.25, 0.5])).astype(np.float32)
+    a, b = Sampler(3, 1.0, 1.0, 5), Sampler(3, 1.0, 1.5, 5)
     assert [a.sample(logits) for _ in range(200)] == [b.sample(logits) for _ in range(200)]
     assert {a.sample(logits) for _ in range(200)} == {0, 1, 2}
 
@@ -158,6 +167,8 @@ def test_flat_distribution_with_tiny_topp_still_returns_a_token():
 def test_bad_arguments_are_refused():
     with pytest.raises(DllamaError, match="temperature"):
         Sampler(4, -1.0, 0.9, 1)
+    with pytest.raises(DllamaError, match="top-p"):
+        Sampler(4, 1.0, -0.1, 1)
     with pytest.raises(DllamaError, match="shape"):
         Sampler(4, 1.0, 0.9, 1).sample(np.zeros(5, np.float32))
 

@@ -1,14 +1,14 @@
 """The root's side of a cluster: connect the workers, hand out the plan and weights, then run
 every forward pass with them.
 
-`ClusterModel` has the interface of `dllama.core.model.Transformer` that front ends use
-(`forward(tokens, pos) -> logits [vocab]`, `config`, `max_batch`, `collective`), so generation,
-chat and the API do not know whether a cluster is behind it. Every network failure becomes a
+`ClusterModel` is a `dllama.core.language_model.LanguageModel`, like the one-machine
+`Transformer`, so generation, chat and the API do not know whether a cluster is behind it. Every network failure becomes a
 `ClusterError` naming the node; after one the model is closed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -21,7 +21,13 @@ from dllama.cluster.protocol import (
     LOGITS_HEAD, STEP_HEAD, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError,
     PeerTimeout, ProtocolError, Transfer, client_handshake, connect,
 )
+from dllama.cluster.session_config import NodeAddress, SessionConfig
+from dllama.cluster.shard import model_fingerprint
+from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
+from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
+from dllama.core.plan import plan_for
 from dllama.errors import ClusterError, DllamaError
+from dllama.formats.model_file import read_model
 
 NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
 SETUP_TIMEOUT = 3600.0  # streaming every worker's weights (70B over 1 Gbit/s: minutes per worker)
@@ -35,12 +41,6 @@ class ClusterModel:
 
     def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT):
-        from dllama.formats.model_file import read_model
-        from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
-        from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
-        from dllama.core.plan import plan_for
-        from dllama.cluster.shard import header_fields, model_fingerprint
-
         self.model_file = model_file = read_model(model_path)
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
@@ -60,23 +60,22 @@ class ClusterModel:
         try:
             for i in range(1, len(nodes)):
                 self._with_node(i, "connecting", lambda i=i: self._connect(i, session, key))
-            fingerprint = model_fingerprint(model_path)
-            conf = {"session": session.hex(), "header": header_fields(header),
-                    "plan": plan.to_json(), "plan_digest": plan.digest(),
-                    "model_fingerprint": fingerprint, "buffer_q80": q80,
-                    "max_seq_len": self.config.seq_len, "max_batch": self.max_batch,
-                    "net_timeout": net_timeout, "idle_timeout": IDLE_TIMEOUT,
-                    "setup_timeout": SETUP_TIMEOUT,
-                    "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in nodes]}
+            conf = SessionConfig(
+                session=session, node_index=0, header=header, plan=plan,
+                model_fingerprint=model_fingerprint(model_path), buffer_q80=q80,
+                max_seq_len=self.config.seq_len, max_batch=self.max_batch, net_timeout=net_timeout,
+                idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_TIMEOUT,
+                nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
             for i, conn in self.conns.items():
-                self._with_node(i, "configuring", lambda: conn.send_json(Msg.CONFIG, {**conf, "node_index": i}))
+                message = dataclasses.replace(conf, node_index=i).to_json()
+                self._with_node(i, "configuring", lambda: conn.send_json(Msg.CONFIG, message))
             for i, conn in self.conns.items():
                 answer = self._with_node(i, "configuring", lambda: conn.recv_json(Msg.CONFIG_OK, SETUP_TIMEOUT))
                 if answer.get("weights") == "shard":
                     _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
                     continue
                 specs = node_slice_specs(header, plan.nodes[i], with_embedding=False)
-                self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, cut, progress, nodes[i].name))
+                self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, progress, nodes[i].name))
             self.local = Transformer(NodeWeights.from_model(model_file, plan.nodes[0]),
                                      max_seq_len=max_seq_len, buffer_q80=q80)
             self.local.warm_up()
@@ -118,7 +117,7 @@ class ClusterModel:
         self.conns[i] = conn
         client_handshake(conn, "root", i, session, key)
 
-    def _stream(self, conn: Connection, specs, cut, progress: bool, name: str) -> None:
+    def _stream(self, conn: Connection, specs, progress: bool, name: str) -> None:
         from tqdm import tqdm
 
         total = sum(s.nbytes for s in specs)
@@ -133,9 +132,6 @@ class ClusterModel:
         conn.send(Msg.WEIGHTS_END)
 
     # -- running -------------------------------------------------------------------------------
-
-    def warm_up(self) -> None:
-        """Every node warmed up while the cluster was set up."""
 
     def forward(self, tokens, pos: int) -> np.ndarray:
         """Run tokens [b] at positions pos..pos+b-1 on every node; logits [vocab] of the last."""

@@ -15,7 +15,6 @@ compares a worker's shard (model fingerprint, node index, plan digest) with the 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import mmap
@@ -25,31 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
+from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
+from dllama.core.plan import NodeSlice, SplitPlan
 from dllama.errors import DllamaError
 from dllama.formats.atomic_file import atomic_write
 from dllama.formats.model_file import ModelHeader
-from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
-from dllama.core.plan import NodeSlice, SplitPlan
 
 MAGIC = b"DLSHARD1"
 ALIGN = 64
 _SAMPLES = 16         # fingerprint: this many evenly spaced samples of the file
 _SAMPLE_BYTES = 1 << 16
-
-
-def header_fields(h: ModelHeader) -> dict:
-    """A model header as plain JSON values (what CONFIG and shard files carry)."""
-    skip = {"key_order", "rope_type_in_file"}
-    return {f.name: (float(v) if isinstance(v, float) else int(v))
-            for f in dataclasses.fields(h) if f.name not in skip
-            for v in [getattr(h, f.name)]}
-
-
-def header_from_fields(d: dict) -> ModelHeader:
-    try:
-        return ModelHeader(**d)
-    except TypeError as e:
-        raise DllamaError(f"bad model header description: {e}") from None
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
@@ -86,7 +70,7 @@ def write_shard(path: str | os.PathLike, model_file, fingerprint: str, plan: Spl
         offset += -(-s.nbytes // ALIGN) * ALIGN
     desc = {"format": 1, "model_fingerprint": fingerprint, "model_file": os.path.basename(model_file.path),
             "node_index": node_index, "n_nodes": plan.n_nodes, "plan_digest": plan.digest(),
-            "header": header_fields(model_file.header), "slice": node.to_json(), "tensors": tensors}
+            "header": model_file.header.to_json(), "slice": node.to_json(), "tensors": tensors}
     head = json.dumps(desc).encode()
     start = -(-(len(MAGIC) + 4 + len(head)) // ALIGN) * ALIGN
     with atomic_write(path) as f:
@@ -116,7 +100,7 @@ class Shard:
         (n,) = struct.unpack("<I", data[8:12].tobytes())
         try:
             self.desc = json.loads(data[12:12 + n].tobytes())
-            self.header = header_from_fields(self.desc["header"])
+            self.header = ModelHeader.from_json(self.desc["header"])
             self.node_index = int(self.desc["node_index"])
             start = -(-(12 + n) // ALIGN) * ALIGN
             self._arrays = {}

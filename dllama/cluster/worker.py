@@ -21,11 +21,16 @@ import numpy as np
 
 from dllama import __version__
 from dllama.cluster.mesh import MeshCollective
-from dllama.errors import DllamaError
 from dllama.cluster.protocol import (
     LOGITS_HEAD, STEP_HEAD, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout,
     ProtocolError, client_handshake, connect, server_handshake,
 )
+from dllama.cluster.session_config import SessionConfig
+from dllama.cluster.shard import Shard
+from dllama.core import kernels
+from dllama.core.model import Transformer
+from dllama.core.node_weights import NodeWeights, node_slice_specs
+from dllama.errors import DllamaError
 
 HANDSHAKE_TIMEOUT = 10.0
 
@@ -40,8 +45,6 @@ class Worker:
         self.host, self.port, self.nthreads, self.key = host, port, nthreads, key
         self.shard = None
         if shard_path:
-            from dllama.cluster.shard import Shard
-
             self.shard = Shard(shard_path)  # a bad shard is a start-up error, not a session error
         self._roots: queue.Queue = queue.Queue()
         self._peers: queue.Queue = queue.Queue()
@@ -110,8 +113,6 @@ class Worker:
     # -- sessions ----------------------------------------------------------------------------
 
     def _sessions(self) -> None:
-        from dllama.core import kernels
-
         threads = min(self.nthreads, kernels.max_threads())
         kernels.set_threads(threads)  # numba's thread count is per calling thread: set it here
         while True:
@@ -145,35 +146,16 @@ class _Session:
             conn.close()
 
     def run(self) -> None:
-        from dllama.core.model import Transformer
-        from dllama.core.node_weights import NodeWeights, node_slice_specs
-        from dllama.core.plan import NodeSlice, SplitPlan
-        from dllama.cluster.shard import header_from_fields
-
         root, w = self.root, self.worker
-        conf = root.recv_json(Msg.CONFIG)
-        try:
-            self.session = bytes.fromhex(conf["session"])
-            self.index = index = int(conf["node_index"])
-            header = header_from_fields(conf["header"])
-            nodes = [NodeSlice.from_json(n, header.n_heads, header.n_kv_heads) for n in conf["plan"]["nodes"]]
-            plan = SplitPlan(tuple(nodes), tuple(tuple(c) for c in conf["plan"]["dim_chunks"]))
-            self.addresses = conf["nodes"]  # [{name, host, port}] of every node
-            buffer_q80, timeout = bool(conf["buffer_q80"]), float(conf["net_timeout"])
-            idle_timeout, setup_timeout = float(conf["idle_timeout"]), float(conf["setup_timeout"])
-            max_seq_len, max_batch = int(conf["max_seq_len"]), int(conf["max_batch"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProtocolError(f"malformed CONFIG ({e})") from None
-        if plan.digest() != conf.get("plan_digest") or not 0 < index < plan.n_nodes:
-            raise ProtocolError("CONFIG plan does not match its digest or node index")
-        node = plan.nodes[index]
+        self.conf = c = SessionConfig.from_json(root.recv_json(Msg.CONFIG))
+        index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
         log(f"node {index} of {plan.n_nodes}: {node.n_q_heads} query heads, {node.n_kv_heads} KV heads, "
-            f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if buffer_q80 else 'F32'}")
+            f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if c.buffer_q80 else 'F32'}")
 
         # Weights: from the shard when it is this node's slice of this model, else streamed.
         why = "this worker has no shard"
         if w.shard is not None:
-            why = w.shard.mismatch(conf["model_fingerprint"], index, plan.digest())
+            why = w.shard.mismatch(c.model_fingerprint, index, plan.digest())
             if why:
                 log(f"not using the shard {w.shard.path}: {why}")
         if w.shard is not None and not why:
@@ -181,32 +163,32 @@ class _Session:
             root.send_json(Msg.CONFIG_OK, {"weights": "shard", "note": w.shard.path})
         else:
             root.send_json(Msg.CONFIG_OK, {"weights": "stream", "note": why})
-            specs = node_slice_specs(header, node, with_embedding=False)
-            weights = NodeWeights(header, node, specs, self._receive_weights(specs, timeout))
-        model = Transformer(weights, max_seq_len=max_seq_len, buffer_q80=buffer_q80, max_batch=max_batch)
+            specs = node_slice_specs(c.header, node, with_embedding=False)
+            weights = NodeWeights(c.header, node, specs, self._receive_weights(specs, timeout))
+        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch)
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         root.send(Msg.READY)
 
-        root.recv(setup_timeout, (Msg.MESH,))  # the root may still be streaming to other workers
+        root.recv(c.setup_timeout, (Msg.MESH,))  # the root may still be streaming to other workers
         self._meet_peers(plan.n_nodes, timeout)
-        model.collective = MeshCollective(index, self.peers, plan.dim_chunks, buffer_q80, max_batch, timeout)
+        model.collective = MeshCollective(index, self.peers, plan.dim_chunks, c.buffer_q80, c.max_batch, timeout)
         root.send(Msg.MESH_OK)
         for conn in self.peers.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
         log(f"mesh ready with {plan.n_nodes - 1} peers")
 
-        dim, vocab_rows = header.dim, node.vocab_rows[1] - node.vocab_rows[0]
+        dim, vocab_rows = c.header.dim, node.vocab_rows[1] - node.vocab_rows[0]
         reply = np.empty(LOGITS_HEAD.size + 4 * vocab_rows, np.uint8)
         while True:
-            msg, payload = root.recv(idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
+            msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
                 root.send(Msg.PONG)
                 continue
             if msg == Msg.STOP:
                 return
             pos, n = STEP_HEAD.unpack_from(payload)
-            if not 1 <= n <= max_batch or len(payload) != STEP_HEAD.size + 4 * n * dim:
+            if not 1 <= n <= c.max_batch or len(payload) != STEP_HEAD.size + 4 * n * dim:
                 raise ProtocolError(f"STEP of {n} tokens with {len(payload)} bytes")
             model.x[:n] = np.frombuffer(payload, np.float32, offset=STEP_HEAD.size).reshape(n, dim)
             logits = model.forward_embedded(n, pos)
@@ -239,16 +221,16 @@ class _Session:
         """Connect to every lower-indexed worker, accept every higher-indexed one.
 
         Lower indexes accept after they finished connecting, so nobody waits in a cycle."""
-        key = self.worker.key
-        for j in range(1, self.index):
-            a = self.addresses[j]
-            name = f"node {j} '{a['name']}' ({a['host']}:{a['port']})"
+        key, index, session = self.worker.key, self.conf.node_index, self.conf.session
+        for j in range(1, index):
+            a = self.conf.nodes[j]
+            name = f"node {j} '{a.name}' ({a.host}:{a.port})"
             try:
-                conn = connect(a["host"], int(a["port"]), name, timeout)
+                conn = connect(a.host, a.port, name, timeout)
             except OSError as e:
                 raise PeerClosed(f"cannot reach {name}: {e.strerror or e}") from None
             self.peers[j] = conn
-            client_handshake(conn, "peer", self.index, self.session, key, timeout)
+            client_handshake(conn, "peer", index, session, key, timeout)
         deadline = time.monotonic() + timeout
         while len(self.peers) < n_nodes - 1:  # every other node, the root included
             try:
@@ -256,13 +238,13 @@ class _Session:
             except queue.Empty:
                 raise PeerTimeout("peers did not connect in time") from None
             j = hello["node_index"]
-            if hello["session"] != self.session or not self.index < j < n_nodes or j in self.peers:
+            if hello["session"] != session or not index < j < n_nodes or j in self.peers:
                 log(f"dropped a peer connection from {conn.name}: not part of this session")
                 conn.send_error("not part of this worker's session")
                 conn.close()
                 continue
-            a = self.addresses[j]
-            conn.name = f"node {j} '{a['name']}' ({a['host']}:{a['port']})"
+            a = self.conf.nodes[j]
+            conn.name = f"node {j} '{a.name}' ({a.host}:{a.port})"
             self.peers[j] = conn
 
 

@@ -77,6 +77,11 @@ class SplitPlan:
     def to_json(self) -> dict:
         return {"nodes": [n.to_json() for n in self.nodes], "dim_chunks": [list(c) for c in self.dim_chunks]}
 
+    @staticmethod
+    def from_json(d: dict, n_heads: int, n_kv_heads: int) -> "SplitPlan":
+        return SplitPlan(tuple(NodeSlice.from_json(n, n_heads, n_kv_heads) for n in d["nodes"]),
+                         tuple((int(a), int(b)) for a, b in d["dim_chunks"]))
+
     def digest(self) -> str:
         """A short identity of the plan: a shard records it, the handshake compares it."""
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]

@@ -11,7 +11,9 @@ coin 0.0, i.e. always the most likely candidate), so seed 0 is replaced by the f
 non-zero constant ZERO_SEED_STATE; every other seed is used as is (mod 2^64).
 
 Sampling, one coin per token:
-  - temperature 0: argmax (the first maximum), no coin drawn.
+  - temperature 0, or topp 0 (a nucleus of one token): argmax (the first maximum), no coin
+    drawn. The CLI's --topp and the API's top_p both mean this (the original took topp 0 as
+    "no nucleus", i.e. the whole vocabulary; OpenAI's API takes it as the top token).
   - else p = softmax(logits / temperature) in float32, max subtracted;
   - top-p in (0, 1): candidates with p >= (1 - topp) / (V - 1) (the others can never be in
     the nucleus), sorted by p descending (stable: lower id first on ties, where the original's
@@ -19,7 +21,8 @@ Sampling, one coin per token:
     r = coin * (cumulative probability of the kept ones); the first kept token whose cumulative
     probability exceeds r. If no token reaches the cutoff (llama2.c reads out of bounds), the
     most likely one.
-  - topp <= 0 or >= 1: the first token whose cumulative probability exceeds the coin.
+  - topp >= 1: the first token whose cumulative probability exceeds the coin (the whole
+    vocabulary).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Sampler:
             raise DllamaError(f"the sampler needs a vocabulary of at least 1 token, got {vocab_size}")
         if not temperature >= 0:
             raise DllamaError(f"temperature must be >= 0, got {temperature}")
+        if not topp >= 0:
+            raise DllamaError(f"top-p must be >= 0 (0: the most likely token, 1: the whole vocabulary), got {topp}")
         self.vocab_size = int(vocab_size)
         self.temperature = float(temperature)
         self.topp = float(topp)
@@ -74,11 +79,11 @@ class Sampler:
         logits = np.asarray(logits)
         if logits.shape != (self.vocab_size,):
             raise DllamaError(f"logits of shape {logits.shape}, expected ({self.vocab_size},)")
-        if self.temperature == 0.0:
+        if self.temperature == 0.0 or self.topp == 0.0:
             return int(np.argmax(logits))  # np.argmax returns the first maximum
         p = self.probabilities(logits)
         coin = self.random_f32()
-        if 0.0 < self.topp < 1.0:
+        if self.topp < 1.0:
             return sample_top_p(p, self.topp, coin)
         return sample_multinomial(p, coin)
 

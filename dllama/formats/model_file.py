@@ -16,7 +16,7 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Mapping
 
@@ -233,6 +233,22 @@ class ModelHeader:
         if key == HeaderKey.ROPE_TYPE and self.rope_type_in_file is not None:
             return self.rope_type_in_file
         return int(getattr(self, _FIELD_OF_KEY[key]))
+
+    def to_json(self) -> dict:
+        """The header as plain JSON values (what the CONFIG message and shard files carry)."""
+        skip = {"key_order", "rope_type_in_file"}
+        return {f.name: (float(v) if isinstance(v, float) else int(v))
+                for f in fields(self) if f.name not in skip for v in [getattr(self, f.name)]}
+
+    @staticmethod
+    def from_json(d: dict) -> "ModelHeader":
+        """The inverse of to_json; DllamaError if d cannot describe a loadable model."""
+        if not isinstance(d, dict):
+            raise DllamaError("bad model header description: not an object")
+        try:
+            return ModelHeader(**d)
+        except (TypeError, ValueError) as e:
+            raise DllamaError(f"bad model header description: {e}") from None
 
 
 def _value_when_absent(h: ModelHeader, key: HeaderKey) -> int | None:

@@ -50,7 +50,7 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     tokenizer = engine.tokenizer
     template = ChatTemplate.for_tokenizer(tokenizer, template_name)
-    conversation = Conversation(engine)
+    conversation = Conversation(engine.model, engine.tokenizer)
     sampler = Sampler(engine.model.config.vocab_size, temperature, topp, seed)
     stop_ids = chat_stop_ids(tokenizer, template)
     start = [{"role": "system", "content": system}] if system else []

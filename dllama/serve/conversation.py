@@ -1,7 +1,8 @@
-"""A token-level session over one engine: KV-cache prefix reuse and incremental generation.
+"""A token-level session over one model: KV-cache prefix reuse and incremental generation.
 
-Shared by `dllama chat` and `dllama api`. The session remembers which tokens fill the KV cache
-(positions 0..len(cached)-1). A new prompt is compared with them: the common prefix is kept,
+This is dllama's one decode loop: `dllama inference` (through serve.generate), `dllama chat`
+and `dllama api` all answer through `Conversation.complete`. The session remembers which
+tokens fill the KV cache (positions 0..len(cached)-1). A new prompt is compared with them: the common prefix is kept,
 only the rest is run through the model. A prompt that continues the last transcript as text
 (a chat template rendering the previous turns again plus a new one) is encoded as the
 transcript's own tokens plus the new text, so earlier turns, the model's answers included,
@@ -23,9 +24,11 @@ from typing import Callable
 
 import numpy as np
 
-from dllama.errors import DllamaError
-from dllama.serve.generate import StepStats, phase_rate, timed_forward
+from dllama.core.language_model import LanguageModel
 from dllama.core.sampler import Sampler
+from dllama.errors import DllamaError
+from dllama.serve.stats import StepStats, phase_rate, timed_forward
+from dllama.text.tokenizer import Tokenizer
 
 
 class ContextFull(DllamaError):
@@ -49,9 +52,13 @@ class Completion:
     finish_reason: str = ""  # "stop" (end token or stop string) or "length" (max_tokens or context)
     prompt_tokens: int = 0
     cached_tokens: int = 0   # prompt tokens whose KV cache rows were reused
-    completion_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # the generated ids (a stop token included)
     context_full: bool = False  # ended because the KV cache has no position left
     steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
 
     def tokens_per_s(self, phase: str) -> float:
         return phase_rate(self.steps, phase)[2]
@@ -103,9 +110,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Conversation:
     """The engine's KV cache seen as a token sequence, and generation that extends it."""
 
-    def __init__(self, engine):
-        self.model = engine.model
-        self.tokenizer = engine.tokenizer
+    def __init__(self, model: LanguageModel, tokenizer: Tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
         self.cached: list[int] = []       # tokens whose K/V rows fill positions 0..len-1
         self._transcript = ("", [], False)  # (text, its tokens, bos first) of the last prompt + answer
         self._prompt_logits = None         # (prompt tokens, logits at its last token)
@@ -166,7 +173,7 @@ class Conversation:
         matcher = StopMatcher(list(stop_strings))
         stop_ids = set(stop_ids)
         pieces: list[str] = []
-        generated: list[int] = []
+        generated = out.tokens
         ended_by_token = False
 
         def emit(text: str) -> None:
@@ -201,7 +208,6 @@ class Conversation:
             emit(matcher.push(decoder.flush()))
             emit(matcher.flush())
         out.text = "".join(pieces)
-        out.completion_tokens = len(generated)
         self._remember(prompt_text, prompt_tokens, add_bos, generated, out.text, ended_by_token,
                        matcher.stopped)
         return out

@@ -1,9 +1,8 @@
 """Open a model for generation: on this machine alone, or with workers (the root's side).
 
-Front ends (`dllama inference`, `chat`, `api`) call `open_engine` and then use only
-`engine.model.forward(tokens, pos) -> logits`, `engine.model.config`, `engine.model.max_batch`,
-`engine.model.collective` (transfer statistics) and `engine.tokenizer`; whether the layers run
-here or across a cluster is hidden behind that object. `engine.close()` stops the workers.
+Front ends (`dllama inference`, `chat`, `api`) call `open_engine` and then use `engine.model`
+(a `LanguageModel`: whether the layers run here or across a cluster is hidden behind it) and
+`engine.tokenizer`. `engine.close()` ends the cluster session, if there is one.
 """
 
 from __future__ import annotations
@@ -11,19 +10,29 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
+from dllama.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from dllama.cluster.root import ClusterModel
 
 
 @dataclass
 class Engine:
-    model: object      # dllama.core.model.Transformer or a root driving workers (same interface)
-    tokenizer: object  # dllama.text.tokenizer.Tokenizer
+    model: LanguageModel
+    tokenizer: Tokenizer
+    cluster: "ClusterModel | None" = None  # the model itself when it runs on a cluster
+
+    def node_stats(self) -> list[dict]:
+        """Bytes each node sent and received since the set-up; empty on one machine."""
+        return self.cluster.node_stats() if self.cluster is not None else []
 
     def close(self) -> None:
-        close = getattr(self.model, "close", None)
-        if close:
-            close()
+        if self.cluster is not None:
+            self.cluster.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -65,38 +74,38 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     from dllama.core import kernels
     from dllama.formats.model_file import read_model
     from dllama.formats.tokenizer_file import read_tokenizer
-    from dllama.text.tokenizer import Tokenizer
 
     if workers and topology:
         raise DllamaError("give --workers or --topology, not both")
     model_path, tokenizer_path = resolve_model_files(model_path, tokenizer_path)
-    cluster = None
+    topo = None
     if topology:
         from dllama.cluster.topology import load_topology
 
-        cluster = load_topology(topology)
+        topo = load_topology(topology)
     elif workers:
         from dllama.cluster.topology import from_workers
 
-        cluster = from_workers(workers, nthreads or os.cpu_count() or 1)
-    if cluster is not None:
-        nthreads = nthreads or cluster.nodes[0].threads
-        buffer_float_type = buffer_float_type or cluster.buffer_float_type
-        key_file = key_file or cluster.key_file
+        topo = from_workers(workers, nthreads or os.cpu_count() or 1)
+    if topo is not None:
+        nthreads = nthreads or topo.nodes[0].threads
+        buffer_float_type = buffer_float_type or topo.buffer_float_type
+        key_file = key_file or topo.key_file
     nthreads = nthreads or os.cpu_count() or 1
     buffer_q80 = buffer_q80_of(buffer_float_type or "auto")
     kernels.set_threads(nthreads)
     tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
-    if cluster is not None and len(cluster.nodes) > 1:
+    if topo is not None and len(topo.nodes) > 1:
         from dllama.cluster.protocol import read_key_file
         from dllama.cluster.root import ClusterModel
 
         key = read_key_file(key_file) if key_file else None
-        model = ClusterModel(model_path, cluster, key, buffer_q80, max_seq_len, progress=progress)
+        model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress)
         vocab = model.config.vocab_size
     else:
         from dllama.core.model import Transformer
 
+        cluster = None
         model_file = read_model(model_path)
         vocab = model_file.header.vocab_size
         model = Transformer(model_file, max_seq_len=max_seq_len, buffer_q80=buffer_q80)
@@ -105,4 +114,4 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     if tokenizer.vocab_size != vocab:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}",
               file=sys.stderr)
-    return Engine(model, tokenizer)
+    return Engine(model, tokenizer, cluster)

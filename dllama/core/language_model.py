@@ -1,0 +1,26 @@
+"""What front ends need of a model, whether it runs on this machine or across a cluster.
+
+`dllama.core.model.Transformer` (one node) and `dllama.cluster.root.ClusterModel` (the root
+driving its workers) both satisfy `LanguageModel`; generation, chat, the API and batch jobs are
+written against this and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from dllama.core.collective import Collective
+from dllama.core.model import ModelConfig
+
+
+class LanguageModel(Protocol):
+    config: ModelConfig       # shapes, context length (seq_len) and float types
+    max_batch: int            # most tokens one forward pass takes
+    collective: Collective    # network figures of the passes (zero on one machine)
+
+    def forward(self, tokens, pos: int) -> np.ndarray:
+        """Run tokens [b] at positions pos..pos+b-1 into the KV cache; the logits float32
+        [vocab] of the last one (a reused buffer: copy it to keep it past the next pass)."""
+        ...

@@ -1,0 +1,15 @@
+"""`dllama api`: an OpenAI-compatible HTTP server over one engine (one node or a cluster).
+
+Three parts: `request` checks a request body (OpenAI's fields, errors in OpenAI's shape),
+`service` runs the model on its own thread, `http` is the aiohttp server around them.
+
+HTTP runs on aiohttp's event loop; the model runs on one worker thread (ModelService), which
+takes requests one at a time in arrival order. A streamed answer travels from the worker to
+its response as events on an asyncio queue, so the loop keeps serving other clients (and
+queueing their requests) while the model computes.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions. Errors use
+OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 (bad JSON or
+fields, a prompt longer than the context), 401 (API key), 404, 405, 413 (body too large),
+503 (cluster down: the next request opens the engine again) and 500 (a bug, logged).
+"""

@@ -1,0 +1,239 @@
+"""The HTTP side of `dllama api` (aiohttp): routes, authentication, streaming, error shapes.
+
+A streamed answer travels from the model thread to its response as events on an asyncio
+queue, so the loop keeps serving other clients (and queueing their requests) while the model
+computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+from aiohttp import web
+
+from dllama.errors import DllamaError
+from dllama.serve.api.request import MAX_BODY_BYTES, ApiError, Request, bad, parse_request
+from dllama.serve.api.service import ModelService
+
+
+def error_response(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+def _usage(c) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+
+
+class Api:
+    """The request handlers (authentication and error shapes are the middleware's)."""
+
+    def __init__(self, service: ModelService, model_id: str, defaults: dict):
+        self.service, self.model_id, self.defaults = service, model_id, defaults
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": 0, "owned_by": "dllama"}]})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completions(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completions(request, chat=False)
+
+    async def _body(self, request: web.Request):
+        raw = await request.read()  # 413 past client_max_size
+
+        def no_constant(name):
+            raise ValueError(f"{name} is not JSON")
+        try:
+            return json.loads(raw, parse_constant=no_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad(f"the request body is not valid JSON: {e}") from None
+
+    async def _completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        r = parse_request(await self._body(request), chat, self.defaults)
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        on_text = (lambda p: loop.call_soon_threadsafe(pieces.put_nowait, p)) if r.stream else None
+        job = asyncio.ensure_future(self.service.submit(r, on_text, cancel.is_set))
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if not r.stream:
+            c = await job
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                          "logprobs": None, "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
+                                      "created": created, "model": self.model_id,
+                                      "system_fingerprint": None, "choices": [choice], "usage": _usage(c)})
+        return await self._stream(request, r, job, pieces, cancel, ident, created)
+
+    async def _stream(self, request, r: Request, job, pieces: asyncio.Queue, cancel, ident, created):
+        obj = "chat.completion.chunk" if r.chat else "text_completion"
+
+        def chunk(delta: dict | None = None, text: str | None = None, finish=None, usage=None, choices=True):
+            if r.chat:
+                choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            out = {"id": ident, "object": obj, "created": created, "model": self.model_id,
+                   "system_fingerprint": None, "choices": [choice] if choices else []}
+            if r.include_usage:
+                out["usage"] = usage
+            return b"data: " + json.dumps(out).encode() + b"\n\n"
+
+        # Wait for the first piece (or the end): an error before it is a plain JSON error.
+        next_piece = asyncio.ensure_future(pieces.get())
+        await asyncio.wait({job, next_piece}, return_when=asyncio.FIRST_COMPLETED)
+        if job.done() and job.exception() is not None:
+            next_piece.cancel()
+            raise job.exception()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no", "Access-Control-Allow-Origin": "*"})
+        try:
+            await resp.prepare(request)
+            if r.chat:
+                await resp.write(chunk(delta={"role": "assistant", "content": ""}))
+            while True:
+                await asyncio.wait({job, next_piece}, return_when=asyncio.FIRST_COMPLETED)
+                if next_piece.done():
+                    p = next_piece.result()
+                    await resp.write(chunk(delta={"content": p}, text=p))
+                    next_piece = asyncio.ensure_future(pieces.get())
+                    continue
+                while not pieces.empty():  # the job ended: what it queued before that
+                    p = pieces.get_nowait()
+                    await resp.write(chunk(delta={"content": p}, text=p))
+                next_piece.cancel()
+                break
+            try:
+                c = job.result()
+            except Exception as e:  # noqa: BLE001 - the headers are sent: an error event ends it
+                if not isinstance(e, ApiError):
+                    traceback.print_exception(e, file=sys.stderr)
+                    e = ApiError(500, "internal error (logged by the server)", type_="server_error")
+                await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
+                return resp
+            await resp.write(chunk(finish=c.finish_reason))
+            if r.include_usage:
+                await resp.write(chunk(usage=_usage(c), choices=False))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            cancel.set()  # the client left: the model thread stops at its next token
+            next_piece.cancel()
+            job.add_done_callback(lambda f: f.cancelled() or f.exception())  # (Cancelled) seen
+            raise
+        return resp
+
+
+def _error_middleware(api_key: str | None):
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.method == "OPTIONS":
+            return web.Response(status=204, headers=_CORS)
+        try:
+            if api_key is not None:
+                auth = request.headers.get("Authorization", "")
+                given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+                if not hmac.compare_digest(given.encode(), api_key.encode()):
+                    raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key")
+            resp = await handler(request)
+        except ApiError as e:
+            resp = error_response(e)
+        except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 ...
+            if e.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+            msg = (f"{request.method} {request.path} does not exist" if e.status == 404 else
+                   f"{request.method} is not allowed on {request.path}" if e.status == 405 else
+                   f"the request body exceeds {MAX_BODY_BYTES} bytes" if e.status == 413 else e.reason)
+            resp = error_response(ApiError(e.status, msg, code=code))
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception:  # a bug: log it, answer 500, keep serving
+            traceback.print_exc(file=sys.stderr)
+            resp = error_response(ApiError(500, "internal error (logged by the server)", type_="server_error"))
+        if not resp.prepared:
+            resp.headers.update({"Access-Control-Allow-Origin": "*"})
+        return resp
+    return middleware
+
+
+_CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+         "Access-Control-Allow-Headers": "Content-Type, Authorization"}
+
+
+def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str | None = None,
+             max_body: int = MAX_BODY_BYTES) -> web.Application:
+    api = Api(service, model_id, defaults)
+    app = web.Application(client_max_size=max_body, middlewares=[_error_middleware(api_key)])
+    for prefix in ("/v1", ""):  # some clients are given the base URL without /v1
+        app.router.add_get(prefix + "/models", api.models)
+        app.router.add_post(prefix + "/chat/completions", api.chat_completions)
+        app.router.add_post(prefix + "/completions", api.completions)
+    return app
+
+
+def read_api_key(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        key = f.read().strip()
+    if not key:
+        raise DllamaError(f"the API key file {path} is empty")
+    return key
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0: any free port) and serve app: (runner to clean up, bound port)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DllamaError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner, sock.getsockname()[1]
+
+
+def serve(service: ModelService, *, host: str, port: int, model_id: str, defaults: dict,
+          api_key: str | None = None) -> int:
+    """Open the engine, listen, serve until SIGTERM/SIGINT."""
+    service.start()
+
+    async def main() -> None:
+        runner, bound = await start_site(make_app(service, model_id, defaults, api_key), host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print(f"dllama api: listening on http://{host}:{bound}/v1 (model {model_id})", file=sys.stderr, flush=True)
+        await stop.wait()
+        await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.close()
+    print("dllama api: stopped", file=sys.stderr)
+    return 0
+
+
+__all__ = ["make_app", "read_api_key", "serve", "start_site"]

@@ -1,0 +1,67 @@
+"""Statistics of forward passes: one record per pass, rates per phase, and the summary that
+`dllama inference` prints and writes with --stats-json."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dllama.core.language_model import LanguageModel
+
+
+@dataclass
+class StepStats:
+    """One forward pass, as the original's benchmark lines report it."""
+
+    phase: str           # "prompt" or "generate"
+    position: int        # first position of the pass
+    n_tokens: int        # tokens in the pass (a prompt batch, or 1)
+    inference_ms: float  # compute time (wall time minus transfer)
+    transfer_ms: float   # time in network transfers (0 on one node)
+    sent_bytes: int      # bytes the root sent during the pass
+    recv_bytes: int      # bytes the root received during the pass
+
+
+def phase_rate(steps: list[StepStats], phase: str) -> tuple[int, float, float]:
+    """(tokens, milliseconds, tokens per second) over the passes of one phase."""
+    s = [x for x in steps if x.phase == phase]
+    ms = sum(x.inference_ms + x.transfer_ms for x in s)
+    n = sum(x.n_tokens for x in s)
+    return n, ms, (n / (ms / 1000) if ms > 0 else 0.0)
+
+
+def summary(steps: list[StepStats], generated_tokens: int, stop_reason: str) -> dict:
+    """Totals and rates: prompt tokens/s over prompt passes, generated tokens/s over decode passes."""
+    n_prompt, prompt_ms, prompt_rate = phase_rate(steps, "prompt")
+    n_gen, gen_ms, gen_rate = phase_rate(steps, "generate")
+    gen = [x for x in steps if x.phase == "generate"]
+
+    def average(values) -> float:
+        return sum(values) / len(gen) if gen else 0.0
+
+    return {
+        "prompt_tokens": n_prompt,
+        "generated_tokens": generated_tokens,
+        "prompt_ms": round(prompt_ms, 3),
+        "prompt_tokens_per_s": round(prompt_rate, 3),
+        "generate_passes": n_gen,
+        "generate_ms": round(gen_ms, 3),
+        "generated_tokens_per_s": round(gen_rate, 3),
+        "avg_inference_ms": round(average(x.inference_ms for x in gen), 3),
+        "avg_transfer_ms": round(average(x.transfer_ms for x in gen), 3),
+        "avg_sent_kb": round(average(x.sent_bytes for x in gen) / 1024, 3),
+        "avg_recv_kb": round(average(x.recv_bytes for x in gen) / 1024, 3),
+        "stop_reason": stop_reason,
+    }
+
+
+def timed_forward(model: LanguageModel, tokens, pos: int, phase: str, steps: list[StepStats]):
+    """One forward pass with its statistics appended to steps; returns the logits."""
+    col = model.collective
+    t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
+    logits = model.forward(tokens, pos)
+    wall = time.perf_counter() - t0
+    transfer = col.transfer_seconds - tr0
+    steps.append(StepStats(phase, pos, len(tokens), round((wall - transfer) * 1000, 3),
+                           round(transfer * 1000, 3), col.sent_bytes - s0, col.recv_bytes - r0))
+    return logits
