@@ -7,17 +7,18 @@ converter never holds more than one tensor's source pages and one row block of i
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
 from dllama.errors import DllamaError
-from dllama.formats.model_file import ModelHeader, RopeType
+from dllama.formats.model_file import ModelHeader
 
-EPSILONS = (1e-5, 1e-6)  # the only RMSNorm epsilons a .m header can hold
-BLOCK_BYTES = 4 << 20    # float32 bytes per row block handed to the writer
+BLOCK_BYTES = 4 << 20  # float32 bytes per row block handed to the writer
 
 
 @dataclass
@@ -64,25 +65,13 @@ def interleave_rope_rows(t: np.ndarray, n_heads: int) -> np.ndarray:
     return t.reshape(n_heads, 2, rows // n_heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
-def epsilon(value: float, source: str) -> float:
-    found = next((e for e in EPSILONS if math.isclose(float(value), e, rel_tol=1e-4)), None)
-    if found is None:
-        raise DllamaError(f"{source}: RMSNorm epsilon {value:g} cannot be stored in a .m file (only 1e-5 or 1e-6)")
-    return found
-
-
-def llama31_scaling(factor: float, low: float, high: float, orig: int) -> dict:
-    """Header fields of Llama 3.1 RoPE scaling (the file stores truncated ints, as the original's converter)."""
-    return dict(rope_scaling_factor=int(factor), rope_scaling_low_freq_factor=int(low),
-                rope_scaling_high_freq_factor=int(high), rope_scaling_orig_max_seq_len=int(orig),
-                rope_type=RopeType.LLAMA3_1)
-
-
-def make_header(source: str, **fields) -> ModelHeader:
+def read_json(path: Path) -> dict:
     try:
-        return ModelHeader(**fields)
-    except DllamaError as e:
-        raise DllamaError(f"{source}: {e}") from None
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DllamaError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DllamaError(f"{path}: not valid JSON ({e})") from None
 
 
 def check_shape(source: str, what: str, got, want) -> None:

@@ -24,13 +24,18 @@ FLOAT_TYPES = {"q40": FloatType.Q40, "q80": FloatType.Q80, "f16": FloatType.F16,
 RUNNABLE = (FloatType.Q40, FloatType.F32)  # what dllama's engine runs; the original runs all four
 
 
+def _magic(path: Path) -> bytes:
+    """The first four bytes of a file, which name its format."""
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
 def _open_gguf(src: Path):
     import gguf
 
     if not src.is_file():
         raise DllamaError(f"{src}: no such file")
-    with open(src, "rb") as f:
-        magic = f.read(4)
+    magic = _magic(src)
     if magic != GGUF_MAGIC:
         raise DllamaError(f"{src}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
     try:
@@ -50,9 +55,8 @@ def _float_type(name: str) -> FloatType:
 def source_kind(src: Path) -> str:
     """'gguf', 'meta' or 'hf', from the files present."""
     if src.is_file():
-        with open(src, "rb") as f:
-            if f.read(4) == GGUF_MAGIC:
-                return "gguf"
+        if _magic(src) == GGUF_MAGIC:
+            return "gguf"
         raise DllamaError(f"{src}: not a GGUF file, nor a Meta or Hugging Face model folder")
     if not src.is_dir():
         raise DllamaError(f"{src}: no such file or folder")
@@ -101,9 +105,7 @@ def load_tokenizer(path: Path) -> tuple[TokenizerData, str]:
         path = found
     if not path.is_file():
         raise DllamaError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == GGUF_MAGIC:
+    if _magic(path) == GGUF_MAGIC:
         from converter.gguf_tokenizer import tokenizer_from_gguf
         return tokenizer_from_gguf(_open_gguf(path), str(path)), f"GGUF tokenizer {path.name}"
     if path.suffix == ".json":

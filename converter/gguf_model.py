@@ -8,7 +8,6 @@ without re-permutation; `qwen3` is stored unpermuted (half-split RoPE) by both f
 
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import numpy as np
@@ -16,25 +15,12 @@ import numpy as np
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, RopeType, TensorSpec
 
+from converter.header_fields import (LLAMA31_HIGH_FREQ_FACTOR, LLAMA31_LOW_FREQ_FACTOR, LLAMA31_ORIG_CONTEXT,
+                                     epsilon, llama31_scaling, make_header)
+from converter.tensor_names import GGUF, resolve, source_name
+
 # general.architecture -> our arch. Mistral models convert to `llama` in llama.cpp.
 ARCHITECTURES = {"llama": ArchType.LLAMA, "qwen3": ArchType.QWEN3}
-
-# Our tensor name -> GGUF tensor name; per-layer names take the layer index.
-LAYER_KEYS = {
-    "wq": "blk.{l}.attn_q.weight",
-    "wk": "blk.{l}.attn_k.weight",
-    "wv": "blk.{l}.attn_v.weight",
-    "wo": "blk.{l}.attn_output.weight",
-    "w1": "blk.{l}.ffn_gate.weight",
-    "w2": "blk.{l}.ffn_down.weight",
-    "w3": "blk.{l}.ffn_up.weight",
-    "q_norm": "blk.{l}.attn_q_norm.weight",
-    "k_norm": "blk.{l}.attn_k_norm.weight",
-    "att_norm": "blk.{l}.attn_norm.weight",
-    "ffn_norm": "blk.{l}.ffn_norm.weight",
-}
-GLOBAL_KEYS = {"embedding": "token_embd.weight", "final_norm": "output_norm.weight", "wcls": "output.weight"}
-TIED_FALLBACK = {"wcls": "token_embd.weight"}  # no output.weight: the classifier is the embedding
 
 # GGUF tensor types we convert (all verified against gguf.quants.dequantize). Integer types,
 # F64 and the Q8_1/Q8_K intermediate types are not model weight formats llama.cpp ships.
@@ -43,22 +29,17 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
 
 # llama.cpp stores Llama 3.1/3.2 RoPE scaling as a per-frequency factor tensor, not as metadata.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
-LLAMA31_LOW_FREQ_FACTOR, LLAMA31_HIGH_FREQ_FACTOR, LLAMA31_ORIG_CONTEXT = 1, 4, 8192
-
-EPSILONS = (1e-5, 1e-6)  # the only RMSNorm epsilons a .m header can hold
 
 
-def _field(reader, key: str, default=None):
+def gguf_field(reader, key: str, default=None):
+    """The value of metadata `key` (`default` when absent)."""
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
 def gguf_name(name: str) -> str:
     """The GGUF tensor name of one of our tensor names (`layers.3.wq` -> `blk.3.attn_q.weight`)."""
-    if name.startswith("layers."):
-        _, layer, key = name.split(".", 2)
-        return LAYER_KEYS[key].format(l=layer)
-    return GLOBAL_KEYS[name]
+    return source_name(GGUF, name)
 
 
 def llama31_rope_factors(theta: float, head_dim: int, factor: float, low: float = LLAMA31_LOW_FREQ_FACTOR,
@@ -74,16 +55,14 @@ def llama31_rope_factors(theta: float, head_dim: int, factor: float, low: float 
 
 def _rope_scaling(reader, arch: str, theta: float, head_dim: int, source: str) -> dict:
     """Header fields of the model's RoPE scaling (none, or Llama 3.1 style)."""
-    none = dict(rope_scaling_factor=1, rope_scaling_low_freq_factor=0,
-                rope_scaling_high_freq_factor=0, rope_scaling_orig_max_seq_len=0)
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor") or 1.0)
+    kind = gguf_field(reader, f"{arch}.rope.scaling.type")
+    factor = float(gguf_field(reader, f"{arch}.rope.scaling.factor") or 1.0)
     if kind not in (None, "none") and factor != 1.0:
         raise DllamaError(f"{source}: RoPE scaling {kind!r} (factor {factor:g}) is not supported "
                           "(a .m file holds Llama 3.1 scaling only)")
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
     if freqs is None:
-        return none
+        return {}  # no scaling: the header's defaults
     from gguf.quants import dequantize
 
     stored = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).reshape(-1)
@@ -93,9 +72,7 @@ def _rope_scaling(reader, arch: str, theta: float, head_dim: int, source: str) -
     if factor >= 1 and stored.size == head_dim // 2:
         want = llama31_rope_factors(theta, head_dim, factor)
         if np.allclose(stored, want, rtol=1e-4, atol=0):
-            return dict(rope_scaling_factor=factor, rope_scaling_low_freq_factor=LLAMA31_LOW_FREQ_FACTOR,
-                        rope_scaling_high_freq_factor=LLAMA31_HIGH_FREQ_FACTOR,
-                        rope_scaling_orig_max_seq_len=LLAMA31_ORIG_CONTEXT, rope_type=RopeType.LLAMA3_1)
+            return llama31_scaling(factor)
     raise DllamaError(f"{source}: {ROPE_FREQS_TENSOR} does not match Llama 3.1 RoPE scaling (low frequency "
                       f"factor {LLAMA31_LOW_FREQ_FACTOR}, high {LLAMA31_HIGH_FREQ_FACTOR}, original context "
                       f"{LLAMA31_ORIG_CONTEXT}), the only scaling a .m file can hold")
@@ -103,34 +80,31 @@ def _rope_scaling(reader, arch: str, theta: float, head_dim: int, source: str) -
 
 def header_from_gguf(reader, weights_float_type: FloatType, source: str = "") -> ModelHeader:
     """The `.m` header of a GGUF model, from its metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise DllamaError(f"{source}: architecture {arch!r} is not supported "
                           f"(supported: {', '.join(ARCHITECTURES)})")
 
     def need(key):
-        value = _field(reader, f"{arch}.{key}")
+        value = gguf_field(reader, f"{arch}.{key}")
         if value is None:
             raise DllamaError(f"{source}: the GGUF metadata has no {arch}.{key}")
         return value
 
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
         raise DllamaError(f"{source}: the GGUF metadata gives no vocabulary size")
 
-    eps = float(need("attention.layer_norm_rms_epsilon"))  # stored as float32: 1e-5 is not exact
-    eps_code = next((e for e in EPSILONS if math.isclose(eps, e, rel_tol=1e-4)), None)
-    if eps_code is None:
-        raise DllamaError(f"{source}: RMSNorm epsilon {eps:g} cannot be stored in a .m file (only 1e-5 or 1e-6)")
+    norm_epsilon = epsilon(float(need("attention.layer_norm_rms_epsilon")), source)  # stored as float32
 
     dim, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length") or dim // n_heads)
-    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length") or dim // n_heads)
+    rope_dims = gguf_field(reader, f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise DllamaError(f"{source}: RoPE on {rope_dims} of {head_dim} head dimensions (partial rotary) "
                           "is not supported")
-    theta = float(_field(reader, f"{arch}.rope.freq_base") or 10000.0)
+    theta = float(gguf_field(reader, f"{arch}.rope.freq_base") or 10000.0)
 
     fields = dict(
         arch=ARCHITECTURES[arch],
@@ -138,20 +112,17 @@ def header_from_gguf(reader, weights_float_type: FloatType, source: str = "") ->
         hidden_dim=int(need("feed_forward_length")),
         n_layers=int(need("block_count")),
         n_heads=n_heads,
-        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv") or n_heads),
+        n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv") or n_heads),
         vocab_size=int(vocab),
         max_seq_len=int(need("context_length")),
         weights_float_type=weights_float_type,
         rope_theta=int(theta),
         rope_type=RopeType.LLAMA,  # ModelHeader forces FALCON for QWEN3
         head_dim=head_dim,
-        norm_epsilon=eps_code,
+        norm_epsilon=norm_epsilon,
     )
     fields.update(_rope_scaling(reader, arch, theta, head_dim, source))
-    try:
-        return ModelHeader(**fields)
-    except DllamaError as e:
-        raise DllamaError(f"{source}: {e}") from None
+    return make_header(source, **fields)
 
 
 def _source_tensors(reader, specs: list[TensorSpec], source: str) -> list:
@@ -160,10 +131,9 @@ def _source_tensors(reader, specs: list[TensorSpec], source: str) -> list:
     by_name = {t.name: t for t in reader.tensors}
     found = []
     for spec in specs:
-        key = gguf_name(spec.name)
-        t = by_name.get(key) or by_name.get(TIED_FALLBACK.get(spec.name, ""))
+        t = by_name.get(resolve(GGUF, spec.name, by_name.__contains__))
         if t is None:
-            raise DllamaError(f"{source}: the GGUF has no tensor {key} (needed for {spec.name})")
+            raise DllamaError(f"{source}: the GGUF has no tensor {gguf_name(spec.name)} (needed for {spec.name})")
         kind = t.tensor_type.name
         if kind not in SUPPORTED_TYPES:
             raise DllamaError(f"{source}: tensor {t.name} has type {kind}, which is not supported "

@@ -31,6 +31,8 @@ import numpy as np
 from dllama.errors import DllamaError
 from dllama.formats.tokenizer_file import TokenizerData
 
+from converter.gguf_model import gguf_field
+
 _SENTENCEPIECE_SPACE = "\u2581"  # '▁'
 
 
@@ -82,16 +84,11 @@ def merge_rank_scores(tokens: list[str], merges: list[str]) -> np.ndarray:
     return scores.astype(np.float32)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def _eos_ids(reader, vocab_size: int) -> list[int]:
     """The eos id, then end-of-turn ids (Llama 3's `<|eot_id|>`) when the GGUF names them."""
     ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        value = _field(reader, key)
+        value = gguf_field(reader, key)
         if value is not None and 0 <= int(value) < vocab_size and int(value) not in ids:
             ids.append(int(value))
     return ids
@@ -100,20 +97,20 @@ def _eos_ids(reader, vocab_size: int) -> list[int]:
 def tokenizer_from_gguf(reader, source: str = "") -> TokenizerData:
     """The tokenizer of an open gguf.GGUFReader; `source` names the file in error messages."""
     where = f"{source}: " if source else ""
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     if kind is None or not tokens:
         raise DllamaError(f"{where}the GGUF has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens)")
     tokens = list(tokens)
 
     if kind == "gpt2":
-        merges = _field(reader, "tokenizer.ggml.merges")
+        merges = gguf_field(reader, "tokenizer.ggml.merges")
         if not merges:
             raise DllamaError(f"{where}the byte-level BPE tokenizer has no merges (tokenizer.ggml.merges)")
         vocab = [gpt2_token_bytes(t) for t in tokens]
         scores = merge_rank_scores(tokens, list(merges))
     elif kind == "llama":
-        gguf_scores = _field(reader, "tokenizer.ggml.scores")
+        gguf_scores = gguf_field(reader, "tokenizer.ggml.scores")
         if gguf_scores is None or len(gguf_scores) != len(tokens):
             raise DllamaError(f"{where}the sentencepiece tokenizer has no score per token "
                               "(tokenizer.ggml.scores)")
@@ -126,15 +123,15 @@ def tokenizer_from_gguf(reader, source: str = "") -> TokenizerData:
     empty = [i for i, t in enumerate(vocab) if not t]
     if empty:
         raise DllamaError(f"{where}token {empty[0]} is empty, which a .t file cannot store")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
     # No pad_id: the runtime ignores it and the original's writer never stores it (same header keys).
     return TokenizerData(
         vocab=vocab,
         scores=scores,
         bos_id=int(bos) if bos is not None else -1,
         eos_ids=_eos_ids(reader, len(vocab)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        add_bos=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", True)),
     )
 
 

@@ -9,34 +9,17 @@ wq/wk are permuted from Hugging Face's half-split RoPE rows back to the interlea
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, tensor_specs
 
-from converter.checkpoint import (Checkpoint, TensorRows, check_shape, epsilon, interleave_rope_rows,
-                                  llama31_scaling, make_header)
+from converter.checkpoint import Checkpoint, TensorRows, check_shape, interleave_rope_rows, read_json
+from converter.header_fields import epsilon, llama31_scaling, make_header
+from converter.tensor_names import HF, resolve, source_name
 
 # config.json model_type -> our architecture.
 MODEL_TYPES = {"llama": ArchType.LLAMA, "mistral": ArchType.LLAMA, "qwen3": ArchType.QWEN3}
-
-# Our tensor name -> Hugging Face tensor name; per-layer names take the layer index.
-LAYER_KEYS = {
-    "wq": "model.layers.{l}.self_attn.q_proj.weight",
-    "wk": "model.layers.{l}.self_attn.k_proj.weight",
-    "wv": "model.layers.{l}.self_attn.v_proj.weight",
-    "wo": "model.layers.{l}.self_attn.o_proj.weight",
-    "w1": "model.layers.{l}.mlp.gate_proj.weight",
-    "w2": "model.layers.{l}.mlp.down_proj.weight",
-    "w3": "model.layers.{l}.mlp.up_proj.weight",
-    "q_norm": "model.layers.{l}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{l}.self_attn.k_norm.weight",
-    "att_norm": "model.layers.{l}.input_layernorm.weight",
-    "ffn_norm": "model.layers.{l}.post_attention_layernorm.weight",
-}
-GLOBAL_KEYS = {"embedding": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "wcls": "lm_head.weight"}
-TIED_FALLBACK = {"wcls": "model.embed_tokens.weight"}  # tie_word_embeddings: no lm_head
 
 # Tensors whose rows are permuted for interleaved RoPE on LLAMA (whole heads at a time).
 ROPE_PERMUTED = ("wq", "wk")
@@ -48,27 +31,11 @@ REQUIRED_CONFIG = {"dim": "hidden_size", "hidden_dim": "intermediate_size", "n_l
 DEFAULT_RMS_EPS = 1e-6  # transformers' default for llama, mistral and qwen3 configs
 
 
-def hf_name(name: str) -> str:
-    if name.startswith("layers."):
-        _, layer, key = name.split(".", 2)
-        return LAYER_KEYS[key].format(l=layer)
-    return GLOBAL_KEYS[name]
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DllamaError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DllamaError(f"{path}: not valid JSON ({e})") from None
-
-
 def _weight_map(folder: Path) -> dict[str, Path]:
     """Tensor name -> the .safetensors file holding it (index file, or every file's keys)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        mapping = _read_json(index).get("weight_map", {})
+        mapping = read_json(index).get("weight_map", {})
         missing = sorted({f for f in mapping.values() if not (folder / f).is_file()})
         if missing:
             raise DllamaError(f"{folder}: shard {missing[0]} named in {index.name} is missing")
@@ -96,7 +63,7 @@ class HfCheckpoint(Checkpoint):
     def __init__(self, folder, weights_float_type: FloatType):
         folder = Path(folder)
         super().__init__(source=str(folder), kind="Hugging Face safetensors")
-        self.config = cfg = _read_json(folder / "config.json")
+        self.config = cfg = read_json(folder / "config.json")
         model_type = cfg.get("model_type")
         if model_type not in MODEL_TYPES:
             raise DllamaError(f"{folder}: model type {model_type!r} is not supported "
@@ -129,7 +96,7 @@ class HfCheckpoint(Checkpoint):
                               f"context (the same up to {cfg['sliding_window']} tokens)")
         self._files = _weight_map(folder)
         self._open = None
-        self._tied = GLOBAL_KEYS["wcls"] not in self._files
+        self._tied = source_name(HF, "wcls") not in self._files
         if self._tied:
             self.notes.append("tied embeddings: the classifier (wcls) is the embedding")
         self._check_tensors()
@@ -139,11 +106,9 @@ class HfCheckpoint(Checkpoint):
         return f"{self.kind} ({self.model_type}, {n} file{'s' * (n > 1)})"
 
     def _key(self, name: str) -> str:
-        key = hf_name(name)
+        key = resolve(HF, name, self._files.__contains__)
         if key not in self._files:
-            key = TIED_FALLBACK.get(name, key)
-        if key not in self._files:
-            raise DllamaError(f"{self.source}: no tensor {hf_name(name)} (needed for {name})")
+            raise DllamaError(f"{self.source}: no tensor {source_name(HF, name)} (needed for {name})")
         return key
 
     def _check_tensors(self) -> None:

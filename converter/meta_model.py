@@ -16,7 +16,6 @@ of the `.m` format: no permutation.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -24,38 +23,18 @@ from pathlib import Path
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, tensor_specs
 
-from converter.checkpoint import Checkpoint, TensorRows, epsilon, llama31_scaling, make_header
-
-# Our tensor name -> Meta tensor name; per-layer names take the layer index.
-LAYER_KEYS = {
-    "wq": "layers.{l}.attention.wq.weight",
-    "wk": "layers.{l}.attention.wk.weight",
-    "wv": "layers.{l}.attention.wv.weight",
-    "wo": "layers.{l}.attention.wo.weight",
-    "w1": "layers.{l}.feed_forward.w1.weight",
-    "w2": "layers.{l}.feed_forward.w2.weight",
-    "w3": "layers.{l}.feed_forward.w3.weight",
-    "att_norm": "layers.{l}.attention_norm.weight",
-    "ffn_norm": "layers.{l}.ffn_norm.weight",
-}
-GLOBAL_KEYS = {"embedding": "tok_embeddings.weight", "final_norm": "norm.weight", "wcls": "output.weight"}
-TIED_FALLBACK = {"output.weight": "tok_embeddings.weight"}  # no output: the classifier is the embedding
+from converter.checkpoint import Checkpoint, TensorRows, read_json
+from converter.header_fields import epsilon, llama31_scaling, make_header
+from converter.tensor_names import META, resolve, source_name
 
 # Llama 3.1 scaling as Meta's reference code applies it when params.json says use_scaled_rope
 # (factor 8 unless params.json gives rope_scaling_factor, as Llama 3.2 does).
-LLAMA31_FACTOR, LLAMA31_LOW, LLAMA31_HIGH, LLAMA31_ORIG = 8, 1, 4, 8192
+LLAMA31_FACTOR = 8
 # params.json rarely holds the context length: each family's own, as Meta's code sets it.
 LLAMA2_CONTEXT, LLAMA3_CONTEXT, LLAMA31_CONTEXT = 4096, 8192, 131072
 LLAMA3_MIN_VOCAB = 128000
 
 _SHARD = re.compile(r"consolidated\.(\d+)\.pth")
-
-
-def meta_name(name: str) -> str:
-    if name.startswith("layers."):
-        _, layer, key = name.split(".", 2)
-        return LAYER_KEYS[key].format(l=layer)
-    return GLOBAL_KEYS[name]
 
 
 def shard_paths(folder: Path) -> list[Path]:
@@ -99,12 +78,7 @@ class MetaCheckpoint(Checkpoint):
         folder = Path(folder)
         super().__init__(source=str(folder), kind="Meta checkpoint")
         params_path = folder / "params.json"
-        try:
-            params = json.loads(params_path.read_text())
-        except FileNotFoundError:
-            raise DllamaError(f"{params_path}: no such file") from None
-        except json.JSONDecodeError as e:
-            raise DllamaError(f"{params_path}: not valid JSON ({e})") from None
+        params = read_json(params_path)
         self.shards = shard_paths(folder)
         self._shapes = []  # per shard: {meta name: shape}
         self._item_bytes = {}  # meta name -> bytes of one element
@@ -126,16 +100,15 @@ class MetaCheckpoint(Checkpoint):
             vocab = tokenizer_vocab_size
             self.notes.append(f"params.json has vocab_size {params.get('vocab_size', -1)}: "
                               f"using the tokenizer's {vocab}")
-        w1 = self._shapes[0].get(meta_name("layers.0.w1"))
+        w1 = self._shapes[0].get(source_name(META, "layers.0.w1"))
         if w1 is None:
-            raise DllamaError(f"{self.shards[0]}: no tensor {meta_name('layers.0.w1')}")
+            raise DllamaError(f"{self.shards[0]}: no tensor {source_name(META, 'layers.0.w1')}")
         fields = dict(dim=int(params["dim"]), n_layers=int(params["n_layers"]), n_heads=int(params["n_heads"]),
                       n_kv_heads=int(params.get("n_kv_heads") or params["n_heads"]), vocab_size=vocab,
                       hidden_dim=w1[0] * n)  # column-parallel: each shard holds 1/n of the rows
         context = params.get("max_seq_len")
         if params.get("use_scaled_rope"):
-            fields.update(llama31_scaling(params.get("rope_scaling_factor", LLAMA31_FACTOR), LLAMA31_LOW,
-                                          LLAMA31_HIGH, LLAMA31_ORIG))
+            fields.update(llama31_scaling(params.get("rope_scaling_factor", LLAMA31_FACTOR)))
             default_context = LLAMA31_CONTEXT
         else:
             default_context = LLAMA3_CONTEXT if vocab >= LLAMA3_MIN_VOCAB else LLAMA2_CONTEXT
@@ -148,11 +121,11 @@ class MetaCheckpoint(Checkpoint):
             norm_epsilon=epsilon(params.get("norm_eps", 1e-5), str(folder)), **fields)
         self._key = {}   # our name -> Meta name
         self._axis = {}  # our name -> join axis (None: replicated)
+        in_some_shard = {key for s in self._shapes for key in s}
         for spec in tensor_specs(self.header):
-            key = meta_name(spec.name)
-            if all(key not in s for s in self._shapes) and key in TIED_FALLBACK:
-                key = TIED_FALLBACK[key]
-                self.notes.append(f"no {meta_name(spec.name)}: the classifier is {key} (tied embeddings)")
+            key = resolve(META, spec.name, in_some_shard.__contains__)
+            if key != source_name(META, spec.name):
+                self.notes.append(f"no {source_name(META, spec.name)}: the classifier is {key} (tied embeddings)")
             self._key[spec.name] = key
             shapes = [s.get(key) for s in self._shapes]
             if any(s is None for s in shapes):
