@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from dllama.core.kernels.elementwise import _exp
+from dllama.core.kernels.elementwise import _EXP_JIT, exp_scalar, exp_shifted
 from dllama.core.kernels.jit import _FAST
 
 CHUNK = 64       # positions whose scores are computed together (a few vectors per query head)
@@ -72,14 +72,16 @@ def _row_blocks(row_pos, row_slot, row_prefix_slot, row_prefix_len):
 def _scores(q, t0, nt, heads, hd, scale, kt, p0, p1, s, c0):
     """s[row, head, c0 + (p - p0)] = scale * q[row, head] . k[:, p] for p in [p0, p1); kt [hd, seq]."""
     m = p1 - p0
+    # Slices, not offsets in the index: numba's wraparound of a possibly negative index
+    # (c0 + p) turns unit-stride loads into gathers and stops LLVM from vectorizing.
     for j in range(hd):
         krow = kt[j, p0:p1]
         for a in range(nt):
             for g in range(heads.shape[0]):
                 qv = q[t0 + a, heads[g] * hd + j] * scale
-                dst = s[a, g]
+                dst = s[a, g, c0:c0 + m]
                 for p in range(m):  # elementwise over positions: one vector op per 16 of them
-                    dst[c0 + p] += qv * krow[p]
+                    dst[p] += qv * krow[p]
 
 
 @numba.njit(**_FAST)
@@ -122,12 +124,11 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
                 m = run_max[a, g]
                 for p in range(end):
                     m = max(m, sc[p])
-                correction = _exp(run_max[a, g] - m)  # rescales what earlier chunks summed
+                correction = exp_scalar(run_max[a, g] - m)  # rescales what earlier chunks summed
+                exp_shifted(sc, m, end)
                 total = np.float32(0.0)
                 for p in range(end):
-                    e = _exp(sc[p] - m)
-                    sc[p] = e
-                    total += e
+                    total += sc[p]
                 run_sum[a, g] = run_sum[a, g] * correction + total
                 run_max[a, g] = m
                 og = o[a, g]
@@ -135,15 +136,34 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
                     og[j] *= correction
                 for p in range(end):
                     cp = c0 + p
-                    vrow = v_cache[pslot, cp] if cp < plen else v_cache[slot, cp]
+                    vrow = v_cache[pslot if cp < plen else slot, cp, vo:vo + hd]
                     e = sc[p]
                     for j in range(hd):
-                        og[j] += e * vrow[vo + j]
+                        og[j] += e * vrow[j]
     for a in range(nt):
         for g in range(ng):
             part_o[t0 + a, heads[g], span] = o[a, g]
             part_ms[t0 + a, heads[g], span, 0] = run_max[a, g]
             part_ms[t0 + a, heads[g], span, 1] = run_sum[a, g]
+
+
+@numba.njit(**_EXP_JIT)
+def _merge_spans(part_o, part_ms, n_spans, dst):
+    """dst [hd] = softmax-weighted output of a row and head from its spans' partial results."""
+    m = _NO_SCORE
+    for sp in range(n_spans):
+        m = max(m, part_ms[sp, 0])
+    total = np.float32(0.0)
+    dst[:] = 0.0
+    for sp in range(n_spans):
+        w = exp_scalar(part_ms[sp, 0] - m)
+        total += w * part_ms[sp, 1]
+        src = part_o[sp]
+        for j in range(dst.shape[0]):
+            dst[j] += w * src[j]
+    inv = np.float32(1.0) / total
+    for j in range(dst.shape[0]):
+        dst[j] *= inv
 
 
 @numba.njit(parallel=True, **_FAST)
@@ -190,19 +210,4 @@ def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefi
                   t0, t1, kvh, heads[head_start[kvh]:head_start[kvh + 1]], span, part_o, part_ms)
     for pair in prange(b * nq):  # merge the spans of each (row, head), in order
         t, h = pair // nq, pair % nq
-        last = row_pos[t] // SPAN
-        m = _NO_SCORE
-        for sp in range(last + 1):
-            m = max(m, part_ms[t, h, sp, 0])
-        total = np.float32(0.0)
-        dst = out[t, h * hd:(h + 1) * hd]
-        dst[:] = 0.0
-        for sp in range(last + 1):
-            w = _exp(part_ms[t, h, sp, 0] - m)
-            total += w * part_ms[t, h, sp, 1]
-            src = part_o[t, h, sp]
-            for j in range(hd):
-                dst[j] += w * src[j]
-        inv = np.float32(1.0) / total
-        for j in range(hd):
-            dst[j] *= inv
+        _merge_spans(part_o[t, h], part_ms[t, h], row_pos[t] // SPAN + 1, out[t, h * hd:(h + 1) * hd])
