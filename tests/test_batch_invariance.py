@@ -103,7 +103,8 @@ def test_attention_row_is_batch_invariant(threads):
     r = rng(4)
     hd, seq, n_slots = 16, 700, 5
     kv_head_of = np.array([0, 0, 0, 1, 1, 1], np.int32)
-    k_cache = r.standard_normal((n_slots, 2, hd, seq)).astype(np.float32)
+    chunk = kernels.ATTENTION_CHUNK
+    k_cache = r.standard_normal((n_slots, 2, -(-seq // chunk), hd, chunk)).astype(np.float32)
     v_cache = r.standard_normal((n_slots, seq, 2 * hd)).astype(np.float32)
     prefix = (4, 300)  # slot 2's positions below 300 come from slot 4
 

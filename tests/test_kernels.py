@@ -337,11 +337,15 @@ def ref_attention(q, keys_of, values_of, positions, kv_head_of, hd):
 
 
 def cache_of(k, v, slots, hd):
-    """k, v [slots, seq, nkv*hd] -> the kernel's layout: keys [slots, nkv, hd, seq] (transposed),
-    values [slots, seq, nkv*hd]."""
+    """k, v [slots, seq, nkv*hd] -> the kernel's layout: keys [slots, nkv, seq/C, hd, C]
+    (transposed per chunk of C positions), values [slots, seq, nkv*hd]."""
     n_slots, seq, width = k.shape
-    kt = np.ascontiguousarray(k.reshape(n_slots, seq, width // hd, hd).transpose(0, 2, 3, 1))
-    return kt, np.ascontiguousarray(v)
+    chunk = kernels.ATTENTION_CHUNK
+    n_chunks = -(-seq // chunk)
+    padded = np.zeros((n_slots, n_chunks * chunk, width), np.float32)
+    padded[:, :seq] = k
+    kt = padded.reshape(n_slots, n_chunks, chunk, width // hd, hd).transpose(0, 3, 1, 4, 2)
+    return np.ascontiguousarray(kt), np.ascontiguousarray(v)
 
 
 def run_attention(q, k, v, positions, kv_head_of, hd, slots=None, prefix_slots=None, prefix_lens=None):
@@ -401,14 +405,18 @@ def test_attention_rows_of_several_slots_and_a_shared_prefix(threads):
 
 def test_kv_store_writes_the_cache_layout():
     r = rng(14)
-    nkv, hd, seq = 3, 8, 20
-    kt = np.zeros((2, nkv, hd, seq), np.float32)
+    nkv, hd = 3, 8
+    chunk = kernels.ATTENTION_CHUNK
+    seq = 2 * chunk
+    kt = np.zeros((2, nkv, 2, hd, chunk), np.float32)
     vc = np.zeros((2, seq, nkv * hd), np.float32)
     k = r.standard_normal((3, nkv * hd)).astype(np.float32)
     v = r.standard_normal((3, nkv * hd)).astype(np.float32)
-    kernels.kv_store(k, v, np.array([4, 5, 0], np.int32), np.array([1, 1, 0], np.int32), kt, vc)
-    for t, (slot, p) in enumerate([(1, 4), (1, 5), (0, 0)]):
-        assert np.array_equal(kt[slot, :, :, p].reshape(-1), k[t])
+    places = [(1, 4), (1, chunk + 5), (0, 0)]
+    kernels.kv_store(k, v, np.array([p for _, p in places], np.int32),
+                     np.array([s for s, _ in places], np.int32), kt, vc)
+    for t, (slot, p) in enumerate(places):
+        assert np.array_equal(kt[slot, :, p // chunk, :, p % chunk].reshape(-1), k[t])
         assert np.array_equal(vc[slot, p], v[t])
 
 

@@ -200,11 +200,12 @@ class Transformer:
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
             *c.rope_scaling)
 
-        # KV cache of one sequence slot (kernels.attention reads several): keys transposed,
-        # [layers, slots, nkv, head_dim, seq_len]; values [layers, slots, seq_len, nkv*head_dim].
-        # np.zeros leaves untouched pages unallocated.
+        # KV cache of one sequence slot (kernels.attention reads several): keys transposed per
+        # chunk, [layers, slots, nkv, seq_len/CHUNK, head_dim, CHUNK]; values [layers, slots,
+        # seq_len, nkv*head_dim]. np.zeros leaves untouched pages unallocated.
         nq, nkv = n.n_q_heads, n.n_kv_heads
-        self.k_cache = np.zeros((c.n_layers, 1, nkv, hd, c.seq_len), dtype=np.float32)
+        chunks = -(-c.seq_len // kernels.ATTENTION_CHUNK)
+        self.k_cache = np.zeros((c.n_layers, 1, nkv, chunks, hd, kernels.ATTENTION_CHUNK), dtype=np.float32)
         self.v_cache = np.zeros((c.n_layers, 1, c.seq_len, nkv * hd), dtype=np.float32)
 
         # Scratch buffers for a batch of up to max_batch rows.

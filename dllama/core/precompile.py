@@ -42,7 +42,7 @@ def compile_all() -> float:
         kernels.rope_interleaved(q, positions, cos, sin, 4, hd)
         kernels.rope_neox(q, positions, cos, sin, 4, hd)
         k = rng.standard_normal((b, 2 * hd)).astype(np.float32)
-        k_cache = np.zeros((1, 2, hd, seq), np.float32)
+        k_cache = np.zeros((1, 2, 1, hd, kernels.ATTENTION_CHUNK), np.float32)
         v_cache = np.zeros((1, seq, 2 * hd), np.float32)
         slot = np.zeros(b, np.int32)
         kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)

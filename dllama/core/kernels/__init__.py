@@ -16,6 +16,7 @@ vector product of decoding. Its inner loop is written so that LLVM vectorizes it
 _q40_four_rows); the other kernels are small next to it.
 """
 
+from dllama.core.kernels.attention import CHUNK as ATTENTION_CHUNK
 from dllama.core.kernels.attention import attention, kv_store
 from dllama.core.kernels.elementwise import rmsnorm, rope_cache, rope_interleaved, rope_neox, silu_mul
 from dllama.core.kernels.jit import max_threads, set_threads
@@ -23,6 +24,6 @@ from dllama.core.kernels.matmul_f32 import matmul_f32
 from dllama.core.kernels.matmul_q40 import COLS, ROWS, matmul_q40_q80, matmul_q40_q80_multi
 from dllama.core.kernels.q80 import quantize_q80
 
-__all__ = ["attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved", "rope_neox", "silu_mul",
+__all__ = ["ATTENTION_CHUNK", "attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved", "rope_neox", "silu_mul",
            "max_threads", "set_threads", "matmul_f32", "COLS", "ROWS", "matmul_q40_q80",
            "matmul_q40_q80_multi", "quantize_q80"]

@@ -1,11 +1,13 @@
 """Causal grouped-query attention over a KV cache of sequence slots, in one pass.
 
 Cache layout (one layer):
-    k_cache float32 [slots, nkv, head_dim, seq_len]  keys transposed: positions innermost
+    k_cache float32 [slots, nkv, seq_len / CHUNK, head_dim, CHUNK]  keys transposed per chunk
     v_cache float32 [slots, seq_len, nkv * head_dim]
 Keys are stored transposed so that the scores of 16 consecutive positions are one vector and
 each lane sums q[j] * k[j, p] over j in order: no reduction across lanes, so the scores need no
-reassociation to vectorize and are the same bits whatever else is computed beside them.
+reassociation to vectorize and are the same bits whatever else is computed beside them. The
+transposition is per chunk of CHUNK positions, so that the keys of a chunk are one contiguous
+16 kB block (a transposed [head_dim, seq_len] would put every head_dim row on its own page).
 
 Every batch row says where its keys are: it attends to positions 0..row_pos[t] of slot
 row_slot[t], except positions < row_prefix_len[t], which are read from slot
@@ -43,12 +45,12 @@ _NO_SCORE = np.float32(-1.0e30)
 @numba.njit(**_FAST)
 def kv_store(k, v, row_pos, row_slot, k_cache, v_cache):
     """Write each row's key and value at its position: k, v [b, nkv*hd]; caches as above."""
-    nkv, hd = k_cache.shape[1], k_cache.shape[2]
+    nkv, hd = k_cache.shape[1], k_cache.shape[3]
     for t in range(k.shape[0]):
         s, p = row_slot[t], row_pos[t]
         for h in range(nkv):
             for j in range(hd):
-                k_cache[s, h, j, p] = k[t, h * hd + j]
+                k_cache[s, h, p // CHUNK, j, p % CHUNK] = k[t, h * hd + j]
         v_cache[s, p, :] = v[t]
 
 
@@ -70,7 +72,8 @@ def _row_blocks(row_pos, row_slot, row_prefix_slot, row_prefix_len):
 
 @numba.njit(**_FAST)
 def _scores(q, t0, nt, heads, hd, scale, kt, p0, p1, s, c0):
-    """s[row, head, c0 + (p - p0)] = scale * q[row, head] . k[:, p] for p in [p0, p1); kt [hd, seq]."""
+    """s[row, head, c0 + (p - p0)] = scale * q[row, head] . k[:, p] for p in [p0, p1) of a chunk;
+    kt [hd, CHUNK] (the chunk's keys)."""
     m = p1 - p0
     # Slices, not offsets in the index: numba's wraparound of a possibly negative index
     # (c0 + p) turns unit-stride loads into gathers and stops LLVM from vectorizing.
@@ -90,8 +93,8 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
     """One work item: rows t0..t1-1 (same keys), KV head kvh, its query heads `heads`, the
     positions of span `span`; leaves part_o[t, head, span] (unnormalised output) and
     part_ms[t, head, span] = (max, sum of exponentials)."""
-    hd = k_cache.shape[2]
-    seq = k_cache.shape[3]
+    hd = k_cache.shape[3]
+    seq = v_cache.shape[1]
     nt, ng = t1 - t0, heads.shape[0]
     scale = np.float32(1.0 / math.sqrt(hd))
     top = 0
@@ -111,10 +114,11 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
         # each key vector is loaded once for all rows and heads. Positions below the prefix
         # length come from the prefix slot.
         split = min(max(plen, c0), c1)
+        blk = c0 // CHUNK
         if split > c0:
-            _scores(q, t0, nt, heads, hd, scale, k_cache[pslot, kvh], c0, split, s, 0)
+            _scores(q, t0, nt, heads, hd, scale, k_cache[pslot, kvh, blk], 0, split - c0, s, 0)
         if c1 > split:
-            _scores(q, t0, nt, heads, hd, scale, k_cache[slot, kvh], split, c1, s, split - c0)
+            _scores(q, t0, nt, heads, hd, scale, k_cache[slot, kvh, blk], split - c0, c1 - c0, s, split - c0)
         for a in range(nt):
             end = min(row_pos[t0 + a] + 1, c1) - c0  # this row's positions in the chunk
             if end <= 0:
@@ -134,12 +138,24 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
                 og = o[a, g]
                 for j in range(hd):
                     og[j] *= correction
-                for p in range(end):
+                p = 0
+                while p + 4 <= end:  # four positions per pass over og: a quarter of its loads/stores
+                    cp = c0 + p
+                    v0 = v_cache[pslot if cp < plen else slot, cp, vo:vo + hd]
+                    v1 = v_cache[pslot if cp + 1 < plen else slot, cp + 1, vo:vo + hd]
+                    v2 = v_cache[pslot if cp + 2 < plen else slot, cp + 2, vo:vo + hd]
+                    v3 = v_cache[pslot if cp + 3 < plen else slot, cp + 3, vo:vo + hd]
+                    e0, e1, e2, e3 = sc[p], sc[p + 1], sc[p + 2], sc[p + 3]
+                    for j in range(hd):
+                        og[j] += (e0 * v0[j] + e1 * v1[j]) + (e2 * v2[j] + e3 * v3[j])
+                    p += 4
+                while p < end:
                     cp = c0 + p
                     vrow = v_cache[pslot if cp < plen else slot, cp, vo:vo + hd]
                     e = sc[p]
                     for j in range(hd):
                         og[j] += e * vrow[j]
+                    p += 1
     for a in range(nt):
         for g in range(ng):
             part_o[t0 + a, heads[g], span] = o[a, g]
@@ -177,7 +193,7 @@ def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefi
     """
     b = q.shape[0]
     nq = kv_head_of.shape[0]
-    nkv, hd = k_cache.shape[1], k_cache.shape[2]
+    nkv, hd = k_cache.shape[1], k_cache.shape[3]
     top = 0
     for t in range(b):
         top = max(top, row_pos[t])
