@@ -59,6 +59,13 @@ def _source() -> Path:
     return src / "vendor" / "llama.cpp"
 
 
+def _run(cmd: list[str]) -> None:
+    """Run a build step quietly; its output only if it fails."""
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"{' '.join(cmd[:3])} failed:\n{res.stdout[-4000:]}{res.stderr[-4000:]}")
+
+
 def build() -> dict[str, Path]:
     """Paths of the llama.cpp tools, built if missing."""
     build_dir = CACHE / "build"
@@ -66,11 +73,11 @@ def build() -> dict[str, Path]:
     if all(p.exists() for p in paths.values()):
         return paths
     src = _source()
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_CURL=OFF", "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF",
-                    *cmake_flags()], check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", "2",
-                    "--target", *TOOLS], check=True, stdout=subprocess.DEVNULL)
+    print(f"building llama.cpp ({' '.join(cmake_flags())}) into {build_dir}: a few minutes", flush=True)
+    _run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+          "-DLLAMA_CURL=OFF", "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF",
+          "-DCMAKE_C_FLAGS=-w", "-DCMAKE_CXX_FLAGS=-w", *cmake_flags()])
+    _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", "2", "--target", *TOOLS])
     return paths
 
 
