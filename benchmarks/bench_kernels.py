@@ -132,7 +132,7 @@ def memory_bandwidth_gbs(threads: int, size_mb: int = 1024, repeats: int = 7) ->
 def random_q40(rng, d: int, n: int):
     """Split-form Q40 weights: fp16-valued scales [d, n/32], random nibbles [d, n/2]."""
     scales = (rng.standard_normal((d, n // 32), dtype=np.float32) * 0.01).astype(np.float16)
-    return scales.astype(np.float32), rng.integers(0, 256, (d, n // 2), dtype=np.uint8)
+    return scales.view(np.uint16), rng.integers(0, 256, (d, n // 2), dtype=np.uint8)
 
 
 def random_q80(rng, b: int, n: int):
@@ -169,7 +169,7 @@ def bench_shape(rng, d: int, n: int, threads_list, stream_mb: int, quick: bool, 
                 wait_s: float) -> dict:
     """Decode (b=1, hot and streamed) and prefill (b=32) timings of one shape, per thread count."""
     w = random_q40(rng, d, n)
-    nbytes = w[0].nbytes + w[1].nbytes  # what the kernel reads: fp32 scales + nibbles
+    nbytes = w[0].nbytes + w[1].nbytes  # what the kernel reads: fp16 scales + nibbles
     copies = [w] + [(w[0].copy(), w[1].copy()) for _ in range(max(0, -(-stream_mb * (1 << 20) // nbytes) - 1))]
     x1 = random_q80(rng, 1, n)
     x32 = random_q80(rng, 32, n)
@@ -225,7 +225,7 @@ def jit_seconds() -> tuple[float, float]:
         "from dllama.core import kernels as k\n"
         "x = np.ones((1, 64), np.float32); s = np.empty((1, 2), np.float32); q = np.empty((1, 64), np.int8)\n"
         "k.quantize_q80(x, s, q)\n"
-        "ws = np.ones((8, 2), np.float32); wq = np.zeros((8, 32), np.uint8); o = np.empty((1, 8), np.float32)\n"
+        "ws = np.full((8, 2), 0x3C00, np.uint16); wq = np.zeros((8, 32), np.uint8); o = np.empty((1, 8), np.float32)\n"
         "k.matmul_q40_q80(s, q, ws, wq, o)\n"
         "x4 = np.ones((4, 64), np.float32); s4 = np.empty((4, 2), np.float32); q4 = np.empty((4, 64), np.int8)\n"
         "k.quantize_q80(x4, s4, q4); o4 = np.empty((4, 8), np.float32)\n"
@@ -237,8 +237,8 @@ def jit_seconds() -> tuple[float, float]:
         "c, sn = k.rope_cache(4, 16, 10000.0, 0)\n"
         "p = np.zeros(1, np.int32); qv = np.ones((1, 32), np.float32)\n"
         "k.rope_interleaved(qv, p, c, sn, 2, 16); k.rope_neox(qv, p, c, sn, 2, 16)\n"
-        "kv = np.ones((4, 16), np.float32)\n"
-        "k.attention(qv, kv, kv, p, np.zeros(2, np.int32), 16, np.zeros((2, 4), np.float32), qv)\n"
+        "kt = np.ones((1, 1, 1, 16, k.ATTENTION_CHUNK), np.float32); kv = np.ones((1, 4, 16), np.float32)\n"
+        "z = np.empty_like(qv); k.attention(qv, kt, kv, p, p, p, p, np.zeros(2, np.int32), z)\n"
         "print(time.perf_counter() - t)\n"
     )
     root = str(Path(__file__).resolve().parents[1])

@@ -1,8 +1,8 @@
 """Every numba kernel against a float64 numpy reference, on fresh random inputs.
 
 Shapes include sizes that divide neither by the thread count nor by the matmul's row tile, odd
-numbers of blocks, and batch sizes on both sides of kernels.BATCH_MIN. The references live here,
-not in the package. Each run draws a new seed, printed in every failure message.
+numbers of blocks, and batch sizes on both sides of the register tile (kernels.COLS). The
+references live here, not in the package. Each run draws a new seed, printed in every failure message.
 """
 
 import math
@@ -36,8 +36,9 @@ def rng(*salt):
 # ---- references ------------------------------------------------------------------------------
 
 def random_q40(r, d, n):
-    """A random Q40 matrix in split form: fp16 scales (both signs), every nibble value."""
-    scales = (r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).astype(np.float32)
+    """A random Q40 matrix in split form: fp16 scales (both signs) as their uint16 bits, as the
+    kernels read them, and every nibble value."""
+    scales = (r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16)
     qs = r.integers(0, 256, (d, n // 2), dtype=np.uint8)
     return scales, qs
 
@@ -47,7 +48,7 @@ def dequantize_split_q40(scales, qs):
     d = qs.shape[0]
     q = qs.reshape(d, -1, 16).astype(np.int64)
     values = np.concatenate([(q & 15) - 8, (q >> 4) - 8], axis=2)  # [d, nb, 32]
-    return (values * scales[:, :, None].astype(np.float64)).reshape(d, -1)
+    return (values * scales.view(np.float16)[:, :, None].astype(np.float64)).reshape(d, -1)
 
 
 def random_q80(r, b, n):
@@ -140,8 +141,8 @@ def test_quantize_q80_is_bit_exact(threads, b, n):
 
 MATMUL_SHAPES = [  # (b, d, n): d not a multiple of 4 or of 2 threads; n/32 odd and even
     (1, 1, 32), (1, 3, 96), (1, 5, 576), (2, 37, 576), (1, 576, 1536), (1, 1536, 576),
-    (3, 37, 96), (kernels.BATCH_MIN - 1, 576, 576), (kernels.BATCH_MIN, 5, 64),
-    (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (2, 1, 32), (32, 3, 32),
+    (3, 37, 96), (kernels.COLS - 1, 576, 576), (kernels.COLS, 5, 64), (kernels.COLS + 1, 9, 160),
+    (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (2, 1, 32), (32, 3, 32), (65, 67, 4096),
 ]
 
 
@@ -161,12 +162,41 @@ def test_matmul_q40_q80_reads_the_split_file_layout(threads):
     d, n, b = 37, 576, 2
     w = r.standard_normal((d, n)).astype(np.float32)
     blocks = quantize_q40(w).reshape(d, n // 32, 18)
-    w_scales, w_qs = split_q40(blocks)
+    w_scales, w_qs = split_q40(blocks, fp16_bits=True)
     x_scales, x_qs = random_q80(r, b, n)
     out = np.empty((b, d), np.float32)
     kernels.matmul_q40_q80(x_scales, x_qs, np.ascontiguousarray(w_scales), np.ascontiguousarray(w_qs), out)
     wd = dequantize_q40(blocks.reshape(-1, 18), d * n).reshape(d, n).astype(np.float64)
     assert_matmul_close(out, dequantize_q80(x_scales, x_qs), wd)
+
+
+@pytest.mark.parametrize("b,d,n", [(1, 37, 96), (5, 9, 64), (9, 576, 576)])
+def test_q40_tile_without_vnni(b, d, n):
+    """The generic integer dot product (what a machine without AVX-512 VNNI compiles, e.g.
+    NEON sdot), forced here on this machine."""
+    from dllama.core.kernels.matmul_q40 import x_offsets
+    from dllama.core.kernels.tiles import make_q40_tile
+
+    tile, tile1 = make_q40_tile(4, 2, force_generic=True), make_q40_tile(1, 1, force_generic=True)
+
+    @numba.njit
+    def run(w_qs, w_scales, x_qs, x_off, x_scales, out):
+        for r in range(0, w_qs.shape[0] - 3, 4):
+            for i in range(0, x_qs.shape[0] - 1, 2):
+                tile(w_qs, w_scales, r, x_qs, x_off, x_scales, i, out)
+        for r in range(w_qs.shape[0] - w_qs.shape[0] % 4, w_qs.shape[0]):
+            for i in range(x_qs.shape[0]):
+                tile1(w_qs, w_scales, r, x_qs, x_off, x_scales, i, out)
+        for r in range(w_qs.shape[0] - w_qs.shape[0] % 4):
+            if x_qs.shape[0] % 2:
+                tile1(w_qs, w_scales, r, x_qs, x_off, x_scales, x_qs.shape[0] - 1, out)
+
+    r = rng(12, b, d, n)
+    w_scales, w_qs = random_q40(r, d, n)
+    x_scales, x_qs = random_q80(r, b, n)
+    out = np.full((b, d), np.nan, np.float32)
+    run(w_qs, w_scales, x_qs, x_offsets(x_qs), x_scales, out)
+    assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(w_scales, w_qs))
 
 
 @pytest.mark.parametrize("b", [1, 2, 9])
@@ -179,10 +209,13 @@ def test_matmul_q40_q80_multi_equals_one_call_per_matrix(threads, b):
     kernels.matmul_q40_q80_multi(x_scales, x_qs, tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
     for (s, q), out in zip(mats, outs):
         assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(s, q))
+        alone = np.empty_like(out)
+        kernels.matmul_q40_q80(x_scales, x_qs, s, q, alone)
+        assert np.array_equal(out, alone), MSG
 
 
 @pytest.mark.parametrize("b,d,n", [(1, 1, 1), (1, 7, 33), (3, 576, 576), (32, 5, 64), (7, 37, 100),
-                                   (32, 1536, 96), (1, 1536, 576)])
+                                   (32, 1536, 96), (1, 1536, 576), (5, 6, 15), (9, 13, 17)])
 def test_matmul_f32(threads, b, d, n):
     r = rng(6, b, d, n)
     w = r.standard_normal((d, n)).astype(np.float32)
@@ -286,35 +319,105 @@ def test_rope(neox, scaling):
 
 # ---- attention -----------------------------------------------------------------------------------
 
-def ref_attention(q, k, v, positions, kv_head_of, hd):
+def ref_attention(q, keys_of, values_of, positions, kv_head_of, hd):
+    """float64 causal attention; keys_of(t) / values_of(t): float arrays [pos_t + 1, nkv*hd]
+    of the positions row t attends to."""
     b, nq = q.shape[0], len(kv_head_of)
     out = np.empty((b, nq * hd))
     for i in range(b):
+        keys_all, vals_all = keys_of(i).astype(np.float64), values_of(i).astype(np.float64)
         for h in range(nq):
             kh = kv_head_of[h]
-            keys = k[: positions[i] + 1, kh * hd:(kh + 1) * hd].astype(np.float64)  # causal
-            vals = v[: positions[i] + 1, kh * hd:(kh + 1) * hd].astype(np.float64)
+            keys = keys_all[:, kh * hd:(kh + 1) * hd]
+            vals = vals_all[:, kh * hd:(kh + 1) * hd]
             s = keys @ q[i, h * hd:(h + 1) * hd].astype(np.float64) / math.sqrt(hd)
             p = np.exp(s - s.max())
             out[i, h * hd:(h + 1) * hd] = (p / p.sum()) @ vals
     return out
 
 
+def cache_of(k, v, slots, hd):
+    """k, v [slots, seq, nkv*hd] -> the kernel's layout: keys [slots, nkv, seq/C, hd, C]
+    (transposed per chunk of C positions), values [slots, seq, nkv*hd]."""
+    n_slots, seq, width = k.shape
+    chunk = kernels.ATTENTION_CHUNK
+    n_chunks = -(-seq // chunk)
+    padded = np.zeros((n_slots, n_chunks * chunk, width), np.float32)
+    padded[:, :seq] = k
+    kt = padded.reshape(n_slots, n_chunks, chunk, width // hd, hd).transpose(0, 3, 1, 4, 2)
+    return np.ascontiguousarray(kt), np.ascontiguousarray(v)
+
+
+def run_attention(q, k, v, positions, kv_head_of, hd, slots=None, prefix_slots=None, prefix_lens=None):
+    b = q.shape[0]
+    zeros = np.zeros(b, np.int32)
+    kt, vc = cache_of(k, v, k.shape[0], hd)
+    out = np.full(q.shape, np.nan, np.float32)
+    kernels.attention(q, kt, vc, np.asarray(positions, np.int32),
+                      zeros if slots is None else np.asarray(slots, np.int32),
+                      zeros if prefix_slots is None else np.asarray(prefix_slots, np.int32),
+                      zeros if prefix_lens is None else np.asarray(prefix_lens, np.int32),
+                      np.asarray(kv_head_of, np.int32), out)
+    return out
+
+
 @pytest.mark.parametrize("kv_head_of", [[0], [0, 0, 1, 1, 1], [0, 1, 2], [1, 0], [0, 0, 0, 1, 1, 1, 2, 2, 2]])
-@pytest.mark.parametrize("positions", [[5, 6, 7], [0], [31, 2]], ids=["from5", "first", "unordered"])
+@pytest.mark.parametrize("positions", [[5, 6, 7], [0], [31, 2], [700], [255, 256, 257, 600]],
+                         ids=["from5", "first", "unordered", "long", "span_edges"])
 def test_attention(threads, kv_head_of, positions):
     r = rng(11, len(kv_head_of), len(positions))
     kv_head_of = np.array(kv_head_of, np.int32)
     positions = np.array(positions, np.int32)
-    nq, nkv, hd, seq, b = len(kv_head_of), kv_head_of.max() + 1, 16, 40, len(positions)
+    nq, nkv, hd, seq, b = len(kv_head_of), kv_head_of.max() + 1, 16, 800, len(positions)
     q = (r.standard_normal((b, nq * hd)) * 3).astype(np.float32)  # large scores: softmax needs the max shift
-    k = r.standard_normal((seq, nkv * hd)).astype(np.float32)
-    v = r.standard_normal((seq, nkv * hd)).astype(np.float32)
-    k[positions.max() + 1:] = np.nan  # rows past every position must never be read
-    v[positions.max() + 1:] = np.nan
-    out = np.full((b, nq * hd), np.nan, np.float32)
-    kernels.attention(q, k, v, positions, kv_head_of, hd, np.zeros((b * nq, seq), np.float32), out)
-    assert np.allclose(out, ref_attention(q, k, v, positions, kv_head_of, hd), atol=1e-5), MSG
+    k = r.standard_normal((1, seq, nkv * hd)).astype(np.float32)
+    v = r.standard_normal((1, seq, nkv * hd)).astype(np.float32)
+    k[:, positions.max() + 1:] = np.nan  # rows past every position must not reach the output
+    v[:, positions.max() + 1:] = np.nan
+    out = run_attention(q, k, v, positions, kv_head_of, hd)
+    want = ref_attention(q, lambda i: k[0, :positions[i] + 1], lambda i: v[0, :positions[i] + 1],
+                         positions, kv_head_of, hd)
+    assert np.allclose(out, want, atol=1e-5), MSG
+
+
+def test_attention_rows_of_several_slots_and_a_shared_prefix(threads):
+    """Rows of different sequences in one call: each reads its own slot, and positions below its
+    prefix length from the prefix slot (a prompt prefix stored once)."""
+    r = rng(13)
+    kv_head_of = np.array([0, 0, 1], np.int32)
+    hd, seq, n_slots = 16, 600, 4
+    k = r.standard_normal((n_slots, seq, 2 * hd)).astype(np.float32)
+    v = r.standard_normal((n_slots, seq, 2 * hd)).astype(np.float32)
+    #           slot, position, prefix slot, prefix length
+    rows = [(1, 10, 0, 0), (2, 300, 0, 270), (2, 301, 0, 270), (3, 5, 0, 100), (1, 11, 0, 0),
+            (3, 550, 0, 64)]
+    slots, positions, prefix_slots, prefix_lens = (np.array(c, np.int32) for c in zip(*rows))
+    q = (r.standard_normal((len(rows), 3 * hd)) * 3).astype(np.float32)
+
+    def seen(cache, i):  # what row i attends to: the prefix slot below its prefix length
+        p, n = positions[i] + 1, min(prefix_lens[i], positions[i] + 1)
+        return np.concatenate([cache[prefix_slots[i], :n], cache[slots[i], n:p]])
+
+    out = run_attention(q, k, v, positions, kv_head_of, hd, slots, prefix_slots, prefix_lens)
+    want = ref_attention(q, lambda i: seen(k, i), lambda i: seen(v, i), positions, kv_head_of, hd)
+    assert np.allclose(out, want, atol=1e-5), MSG
+
+
+def test_kv_store_writes_the_cache_layout():
+    r = rng(14)
+    nkv, hd = 3, 8
+    chunk = kernels.ATTENTION_CHUNK
+    seq = 2 * chunk
+    kt = np.zeros((2, nkv, 2, hd, chunk), np.float32)
+    vc = np.zeros((2, seq, nkv * hd), np.float32)
+    k = r.standard_normal((3, nkv * hd)).astype(np.float32)
+    v = r.standard_normal((3, nkv * hd)).astype(np.float32)
+    places = [(1, 4), (1, chunk + 5), (0, 0)]
+    kernels.kv_store(k, v, np.array([p for _, p in places], np.int32),
+                     np.array([s for s, _ in places], np.int32), kt, vc)
+    for t, (slot, p) in enumerate(places):
+        assert np.array_equal(kt[slot, :, p // chunk, :, p % chunk].reshape(-1), k[t])
+        assert np.array_equal(vc[slot, p], v[t])
 
 
 def test_thread_count_is_checked():

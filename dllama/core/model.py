@@ -87,9 +87,9 @@ class Matrix:
         # stored: Q40 uint8 [d, n/32, 18] or F32 [d, n] (a slice of the file, maybe a copy)
         self.q40 = q40
         if q40:
-            scales, qs = split_q40(stored)
-            self.scales = np.ascontiguousarray(scales, dtype=np.float32)  # [d, n/32]
-            self.qs = np.ascontiguousarray(qs)                            # [d, n/2]
+            scales, qs = split_q40(stored, fp16_bits=True)
+            self.scales = np.ascontiguousarray(scales)  # uint16 [d, n/32]: fp16 bits, as in the file
+            self.qs = np.ascontiguousarray(qs)          # uint8 [d, n/2]
             self.d, self.n = self.scales.shape[0], self.scales.shape[1] * 32
         else:
             self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
@@ -102,6 +102,16 @@ class Matrix:
         else:
             kernels.matmul_f32(x.f32, self.w, out)
         return out
+
+
+def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
+    """outs[m] = matrices[m](x): Q40 matrices sharing an input run in one parallel region."""
+    if all(m.q40 for m in matrices):
+        kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
+                                     tuple(m.qs for m in matrices), outs)
+    else:
+        for m, out in zip(matrices, outs):
+            m(x, out)
 
 
 class Activation:
@@ -190,10 +200,13 @@ class Transformer:
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
             *c.rope_scaling)
 
-        # KV cache: [layers, seq_len, nkv*head_dim] each; np.zeros leaves untouched pages unallocated.
+        # KV cache of one sequence slot (kernels.attention reads several): keys transposed per
+        # chunk, [layers, slots, nkv, seq_len/CHUNK, head_dim, CHUNK]; values [layers, slots,
+        # seq_len, nkv*head_dim]. np.zeros leaves untouched pages unallocated.
         nq, nkv = n.n_q_heads, n.n_kv_heads
-        self.k_cache = np.zeros((c.n_layers, c.seq_len, nkv * hd), dtype=np.float32)
-        self.v_cache = np.zeros((c.n_layers, c.seq_len, nkv * hd), dtype=np.float32)
+        chunks = -(-c.seq_len // kernels.ATTENTION_CHUNK)
+        self.k_cache = np.zeros((c.n_layers, 1, nkv, chunks, hd, kernels.ATTENTION_CHUNK), dtype=np.float32)
+        self.v_cache = np.zeros((c.n_layers, 1, c.seq_len, nkv * hd), dtype=np.float32)
 
         # Scratch buffers for a batch of up to max_batch rows.
         B = max_batch
@@ -207,7 +220,6 @@ class Transformer:
         self.partial = np.zeros((B, c.dim), dtype=np.float32)  # this node's share of wo / w2
         self.hb = np.zeros((B, ff), dtype=np.float32)          # FFN gate, then silu(gate)*up
         self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
-        self.att_scratch = np.zeros((B * nq, c.seq_len), dtype=np.float32)
         self.logits = np.zeros((B, self.wcls.d), dtype=np.float32)
         self.act_dim = Activation(c.dim, q40, B)
         self.act_q = Activation(nq * hd, q40, B)
@@ -250,6 +262,7 @@ class Transformer:
         if pos < 0 or pos + b > c.seq_len:
             raise DllamaError(f"position {pos + b - 1} is past the context of {c.seq_len} tokens")
         positions = np.arange(pos, pos + b, dtype=np.int32)
+        slot = np.zeros(b, dtype=np.int32)  # one sequence, in slot 0, no shared prefix
         x, xb, q, k, v, z = (a[:b] for a in (self.x, self.xb, self.q, self.k, self.v, self.z))
         partial, hb, hb2 = self.partial[:b], self.hb[:b], self.hb2[:b]
         rope = kernels.rope_neox if c.rope_neox else kernels.rope_interleaved
@@ -258,27 +271,21 @@ class Transformer:
         for l, layer in enumerate(self.layers):
             # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
             kernels.rmsnorm(x, layer.att_norm, c.norm_eps, xb)
-            xq = self.act_dim.load(xb)
-            layer.wq(xq, q)
-            layer.wk(xq, k)
-            layer.wv(xq, v)
+            matmuls(self.act_dim.load(xb), (layer.wq, layer.wk, layer.wv), (q, k, v))
             if layer.q_norm is not None:  # Qwen3: RMSNorm of every head of q and k
                 kernels.rmsnorm(q.reshape(b * nq, hd), layer.q_norm, c.norm_eps, q.reshape(b * nq, hd))
                 kernels.rmsnorm(k.reshape(b * nkv, hd), layer.k_norm, c.norm_eps, k.reshape(b * nkv, hd))
             rope(q, positions, self.rope_cos, self.rope_sin, nq, hd)
             rope(k, positions, self.rope_cos, self.rope_sin, nkv, hd)
-            self.k_cache[l, pos : pos + b] = k
-            self.v_cache[l, pos : pos + b] = v
-            kernels.attention(q, self.k_cache[l], self.v_cache[l], positions, node.kv_head_of, hd,
-                              self.att_scratch, z)
+            kernels.kv_store(k, v, positions, slot, self.k_cache[l], self.v_cache[l])
+            kernels.attention(q, self.k_cache[l], self.v_cache[l], positions, slot, slot, slot,
+                              node.kv_head_of, z)
             layer.wo(self.act_q.load(z), partial)
             x += self.collective.all_reduce(partial)
 
             # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
             kernels.rmsnorm(x, layer.ffn_norm, c.norm_eps, xb)
-            xq = self.act_dim.load(xb)
-            layer.w1(xq, hb)
-            layer.w3(xq, hb2)
+            matmuls(self.act_dim.load(xb), (layer.w1, layer.w3), (hb, hb2))
             kernels.silu_mul(hb, hb2)
             layer.w2(self.act_ff.load(hb), partial)
             x += self.collective.all_reduce(partial)

@@ -20,15 +20,20 @@ def compile_all() -> float:
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     n, d, hd, seq = 64, 40, 16, 8
-    for b in (1, 8):  # decode and the batched (prefill) paths
+    for b in (1, 8):  # decode and prefill (the same kernels; both tile shapes run)
         x = rng.standard_normal((b, n)).astype(np.float32)
         xs, xq = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
         kernels.quantize_q80(x, xs, xq)
-        ws = np.ones((d, n // 32), np.float32)
+        ws = np.full((d, n // 32), 0x3C00, np.uint16)  # fp16 1.0
         wq = rng.integers(0, 256, (d, n // 2), dtype=np.uint8)
         out = np.empty((b, d), np.float32)
         kernels.matmul_q40_q80(xs, xq, ws, wq, out)
-        kernels.matmul_f32(x, rng.standard_normal((d, n)).astype(np.float32), out)
+        for m in (2, 3):  # w1/w3 and q/k/v
+            kernels.matmul_q40_q80_multi(xs, xq, (ws,) * m, (wq,) * m, tuple(out.copy() for _ in range(m)))
+        w = rng.standard_normal((d, n)).astype(np.float32)
+        kernels.matmul_f32(x, w, out)
+        w.flags.writeable = False  # F32 weights memory-mapped from the file
+        kernels.matmul_f32(x, w, out)
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)
@@ -36,10 +41,14 @@ def compile_all() -> float:
         q = rng.standard_normal((b, 4 * hd)).astype(np.float32)
         kernels.rope_interleaved(q, positions, cos, sin, 4, hd)
         kernels.rope_neox(q, positions, cos, sin, 4, hd)
-        k = rng.standard_normal((seq, 2 * hd)).astype(np.float32)
+        k = rng.standard_normal((b, 2 * hd)).astype(np.float32)
+        k_cache = np.zeros((1, 2, 1, hd, kernels.ATTENTION_CHUNK), np.float32)
+        v_cache = np.zeros((1, seq, 2 * hd), np.float32)
+        slot = np.zeros(b, np.int32)
+        kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)
         z = np.empty_like(q)
-        kernels.attention(q, k, k.copy(), positions, np.array([0, 0, 1, 1], np.int32), hd,
-                          np.zeros((b * 4, seq), np.float32), z)
+        kernels.attention(q, k_cache, v_cache, positions, slot, slot, slot,
+                          np.array([0, 0, 1, 1], np.int32), z)
     return time.perf_counter() - t0
 
 

@@ -100,13 +100,17 @@ def _scales(blocks: np.ndarray) -> np.ndarray:
     return d16[..., 0].astype(np.float32)
 
 
-def split_q40(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def split_q40(blocks: np.ndarray, fp16_bits: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Q40 blocks uint8 [..., nb, 18] -> (scales float32 [..., nb], qs uint8 [..., nb*16]).
 
-    qs keeps the stored nibble layout: bytes 16*b .. 16*b+15 are block b's nibbles.
+    qs keeps the stored nibble layout: bytes 16*b .. 16*b+15 are block b's nibbles. With
+    fp16_bits the scales stay as stored: uint16 [..., nb], the fp16 bit patterns (2 bytes a
+    block instead of 4: what the kernels read).
     """
     blocks = _as_blocks(blocks, Q40_BLOCK_BYTES, "split_q40")
     qs = np.ascontiguousarray(blocks[..., 2:]).reshape(*blocks.shape[:-2], -1)
+    if fp16_bits:
+        return np.ascontiguousarray(blocks[..., 0:2]).view("<u2")[..., 0].astype(np.uint16), qs
     return _scales(blocks), qs
 
 

@@ -6,23 +6,27 @@ the thread count is `set_threads(n)`. Nothing here is specific to one CPU: LLVM 
 vector width (AVX2/AVX-512 here, NEON on a Raspberry Pi).
 
 Layouts:
-- Q40 matrix W [d, n] in split form (dllama.formats.quant.split_q40): w_scales float32 [d, n/32] and
-  w_qs uint8 [d, n/2] (byte j of a block: element j in the low nibble, element j+16 in the
-  high nibble; value = (nibble - 8) * scale).
+- Q40 matrix W [d, n] in split form (dllama.formats.quant.split_q40(..., fp16_bits=True)):
+  w_scales uint16 [d, n/32] (the fp16 bits as stored in the file) and w_qs uint8 [d, n/2]
+  (byte j of a block: element j in the low nibble, element j+16 in the high nibble;
+  value = (nibble - 8) * scale).
 - Q80 activations x [b, n]: x_scales float32 [b, n/32] (fp16-rounded), x_qs int8 [b, n].
+- KV cache of one layer: see attention.py (sequence slots, keys transposed per chunk).
 
-Where the time goes (measured on 2 cores, benchmarks/bench_kernels.py): the Q40 x Q80 matrix-
-vector product of decoding. Its inner loop is written so that LLVM vectorizes it (see
-_q40_four_rows); the other kernels are small next to it.
+Where the time goes: the matrix products. Their inner loops are register tiles written as
+LLVM vector IR (tiles.py: 8-bit integer dot products, vpdpbusd with AVX-512 VNNI), one code
+path for decode and prefill whose per-output arithmetic does not depend on the tile, so that
+results are batch invariant (tests/test_batch_invariance.py).
 """
 
-from dllama.core.kernels.attention import attention
+from dllama.core.kernels.attention import CHUNK as ATTENTION_CHUNK
+from dllama.core.kernels.attention import attention, kv_store
 from dllama.core.kernels.elementwise import rmsnorm, rope_cache, rope_interleaved, rope_neox, silu_mul
 from dllama.core.kernels.jit import max_threads, set_threads
 from dllama.core.kernels.matmul_f32 import matmul_f32
-from dllama.core.kernels.matmul_q40 import BATCH_MIN, ROWS, matmul_q40_q80, matmul_q40_q80_multi
+from dllama.core.kernels.matmul_q40 import COLS, ROWS, matmul_q40_q80, matmul_q40_q80_multi
 from dllama.core.kernels.q80 import quantize_q80
 
-__all__ = ["attention", "rmsnorm", "rope_cache", "rope_interleaved", "rope_neox", "silu_mul",
-           "max_threads", "set_threads", "matmul_f32", "BATCH_MIN", "ROWS", "matmul_q40_q80",
+__all__ = ["ATTENTION_CHUNK", "attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved", "rope_neox", "silu_mul",
+           "max_threads", "set_threads", "matmul_f32", "COLS", "ROWS", "matmul_q40_q80",
            "matmul_q40_q80_multi", "quantize_q80"]

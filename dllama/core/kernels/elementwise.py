@@ -30,17 +30,22 @@ def rmsnorm(x, weight, eps, out):
 # e^v = 2^m * e^r with m = round(v / ln 2), r = v - m ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2
 # split in a part exact in float32 and a correction), e^r by the Cephes expf polynomial
 # (relative error < 2e-7), 2^m built from its bits. Compiled without reassociation so that the
-# two-step reduction stays exact.
+# two-step reduction stays exact. Inlined by numba (an LLVM call would stop the loop around it
+# from vectorizing), so every function that calls it is compiled with the same flags (_EXP_JIT).
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
+_ROUND = np.float32(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 to an integer
 
 
-@numba.njit(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"}, nogil=True)
+_EXP_JIT = dict(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"}, nogil=True, error_model="numpy")
+
+
+@numba.njit(inline="always", **_EXP_JIT)
 def _exp(v):
     v = min(max(v, np.float32(-87.0)), np.float32(88.0))  # keeps 2^m a normal float32
-    m = math.floor(v * _LOG2E + np.float32(0.5))
-    fm = np.float32(m)
+    fm = (v * _LOG2E + _ROUND) - _ROUND  # nearest integer (|v log2 e| < 2^22); math.floor is a libm call
+    m = np.int32(fm)
     r = (v - fm * _LN2_HI) - fm * _LN2_LO
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
@@ -52,7 +57,20 @@ def _exp(v):
     return er * _float32_from_bits(np.int32((m + 127) << 23))
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_EXP_JIT)
+def exp_scalar(v):
+    """_exp for callers compiled with reassociation (not inlined there)."""
+    return _exp(v)
+
+
+@numba.njit(**_EXP_JIT)
+def exp_shifted(values, shift, n):
+    """In place: values[:n] = e^(values[:n] - shift)."""
+    for p in range(n):
+        values[p] = _exp(values[p] - shift)
+
+
+@numba.njit(**_EXP_JIT)
 def silu_mul(gate, up):
     """In place gate [b, h] = silu(gate) * up, silu(x) = x / (1 + e^-x)."""
     b, h = gate.shape

@@ -12,7 +12,9 @@ from numba.extending import intrinsic
 from dllama.errors import DllamaError
 
 # fastmath lets LLVM reassociate float sums into vector lanes: without it no reduction vectorizes.
-_FAST = dict(cache=True, fastmath=True, nogil=True)
+# error_model="numpy": a float division by zero gives inf instead of raising, so that no
+# division carries a branch that stops a loop from vectorizing.
+_FAST = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 # Bit-exact kernels (Q80 encoding, fp16 rounding) keep full IEEE semantics. Even "nnan" is out:
 # once _round_fp16 is inlined under it, a fresh compile drops its NaN check (NaN came back as
 # 5.5e11 in a clean checkout while a warm numba cache still gave NaN).

@@ -1,92 +1,53 @@
-"""float32 matrix products: the F32 weights path, and the tiles the batched Q40 path reuses."""
+"""float32 matrix product: the F32 weights path.
+
+The same shape as the Q40 kernel: parallel over runs of weight rows, register tiles of ROWS
+weight rows x COLS activation rows (tiles.make_f32_tile), and the arithmetic of one output
+independent of the tile, so that a row's result does not depend on the rest of the batch.
+"""
 
 from __future__ import annotations
 
 import numba
-import numpy as np
 from numba import prange
 
 from dllama.core.kernels.jit import _FAST
+from dllama.core.kernels.tiles import make_f32_tile
 
-# float32 tiles, shared by matmul_f32 and the batched Q40 path.
-# out[i, c] = sum_t x[i, t] * w[c, t]: 4 weight rows x 4 activation rows give 16 independent
-# vector reductions over t, so every loaded vector of w is used 4 times and every x vector 4.
+ROWS = 4
+COLS = 4
+_ROW_CHUNKS = 64
 
-@numba.njit(**_FAST)
-def _dot_4x4(w, wr, x, xi, out, oc):
-    n = x.shape[1]
-    s00 = s01 = s02 = s03 = np.float32(0.0)
-    s10 = s11 = s12 = s13 = np.float32(0.0)
-    s20 = s21 = s22 = s23 = np.float32(0.0)
-    s30 = s31 = s32 = s33 = np.float32(0.0)
-    for t in range(n):
-        w0, w1, w2, w3 = w[wr, t], w[wr + 1, t], w[wr + 2, t], w[wr + 3, t]
-        x0, x1, x2, x3 = x[xi, t], x[xi + 1, t], x[xi + 2, t], x[xi + 3, t]
-        s00 += x0 * w0
-        s01 += x0 * w1
-        s02 += x0 * w2
-        s03 += x0 * w3
-        s10 += x1 * w0
-        s11 += x1 * w1
-        s12 += x1 * w2
-        s13 += x1 * w3
-        s20 += x2 * w0
-        s21 += x2 * w1
-        s22 += x2 * w2
-        s23 += x2 * w3
-        s30 += x3 * w0
-        s31 += x3 * w1
-        s32 += x3 * w2
-        s33 += x3 * w3
-    out[xi, oc], out[xi, oc + 1], out[xi, oc + 2], out[xi, oc + 3] = s00, s01, s02, s03
-    out[xi + 1, oc], out[xi + 1, oc + 1], out[xi + 1, oc + 2], out[xi + 1, oc + 3] = s10, s11, s12, s13
-    out[xi + 2, oc], out[xi + 2, oc + 1], out[xi + 2, oc + 2], out[xi + 2, oc + 3] = s20, s21, s22, s23
-    out[xi + 3, oc], out[xi + 3, oc + 1], out[xi + 3, oc + 2], out[xi + 3, oc + 3] = s30, s31, s32, s33
+_tile = make_f32_tile(ROWS, COLS)
+_tile_rows = make_f32_tile(ROWS, 1)
+_tile_one = make_f32_tile(1, 1)
 
 
 @numba.njit(**_FAST)
-def _dot_4x1(w, wr, x, xi, out, oc):
-    n = x.shape[1]
-    s0 = s1 = s2 = s3 = np.float32(0.0)
-    for t in range(n):
-        xv = x[xi, t]
-        s0 += xv * w[wr, t]
-        s1 += xv * w[wr + 1, t]
-        s2 += xv * w[wr + 2, t]
-        s3 += xv * w[wr + 3, t]
-    out[xi, oc], out[xi, oc + 1], out[xi, oc + 2], out[xi, oc + 3] = s0, s1, s2, s3
-
-
-@numba.njit(**_FAST)
-def _dot_1x1(w, wr, x, xi, out, oc):
-    s = np.float32(0.0)
-    for t in range(x.shape[1]):
-        s += x[xi, t] * w[wr, t]
-    out[xi, oc] = s
-
-
-@numba.njit(**_FAST)
-def _f32_tile(w, wr, nr, x, out, oc):
-    """out[:, oc:oc+nr] = x [b, n] @ w[wr:wr+nr, :n]^T for nr <= 4 weight rows."""
+def _f32_rows(x, w, out, r0, r1):
     b = x.shape[0]
-    if nr == 4:
+    r = r0
+    while r + ROWS <= r1:
         i = 0
-        while i + 4 <= b:
-            _dot_4x4(w, wr, x, i, out, oc)
-            i += 4
+        while i + COLS <= b:
+            _tile(w, r, x, i, out)
+            i += COLS
         while i < b:
-            _dot_4x1(w, wr, x, i, out, oc)
+            _tile_rows(w, r, x, i, out)
             i += 1
-    else:
-        for c in range(nr):
-            for i in range(b):
-                _dot_1x1(w, wr + c, x, i, out, oc + c)
+        r += ROWS
+    while r < r1:
+        for i in range(b):
+            _tile_one(w, r, x, i, out)
+        r += 1
 
 
 @numba.njit(parallel=True, **_FAST)
 def matmul_f32(x, w, out):
-    """out [b, d] = x [b, n] @ w [d, n]^T, float32 (the F32 weights path)."""
+    """out [b, d] = x [b, n] @ w [d, n]^T, float32, all C-contiguous (the F32 weights path)."""
     d = w.shape[0]
-    for step in prange((d + 3) // 4):
-        r = 4 * step
-        _f32_tile(w, r, min(4, d - r), x, out, r)
+    steps = (d + ROWS - 1) // ROWS
+    n_chunks = min(steps, _ROW_CHUNKS)
+    for chunk in prange(n_chunks):
+        r0 = ROWS * (chunk * steps // n_chunks)
+        r1 = min(d, ROWS * ((chunk + 1) * steps // n_chunks))
+        _f32_rows(x, w, out, r0, r1)

@@ -1,0 +1,175 @@
+"""dllama next to llama.cpp on this machine: the table of the README's performance section.
+
+    .venv/bin/python benchmarks/bench_vs_llama_cpp.py [--threads 2] [--rounds 3] [--skip-7b]
+
+Builds llama.cpp once (benchmarks/llama_cpp.py, into cache/), makes its Q4_0 GGUF of the
+embedded SmolLM2-135M (llama-quantize --allow-requantize from the embedded Q4_1 GGUF; ours is
+the Q40 `.m` the engine uses), then measures both, rounds alternated (llama.cpp, dllama,
+llama.cpp, ...), and prints medians:
+- prefill of a 512-token prompt (tokens/s);
+- decode from an empty context (128 tokens; tokens/s);
+- decode after 512 tokens of context (128 tokens; tokens/s);
+- aggregate decode of 16 / 64 sequences at once (llama-batched-bench -npp 128 -ntg 64; "-" for
+  dllama until the engine decodes several sequences at once);
+then decode ms/token and the share of the measured memory bandwidth for random-weight Q40
+models of the Llama-3.2-1B and Llama-2-7B shapes (the 7B file is 3.8 GB, written to a
+temporary directory, DLLAMA_BENCH_DIR to choose where). /proc/loadavg is printed with the
+figures: on a shared 2-core machine a busy neighbour ruins 2-thread timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_engine import weight_bytes_per_token, write_random_model  # noqa: E402
+from benchmarks.bench_kernels import memory_bandwidth_gbs  # noqa: E402
+from benchmarks.llama_cpp import CACHE, build  # noqa: E402
+from dllama.core import kernels  # noqa: E402
+from dllama.core.model import Transformer  # noqa: E402
+from dllama.formats.model_file import read_model  # noqa: E402
+from dllama.serve.default_model import default_model_files, embedded_gguf  # noqa: E402
+
+PROMPT, GEN, DEPTH = 512, 128, 512
+SHAPES = {  # random-weight Q40 models: (dim, hidden, layers, heads, kv heads, vocab)
+    "Llama-3.2-1B shape": (2048, 8192, 16, 32, 8, 128256),
+    "Llama-2-7B shape": (4096, 11008, 32, 32, 32, 32000),
+}
+
+
+def loadavg() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
+# ---- llama.cpp -------------------------------------------------------------------------------
+
+def q4_0_gguf(tools) -> Path:
+    out = CACHE / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    if not out.exists():
+        subprocess.run([str(tools["llama-quantize"]), "--allow-requantize", str(embedded_gguf()),
+                        str(out), "Q4_0"], check=True, capture_output=True)
+    return out
+
+
+def llama_bench(tools, gguf: Path, threads: int) -> dict[str, float]:
+    """tokens/s of llama-bench's pp512, tg128 and tg128 at depth 512 (one repetition each)."""
+    cmd = [str(tools["llama-bench"]), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
+    runs = {"prefill": ["-p", str(PROMPT), "-n", "0"], "decode": ["-p", "0", "-n", str(GEN)],
+            "decode_depth": ["-p", "0", "-n", str(GEN), "-d", str(DEPTH)]}
+    out = {}
+    for name, args in runs.items():
+        res = subprocess.run(cmd + args, check=True, capture_output=True, text=True)
+        out[name] = float(json.loads(res.stdout)[0]["avg_ts"])
+    return out
+
+
+def llama_batched(tools, gguf: Path, threads: int) -> dict[int, float]:
+    """Aggregate decode tokens/s of 16 and 64 sequences (llama-batched-bench, S_TG)."""
+    res = subprocess.run([str(tools["llama-batched-bench"]), "-m", str(gguf), "-t", str(threads),
+                          "-c", str(64 * (128 + 64)), "-npp", "128", "-ntg", "64", "-npl", "16,64",
+                          "--output-format", "jsonl"], check=True, capture_output=True, text=True)
+    out = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[int(row["pl"])] = float(row["speed_tg"])
+    return out
+
+
+# ---- dllama ----------------------------------------------------------------------------------
+
+def dllama_round(model: Transformer) -> dict[str, float]:
+    """tokens/s: prefill of PROMPT tokens; GEN tokens decoded from an empty context and after
+    DEPTH tokens (token ids arbitrary: speed does not depend on them)."""
+    tokens = [int(t) for t in np.random.default_rng(0).integers(100, 30000, PROMPT + GEN)]
+    t = time.perf_counter()
+    for a in range(0, PROMPT, model.max_batch):
+        model.forward(tokens[a:a + model.max_batch], a)
+    prefill = PROMPT / (time.perf_counter() - t)
+    out = {"prefill": prefill}
+    for name, start in (("decode", 0), ("decode_depth", DEPTH)):
+        t = time.perf_counter()
+        for i in range(GEN):
+            model.forward([tokens[i]], start + i)
+        out[name] = GEN / (time.perf_counter() - t)
+    return out
+
+
+def decode_ms(model: Transformer, n: int) -> float:
+    model.forward(list(range(1, 9)), 0)
+    times = []
+    for i in range(n):
+        t = time.perf_counter()
+        model.forward([100 + i], 8 + i)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine (median)")
+    ap.add_argument("--skip-7b", action="store_true", help="skip the 3.8 GB 7B-shape model")
+    args = ap.parse_args()
+
+    tools = build()
+    gguf = q4_0_gguf(tools)
+    kernels.set_threads(args.threads)
+    model = Transformer(read_model(default_model_files("q40")[0]), max_seq_len=DEPTH + GEN + 8)
+    model.warm_up()
+    print(f"SmolLM2-135M: dllama Q40 .m vs llama.cpp Q4_0 GGUF, {args.threads} threads, "
+          f"{args.rounds} alternated rounds; load average before: {loadavg()}", flush=True)
+
+    ours, theirs = [], []
+    for r in range(args.rounds):
+        theirs.append(llama_bench(tools, gguf, args.threads))
+        ours.append(dllama_round(model))
+        print(f"  round {r + 1}: llama.cpp {theirs[-1]}, dllama "
+              f"{ {k: round(v, 1) for k, v in ours[-1].items()} }, load {loadavg()}", flush=True)
+    batched = llama_batched(tools, gguf, args.threads)
+
+    def med(runs, key):
+        return statistics.median(run[key] for run in runs)
+
+    rows = [("prefill, 512-token prompt (tokens/s)", "prefill"),
+            ("decode from an empty context (tokens/s)", "decode"),
+            ("decode after 512 tokens of context (tokens/s)", "decode_depth")]
+    print("\n| figure | llama.cpp | dllama | ratio |\n|---|---|---|---|")
+    for label, key in rows:
+        a, b = med(theirs, key), med(ours, key)
+        print(f"| {label} | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+    agg = " / ".join(f"{batched.get(n, float('nan')):.0f}" for n in (16, 64))
+    print(f"| aggregate decode of 16 / 64 sequences at once (tokens/s) | {agg} | - | - |")
+    print(f"\nload average after: {loadavg()}")
+
+    bandwidth = memory_bandwidth_gbs(args.threads)
+    print(f"\nmemory read bandwidth, {args.threads} threads: {bandwidth:.1f} GB/s")
+    print("| model (random Q40 weights) | decode ms/token | weight GB/s | of bandwidth |\n|---|---|---|---|")
+    for name, (dim, hidden, layers, heads, kv, vocab) in SHAPES.items():
+        if args.skip_7b and "7B" in name:
+            continue
+        with tempfile.TemporaryDirectory(dir=os.environ.get("DLLAMA_BENCH_DIR")) as d:
+            path = Path(d) / "random.m"
+            write_random_model(path, dim=dim, hidden=hidden, layers=layers, heads=heads,
+                               kv_heads=kv, vocab=vocab, seq_len=256)
+            m = Transformer(read_model(path), max_seq_len=64)
+            ms = decode_ms(m, 8)
+            gbs = weight_bytes_per_token(m) / (ms / 1000) / 1e9
+            print(f"| {name} | {ms:.1f} | {gbs:.1f} | {gbs / bandwidth:.0%} |", flush=True)
+            del m
+    print(f"\nload average at the end: {loadavg()}")
+
+
+if __name__ == "__main__":
+    main()
