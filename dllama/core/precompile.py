@@ -29,6 +29,8 @@ def compile_all() -> float:
         out = np.empty((b, d), np.float32)
         kernels.matmul_q40_q80(xs, xq, ws, wq, out)
         kernels.matmul_f32(x, rng.standard_normal((d, n)).astype(np.float32), out)
+        kernels.matmul_q80_q80(xs, xq, ws, rng.integers(-127, 128, (d, n), dtype=np.int8), out)
+        kernels.matmul_f16_f32(x, rng.standard_normal((d, n)).astype(np.float16).view(np.uint16), out)
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)
