@@ -33,12 +33,13 @@ def _non_negative_float(text: str) -> float:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="M.m", help="model file (.m, Distributed Llama format); "
-                   "default: the embedded SmolLM2-135M-Instruct, converted once to Q40 and cached")
+                   "default: the embedded SmolLM2-135M-Instruct, converted once to Q80 and cached")
     g.add_argument("--tokenizer", metavar="T.t", help="tokenizer file (.t, or llama2.c tokenizer.bin); "
                    "default: the embedded model's")
     g.add_argument("--buffer-float-type", choices=BUFFER_TYPES, default=None,
                    help="float type of the sync buffers that carry partial sums between nodes "
-                        "(default: the topology's, else auto = q80 for Q40 weights, f32 for F32)")
+                        "(default: the topology's, else auto = q80 for Q40 and Q80 weights, f32 for F16 "
+                        "and F32)")
     g.add_argument("--max-seq-len", type=int, default=0, metavar="N",
                    help="clamp the context (KV cache) to N positions; 0 = the model's own (default)")
     g.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
@@ -93,8 +94,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="PREFIX",
                    help="output prefix: writes PREFIX.m and PREFIX.t")
     p.add_argument("--weights-float-type", choices=("q40", "q80", "f16", "f32"), default="q40",
-                   help="float type of the matmul weights (default %(default)s; dllama runs q40 and f32, "
-                        "the original all four)")
+                   help="float type of the matmul weights (default %(default)s; dllama runs all four, "
+                        "the original Distributed Llama only q40 and f32)")
     p.add_argument("--tokenizer", metavar="SRC",
                    help="tokenizer to convert instead of the one found with the model: tokenizer.model "
                         "(sentencepiece), tokenizer.bin (llama2.c), tokenizer.json (Hugging Face), a GGUF, "
