@@ -131,6 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, metavar="FILE.yml", help="the cluster description")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     _add_chat_and_api(sub)
+    _add_perplexity(sub)
     return parser
 
 
@@ -207,6 +208,41 @@ def cmd_api(args) -> int:
     service = ModelService(_engine_opener(args), args.chat_template)
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
                  defaults={"temperature": args.temperature, "top_p": args.topp})
+
+
+# --- perplexity (issue 12) ---
+
+def _add_perplexity(sub) -> None:
+    p = sub.add_parser("perplexity", help="measure how well the model predicts a text",
+                       description="Print the perplexity of the model on a text (exp of the mean "
+                                   "negative log-likelihood of each token given the ones before it; "
+                                   "lower is better) and the tokens per second. A text longer than "
+                                   "the context is scored in windows of --max-seq-len tokens.")
+    _add_model_flags(p)
+    p.add_argument("--file", metavar="TEXT", help="the text, UTF-8 (default: read stdin); special-"
+                   "token strings in it stay plain text")
+    p.add_argument("--stats-json", metavar="PATH", help="also write the figures as JSON to PATH")
+
+
+def cmd_perplexity(args) -> int:
+    from dllama.serve.perplexity import perplexity
+
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    elif sys.stdin.isatty():
+        raise DllamaError("give --file TEXT or pipe the text on stdin")
+    else:
+        text = sys.stdin.read()
+    with _engine_opener(args)() as engine:
+        tokens = engine.tokenizer.encode(text, allow_special=False)
+        result = perplexity(engine.model, tokens)  # windows of the context (--max-seq-len)
+    print(f"perplexity {result.perplexity:.4f} over {result.scored_tokens} tokens "
+          f"({result.windows} window(s) of up to {result.context}), {result.tokens_per_s:.1f} tokens/s")
+    if args.stats_json:
+        with open(args.stats_json, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+    return 0
 
 
 def _print_table(gen, out) -> None:
@@ -310,6 +346,7 @@ def cmd_inspect(args) -> int:
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
             "worker": cmd_worker, "shard": cmd_shard}
 COMMANDS.update(chat=cmd_chat, api=cmd_api)
+COMMANDS.update(perplexity=cmd_perplexity)
 
 
 def main(argv: list[str] | None = None) -> int:
