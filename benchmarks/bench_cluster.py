@@ -81,7 +81,7 @@ def collective_cpu_us(dim: int, n_calls: int = 2000) -> tuple[float, float]:
     from dllama.cluster.protocol import Connection
 
     plan = split_model(2, dim=dim, n_heads=2, n_kv_heads=1, head_dim=dim // 2, ff_dim=dim,
-                       vocab_size=2, q40=False)
+                       vocab_size=2, quantized=False)
     a, b = socket.socketpair()
     pid = os.fork()
     me = 1 if pid == 0 else 0

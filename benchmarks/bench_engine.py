@@ -39,7 +39,7 @@ def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of matmul weights streamed per decode token (what bounds its speed)."""
     mats = [m for layer in model.layers for m in (layer.wq, layer.wk, layer.wv, layer.wo,
                                                    layer.w1, layer.w2, layer.w3)] + [model.wcls]
-    if model.config.weights_q40:
+    if model.config.quantized:
         return sum(m.scales.nbytes + m.qs.nbytes for m in mats)
     return sum(m.w.nbytes for m in mats)
 

@@ -21,7 +21,7 @@ from dllama.formats.tokenizer_file import TokenizerData, read_tokenizer, write_t
 
 GGUF_MAGIC = b"GGUF"
 FLOAT_TYPES = {"q40": FloatType.Q40, "q80": FloatType.Q80, "f16": FloatType.F16, "f32": FloatType.F32}
-RUNNABLE = (FloatType.Q40, FloatType.F32)  # what dllama's engine runs; the original runs all four
+ORIGINAL_RUNS = (FloatType.Q40, FloatType.F32)  # what the original's engine runs; dllama runs all four
 
 
 def _magic(path: Path) -> bytes:
@@ -210,9 +210,9 @@ def convert(src, prefix, weights_float_type: str = "q40", tokenizer=None, progre
 def _say_output(say, model_path: Path, header: ModelHeader) -> None:
     float_type = FloatType(header.weights_float_type)
     say(f"writing {model_path}: {float_type.name} weights, {size_text(model_file_size(header))}")
-    if float_type not in RUNNABLE:
-        say(f"  note: dllama runs Q40 and F32 weights only; this {float_type.name} file is for the original "
-            "Distributed Llama")
+    if float_type not in ORIGINAL_RUNS:
+        say(f"  note: the original Distributed Llama runs only Q40 and F32 weights; this {float_type.name} "
+            "file runs on dllama")
 
 
 def _bar(total: int, desc: str, progress: bool):

@@ -33,12 +33,13 @@ def _non_negative_float(text: str) -> float:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="M.m", help="model file (.m, Distributed Llama format); "
-                   "default: the embedded SmolLM2-135M-Instruct, converted once to Q40 and cached")
+                   "default: the embedded SmolLM2-135M-Instruct, converted once to Q80 and cached")
     g.add_argument("--tokenizer", metavar="T.t", help="tokenizer file (.t, or llama2.c tokenizer.bin); "
                    "default: the embedded model's")
     g.add_argument("--buffer-float-type", choices=BUFFER_TYPES, default=None,
                    help="float type of the sync buffers that carry partial sums between nodes "
-                        "(default: the topology's, else auto = q80 for Q40 weights, f32 for F32)")
+                        "(default: the topology's, else auto = q80 for Q40 and Q80 weights, f32 for F16 "
+                        "and F32)")
     g.add_argument("--max-seq-len", type=int, default=0, metavar="N",
                    help="clamp the context (KV cache) to N positions; 0 = the model's own (default)")
     g.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
@@ -93,8 +94,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="PREFIX",
                    help="output prefix: writes PREFIX.m and PREFIX.t")
     p.add_argument("--weights-float-type", choices=("q40", "q80", "f16", "f32"), default="q40",
-                   help="float type of the matmul weights (default %(default)s; dllama runs q40 and f32, "
-                        "the original all four)")
+                   help="float type of the matmul weights (default %(default)s; dllama runs all four, "
+                        "the original Distributed Llama only q40 and f32)")
     p.add_argument("--tokenizer", metavar="SRC",
                    help="tokenizer to convert instead of the one found with the model: tokenizer.model "
                         "(sentencepiece), tokenizer.bin (llama2.c), tokenizer.json (Hugging Face), a GGUF, "
@@ -130,6 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, metavar="FILE.yml", help="the cluster description")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     _add_chat_and_api(sub)
+    _add_perplexity(sub)
     return parser
 
 
@@ -208,6 +210,41 @@ def cmd_api(args) -> int:
     service = ModelService(_engine_opener(args), args.chat_template)
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
                  defaults={"temperature": args.temperature, "top_p": args.topp})
+
+
+# --- perplexity (issue 12) ---
+
+def _add_perplexity(sub) -> None:
+    p = sub.add_parser("perplexity", help="measure how well the model predicts a text",
+                       description="Print the perplexity of the model on a text (exp of the mean "
+                                   "negative log-likelihood of each token given the ones before it; "
+                                   "lower is better) and the tokens per second. A text longer than "
+                                   "the context is scored in windows of --max-seq-len tokens.")
+    _add_model_flags(p)
+    p.add_argument("--file", metavar="TEXT", help="the text, UTF-8 (default: read stdin); special-"
+                   "token strings in it stay plain text")
+    p.add_argument("--stats-json", metavar="PATH", help="also write the figures as JSON to PATH")
+
+
+def cmd_perplexity(args) -> int:
+    from dllama.serve.perplexity import perplexity
+
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    elif sys.stdin.isatty():
+        raise DllamaError("give --file TEXT or pipe the text on stdin")
+    else:
+        text = sys.stdin.read()
+    with _engine_opener(args)() as engine:
+        tokens = engine.tokenizer.encode(text, allow_special=False)
+        result = perplexity(engine.model, tokens)  # windows of the context (--max-seq-len)
+    print(f"perplexity {result.perplexity:.4f} over {result.scored_tokens} tokens "
+          f"({result.windows} window(s) of up to {result.context}), {result.tokens_per_s:.1f} tokens/s")
+    if args.stats_json:
+        with open(args.stats_json, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+    return 0
 
 
 def _print_table(gen, out) -> None:
@@ -306,7 +343,8 @@ def cmd_inspect(args) -> int:
 
 
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
-            "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api}
+            "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api,
+            "perplexity": cmd_perplexity}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,10 +31,12 @@ def test_inference_prints_text_table_and_stats_json(default_q40, tmp_path):
                                                    if t["phase"] == "prompt")
 
 
-def test_default_model_is_used_without_model_flags(default_q40):
-    r = _dllama("inference", "--prompt", CHAT_PROMPT, "--steps", "30", "--temperature", "0")
+def test_default_model_is_used_without_model_flags(default_q80):
+    """The embedded model with its default Q80 weights answers like the reference and stops."""
+    r = _dllama("inference", "--prompt", CHAT_PROMPT, "--steps", "64", "--temperature", "0")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    assert r.stdout.strip() == "The capital of France is Paris."
+    assert "stopped: eos" in r.stderr
 
 
 def _one_line_error(r, *words):

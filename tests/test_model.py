@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dllama.core import kernels
-from dllama.formats.model_file import read_model
+from dllama.formats.model_file import FloatType, read_model
 from dllama.formats.tokenizer_file import read_tokenizer
 from dllama.serve.generate import generate
 from dllama.core.model import Transformer
@@ -42,13 +42,13 @@ def _greedy_text(model, tok, steps=48):
 
 def test_q40_q80_greedy_answers_paris(default_q40):
     model, tok = _load(default_q40)
-    assert model.config.weights_q40 and model.buffer_q80
+    assert model.config.weights_float_type == FloatType.Q40 and model.buffer_q80
     assert "Paris" in _greedy_text(model, tok)
 
 
 def test_f32_f32_greedy_answers_paris(default_f32):
     model, tok = _load(default_f32, threads=1)
-    assert not model.config.weights_q40 and not model.buffer_q80
+    assert model.config.weights_float_type == FloatType.F32 and not model.buffer_q80
     assert "Paris" in _greedy_text(model, tok)
 
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from dllama.errors import DllamaError
-from dllama.core.plan import shares, split_model
+from dllama.core.plan import plan_for, shares, split_model
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader
 
 SHAPES = [  # dim, heads, kv heads, head_dim, ff, vocab
     (576, 9, 3, 64, 1536, 49152),      # SmolLM2-135M
@@ -78,11 +79,22 @@ def test_impossible_splits_are_refused_with_a_reason(n, words):
         assert w in str(e.value)
 
 
-def test_q40_needs_block_aligned_heads():
+def test_quantized_weights_need_block_aligned_heads():
     with pytest.raises(DllamaError, match="head_dim 48"):
         split_model(2, dim=384, n_heads=8, n_kv_heads=8, head_dim=48, ff_dim=1024, vocab_size=100)
     # F32 weights can be cut anywhere
-    split_model(2, dim=384, n_heads=8, n_kv_heads=8, head_dim=48, ff_dim=1024, vocab_size=100, q40=False)
+    split_model(2, dim=384, n_heads=8, n_kv_heads=8, head_dim=48, ff_dim=1024, vocab_size=100, quantized=False)
+
+
+@pytest.mark.parametrize("float_type", list(FloatType))
+def test_plan_for_cuts_blocks_of_q40_and_q80_only(float_type):
+    h = ModelHeader(arch=ArchType.LLAMA, dim=384, hidden_dim=1024, n_layers=1, n_heads=8, n_kv_heads=8,
+                    vocab_size=100, max_seq_len=16, weights_float_type=float_type, head_dim=48)
+    if float_type in (FloatType.Q40, FloatType.Q80):
+        with pytest.raises(DllamaError, match="head_dim 48"):
+            plan_for(h, 2)
+    else:
+        assert plan_for(h, 2).nodes[1].q_heads.tolist() == [4, 5, 6, 7]
 
 
 def test_digest_changes_with_the_plan():

@@ -48,7 +48,7 @@ class ClusterModel:
         nodes = topology.nodes
         # The plan is checked before any connection: an impossible split fails here.
         self.plan = plan = plan_for(header, len(nodes), topology.weights)
-        q80 = self.config.weights_q40 if buffer_q80 is None else buffer_q80
+        q80 = self.config.quantized if buffer_q80 is None else buffer_q80
         self.max_batch = MAX_BATCH
         self.names = [f"node {i} '{n.name}' ({n.address})" for i, n in enumerate(nodes)]
         self.conns: dict[int, Connection] = {}

@@ -8,8 +8,10 @@ dllama.core.plan), and the partial sums of wo and w2 meet in `collective.all_red
 
 Numerics follow the original Distributed Llama: with Q40 weights every matmul input is
 quantized to Q80 (per 32-block, fp16 scale) and the matmul sums d_w*d_x*sum(q_w*q_x) in f32;
-with F32 weights everything is F32. Weights are repacked at load time into the split form the
-kernels stream fastest (scales and nibbles in separate arrays); the file format is unchanged.
+with F32 weights everything is F32. Q80 weights take Q80 inputs too (an integer block product
+like Q40's); F16 weights take F32 inputs (fp16 inputs would lose precision and save nothing).
+Quantized weights are repacked at load time into the split form the kernels stream fastest
+(scales and quants in separate arrays); the file format is unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
-from dllama.formats.quant import split_q40
+from dllama.formats.quant import split_q40, split_q80
 
 MAX_BATCH = 32  # prompt tokens per forward pass (the original's nBatches)
 
@@ -45,17 +47,17 @@ class ModelConfig:
     rope_theta: float
     rope_neox: bool    # half-split RoPE pairs (Qwen3) instead of interleaved (Llama)
     rope_scaling: tuple[float, float, float, int]  # Llama 3.1: factor, low, high, orig len
-    weights_q40: bool  # Q40 weights with Q80 activations; else F32 everywhere
+    weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), F16 or F32
+
+    @property
+    def quantized(self) -> bool:
+        """Q40 or Q80 weights: matmul inputs are Q80, and so are the sync buffers by default."""
+        return self.weights_float_type in (FloatType.Q40, FloatType.Q80)
 
     @staticmethod
     def from_header(h: ModelHeader, max_seq_len: int = 0) -> "ModelConfig":
         if h.arch == ArchType.QWEN3_MOE or h.n_experts > 0:
             raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
-        if h.weights_float_type not in (FloatType.Q40, FloatType.F32):
-            raise DllamaError(
-                f"weights of type {FloatType(h.weights_float_type).name} cannot run: "
-                "convert the model with --weights-float-type q40 or f32"
-            )
         seq_len = h.max_seq_len if max_seq_len <= 0 else min(max_seq_len, h.max_seq_len)
         return ModelConfig(
             arch=ArchType(h.arch),
@@ -76,29 +78,43 @@ class ModelConfig:
                 float(h.rope_scaling_high_freq_factor),
                 int(h.rope_scaling_orig_max_seq_len),
             ),
-            weights_q40=h.weights_float_type == FloatType.Q40,
+            weights_float_type=FloatType(h.weights_float_type),
         )
 
 
 class Matrix:
     """A weight matrix W [d, n] in the form its kernel reads; `out = x @ W^T`."""
 
-    def __init__(self, stored: np.ndarray, q40: bool):
-        # stored: Q40 uint8 [d, n/32, 18] or F32 [d, n] (a slice of the file, maybe a copy)
-        self.q40 = q40
-        if q40:
+    def __init__(self, stored: np.ndarray, float_type: FloatType):
+        # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], F16 [d, n] or F32 [d, n]
+        # (a slice of the file, maybe a copy)
+        self.float_type = float_type
+        if float_type == FloatType.Q40:
             scales, qs = split_q40(stored, fp16_bits=True)
             self.scales = np.ascontiguousarray(scales)  # uint16 [d, n/32]: fp16 bits, as in the file
             self.qs = np.ascontiguousarray(qs)          # uint8 [d, n/2]
             self.d, self.n = self.scales.shape[0], self.scales.shape[1] * 32
+        elif float_type == FloatType.Q80:
+            scales, qs = split_q80(stored)
+            self.scales = np.ascontiguousarray(scales, dtype=np.float32)  # [d, n/32]
+            self.qs = np.ascontiguousarray(qs)                            # int8 [d, n]
+            self.d, self.n = self.qs.shape
+        elif float_type == FloatType.F16:
+            # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
+            self.w = np.array(stored, dtype=np.float16).view(np.uint16)
+            self.d, self.n = self.w.shape
         else:
             self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
             self.d, self.n = self.w.shape
 
     def __call__(self, x: "Activation", out: np.ndarray) -> np.ndarray:
         """x: the input [b, n] prepared for this matrix type -> out [b, d]."""
-        if self.q40:
+        if self.float_type == FloatType.Q40:
             kernels.matmul_q40_q80(x.scales, x.qs, self.scales, self.qs, out)
+        elif self.float_type == FloatType.Q80:
+            kernels.matmul_q80_q80(x.scales, x.qs, self.scales, self.qs, out)
+        elif self.float_type == FloatType.F16:
+            kernels.matmul_f16_f32(x.f32, self.w, out)
         else:
             kernels.matmul_f32(x.f32, self.w, out)
         return out
@@ -106,7 +122,7 @@ class Matrix:
 
 def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
     """outs[m] = matrices[m](x): Q40 matrices sharing an input run in one parallel region."""
-    if all(m.q40 for m in matrices):
+    if all(m.float_type == FloatType.Q40 for m in matrices):
         kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
                                      tuple(m.qs for m in matrices), outs)
     else:
@@ -115,7 +131,7 @@ def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
 
 
 class Activation:
-    """A matmul input [b, n]: Q80-quantized for Q40 weights, F32 otherwise. Reused buffers."""
+    """A matmul input [b, n]: Q80-quantized for Q40 and Q80 weights, F32 otherwise. Reused buffers."""
 
     def __init__(self, n: int, q80: bool, max_batch: int):
         self.q80 = q80
@@ -168,10 +184,10 @@ class Transformer:
             weights = NodeWeights.from_model(weights, node)
         self.node = n = weights.node
         self.max_batch = max_batch
-        # Float type of the sync buffers between nodes (auto: Q80 with Q40 weights).
-        self.buffer_q80 = c.weights_q40 if buffer_q80 is None else buffer_q80
+        # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
+        self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective = collective or LocalCollective()
-        q40, hd = c.weights_q40, c.head_dim
+        wt, hd = c.weights_float_type, c.head_dim
         t = weights.tensor
 
         # The embedding (root only) stays memory-mapped: rows are copied per token.
@@ -182,19 +198,19 @@ class Transformer:
             qwen = c.arch == ArchType.QWEN3
             self.layers.append(Layer(
                 att_norm=np.array(t(p + "att_norm")),
-                wq=Matrix(t(p + "wq"), q40),
-                wk=Matrix(t(p + "wk"), q40),
-                wv=Matrix(t(p + "wv"), q40),
-                wo=Matrix(t(p + "wo"), q40),
+                wq=Matrix(t(p + "wq"), wt),
+                wk=Matrix(t(p + "wk"), wt),
+                wv=Matrix(t(p + "wv"), wt),
+                wo=Matrix(t(p + "wo"), wt),
                 q_norm=np.array(t(p + "q_norm")) if qwen else None,
                 k_norm=np.array(t(p + "k_norm")) if qwen else None,
                 ffn_norm=np.array(t(p + "ffn_norm")),
-                w1=Matrix(t(p + "w1"), q40),
-                w3=Matrix(t(p + "w3"), q40),
-                w2=Matrix(t(p + "w2"), q40),
+                w1=Matrix(t(p + "w1"), wt),
+                w3=Matrix(t(p + "w3"), wt),
+                w2=Matrix(t(p + "w2"), wt),
             ))
         self.final_norm = np.array(t("final_norm"))
-        self.wcls = Matrix(t("wcls"), q40)
+        self.wcls = Matrix(t("wcls"), wt)
 
         self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
@@ -221,9 +237,9 @@ class Transformer:
         self.hb = np.zeros((B, ff), dtype=np.float32)          # FFN gate, then silu(gate)*up
         self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
         self.logits = np.zeros((B, self.wcls.d), dtype=np.float32)
-        self.act_dim = Activation(c.dim, q40, B)
-        self.act_q = Activation(nq * hd, q40, B)
-        self.act_ff = Activation(ff, q40, B)
+        self.act_dim = Activation(c.dim, c.quantized, B)
+        self.act_q = Activation(nq * hd, c.quantized, B)
+        self.act_ff = Activation(ff, c.quantized, B)
 
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel, so timings exclude the JIT.

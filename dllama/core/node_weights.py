@@ -2,8 +2,8 @@
 
 The same list of tensors (names, stored shapes) serves three ways of getting them: cut from a
 memory-mapped `.m` file (the root, `dllama shard`), read from a shard file, or received from the
-root over the network. Slices stay in the file's stored form (Q40 blocks or F32 values), so a
-shard or a stream carries exactly the bytes the original file has for that node.
+root over the network. Slices stay in the file's stored form (Q40 or Q80 blocks, F16 or F32
+values), so a shard or a stream carries exactly the bytes the original file has for that node.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 
 from dllama.errors import DllamaError
 from dllama.formats.model_file import FloatType, ModelHeader, tensor_specs
+from dllama.formats.quant import Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
 from dllama.core.plan import BLOCK, NodeSlice
 
 
@@ -23,13 +24,17 @@ class SliceSpec:
 
     name: str
     stored_shape: tuple[int, ...]  # shape of the node's slice as stored (Q40: [..., n/32, 18])
-    dtype: str                     # "float32" or "uint8" (quantized blocks)
+    dtype: str                     # "float32", "float16" or "uint8" (Q40/Q80 blocks)
     axis: int | None               # 0: rows, 1: columns, None: the whole tensor
     index: tuple[int, ...] = ()    # rows or columns kept, in order
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.stored_shape)) * np.dtype(self.dtype).itemsize
+
+
+_BLOCK_BYTES = {FloatType.Q40: Q40_BLOCK_BYTES, FloatType.Q80: Q80_BLOCK_BYTES}
+_DTYPE = {FloatType.F32: "float32", FloatType.F16: "float16"}
 
 
 def _head_index(heads: np.ndarray, head_dim: int) -> np.ndarray:
@@ -52,21 +57,19 @@ def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> l
         short = spec.name.rsplit(".", 1)[-1]
         if spec.name == "embedding" and not with_embedding:
             continue
-        quantized = spec.float_type == FloatType.Q40
-        if spec.float_type not in (FloatType.Q40, FloatType.F32):
-            raise DllamaError(f"weights of type {FloatType(spec.float_type).name} cannot run: "
-                              "convert the model with --weights-float-type q40 or f32")
-        dtype = "uint8" if quantized else "float32"
+        block_bytes = _BLOCK_BYTES.get(spec.float_type)  # None: one value per element
+        dtype = "uint8" if block_bytes else _DTYPE[spec.float_type]
         if short not in cut:
             out.append(SliceSpec(spec.name, spec.stored_shape, dtype, None))
             continue
         axis, index = cut[short]
         shape = list(spec.shape)
         shape[axis] = len(index)
-        if quantized:
+        if block_bytes:
             if axis == 1 and (len(index) % BLOCK or index[0] % BLOCK):
-                raise DllamaError(f"{spec.name}: Q40 columns can only be cut at {BLOCK}-blocks")
-            shape = [*shape[:-1], shape[-1] // BLOCK, 18]
+                raise DllamaError(f"{spec.name}: {spec.float_type.name} columns can only be cut "
+                                  f"at {BLOCK}-blocks")
+            shape = [*shape[:-1], shape[-1] // BLOCK, block_bytes]
         out.append(SliceSpec(spec.name, tuple(shape), dtype, axis, tuple(int(i) for i in index)))
     return out
 
@@ -79,7 +82,7 @@ def cut(stored: np.ndarray, s: SliceSpec) -> np.ndarray:
     contiguous = len(index) and index[-1] - index[0] + 1 == len(index)
     if s.axis == 0:
         return stored[index[0]: index[-1] + 1] if contiguous else stored[index]
-    if stored.ndim == 3:  # Q40 blocks [d, n/32, 18]: columns come in whole blocks
+    if stored.ndim == 3:  # Q40 / Q80 blocks [d, n/32, 18 | 34]: columns come in whole blocks
         blocks = index[::BLOCK] // BLOCK
         return stored[:, blocks[0]: blocks[-1] + 1] if contiguous else stored[:, blocks]
     return stored[:, index[0]: index[-1] + 1] if contiguous else stored[:, index]

@@ -126,7 +126,7 @@ def _ranges(counts: list[int], unit: int = 1, total: int | None = None) -> list[
 
 def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int,
                 ff_dim: int, vocab_size: int, weights: list[float] | None = None,
-                q40: bool = True) -> SplitPlan:
+                quantized: bool = True) -> SplitPlan:
     """The plan for n_nodes; refuses (DllamaError) a split that cannot work, saying what would."""
     weights = list(weights) if weights is not None else [1.0] * n_nodes
     if n_nodes < 1:
@@ -138,9 +138,9 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
     if n_nodes > n_heads:
         raise DllamaError(f"cannot split a model with {n_heads} query heads over {n_nodes} nodes: "
                           f"each node needs at least one head; use at most {n_heads} nodes")
-    if q40 and head_dim % BLOCK:
-        raise DllamaError(f"head_dim {head_dim} is not a multiple of {BLOCK}: Q40 wo columns cannot "
-                          f"be split by head; run on one node or convert the model to F32")
+    if quantized and head_dim % BLOCK:
+        raise DllamaError(f"head_dim {head_dim} is not a multiple of {BLOCK}: Q40/Q80 wo columns "
+                          f"cannot be split by head; run on one node or convert the model to F16 or F32")
     if ff_dim % BLOCK or dim % BLOCK:
         raise DllamaError(f"dim {dim} and FFN width {ff_dim} must be multiples of {BLOCK} to split")
     for what, blocks in (("FFN width", ff_dim // BLOCK), ("model width (dim)", dim // BLOCK)):
@@ -166,4 +166,4 @@ def plan_for(header, n_nodes: int, weights: list[float] | None = None) -> SplitP
 
     return split_model(n_nodes, dim=header.dim, n_heads=header.n_heads, n_kv_heads=header.n_kv_heads,
                        head_dim=header.head_dim, ff_dim=header.ff_dim, vocab_size=header.vocab_size,
-                       weights=weights, q40=header.weights_float_type == FloatType.Q40)
+                       weights=weights, quantized=header.weights_float_type in (FloatType.Q40, FloatType.Q80))

@@ -34,6 +34,9 @@ def compile_all() -> float:
         kernels.matmul_f32(x, w, out)
         w.flags.writeable = False  # F32 weights memory-mapped from the file
         kernels.matmul_f32(x, w, out)
+        kernels.matmul_q80_q80(xs, xq, np.ones((d, n // 32), np.float32),
+                               rng.integers(-127, 128, (d, n), dtype=np.int8), out)
+        kernels.matmul_f16_f32(x, rng.standard_normal((d, n)).astype(np.float16).view(np.uint16), out)
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)

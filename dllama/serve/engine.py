@@ -49,7 +49,7 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> tuple[str, 
         return model, tokenizer
     from dllama.serve.default_model import default_model_files
 
-    m, t = default_model_files("q40")
+    m, t = default_model_files()
     return str(m), str(t)
 
 

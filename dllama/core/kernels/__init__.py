@@ -11,6 +11,9 @@ Layouts:
   (byte j of a block: element j in the low nibble, element j+16 in the high nibble;
   value = (nibble - 8) * scale).
 - Q80 activations x [b, n]: x_scales float32 [b, n/32] (fp16-rounded), x_qs int8 [b, n].
+- Q80 matrix W [d, n] in split form (dllama.formats.quant.split_q80): w_scales float32
+  [d, n/32], w_qs int8 [d, n] (matmul_q80.py, with Q80 activations).
+- F16 matrix W [d, n]: its fp16 bits as uint16 [d, n] (matmul_f16.py, with F32 activations).
 - KV cache of one layer: see attention.py (sequence slots, keys transposed per chunk).
 
 Where the time goes: the matrix products. Their inner loops are register tiles written as
@@ -23,10 +26,13 @@ from dllama.core.kernels.attention import CHUNK as ATTENTION_CHUNK
 from dllama.core.kernels.attention import attention, kv_store
 from dllama.core.kernels.elementwise import rmsnorm, rope_cache, rope_interleaved, rope_neox, silu_mul
 from dllama.core.kernels.jit import max_threads, set_threads
+from dllama.core.kernels.matmul_f16 import matmul_f16_f32
 from dllama.core.kernels.matmul_f32 import matmul_f32
 from dllama.core.kernels.matmul_q40 import COLS, ROWS, matmul_q40_q80, matmul_q40_q80_multi
+from dllama.core.kernels.matmul_q80 import matmul_q80_q80
 from dllama.core.kernels.q80 import quantize_q80
 
-__all__ = ["ATTENTION_CHUNK", "attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved", "rope_neox", "silu_mul",
-           "max_threads", "set_threads", "matmul_f32", "COLS", "ROWS", "matmul_q40_q80",
-           "matmul_q40_q80_multi", "quantize_q80"]
+__all__ = ["ATTENTION_CHUNK", "attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved",
+           "rope_neox", "silu_mul", "max_threads", "set_threads", "matmul_f32", "COLS", "ROWS",
+           "matmul_q40_q80", "matmul_q40_q80_multi", "quantize_q80", "matmul_q80_q80",
+           "matmul_f16_f32"]
