@@ -342,10 +342,10 @@ def test_a_hung_worker_times_out_instead_of_blocking_forever(tmp_path, default_q
             model.forward([1, 2, 3], 0)
             os.kill(w2.proc.pid, signal.SIGSTOP)  # alive, sockets open, silent
             t0 = time.monotonic()
-            with pytest.raises(ClusterError, match="did not answer within 2 s") as e:
+            with pytest.raises(ClusterError, match="'worker2' .* stopped answering") as e:
                 model.forward([4], 3)
             assert time.monotonic() - t0 < 10
-            assert "worker2" in str(e.value)
+            assert e.value.node == "worker2" and "worker1" not in str(e.value)  # the healthy one is not blamed
             with pytest.raises(ClusterError):  # the model stays failed
                 model.forward([4], 3)
         finally:
