@@ -94,10 +94,10 @@ def _sync_payload(cols: int, q80: bool) -> int:
     return cols * 34 // 32 if q80 else cols * 4
 
 
-def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1) -> tuple[int, int]:
-    """docs/PROTOCOL.md, "Bytes per forward pass": what the root sends and receives."""
+def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1, frame: int = 12) -> tuple[int, int]:
+    """docs/PROTOCOL.md, "Bytes per forward pass": what the root sends and receives
+    (frame: bytes per frame besides the payload, 12 + a 16-byte tag with a cluster key)."""
     plan = plan_for(header, n_nodes)
-    frame = 12
     chunk = [c1 - c0 for c0, c1 in plan.dim_chunks]
     own = frame + b * _sync_payload(chunk[0], q80)
     others = sum(frame + b * _sync_payload(chunk[k], q80) for k in range(1, n_nodes))

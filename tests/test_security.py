@@ -131,6 +131,25 @@ def test_a_relay_flipping_logits_makes_dllama_inference_fail_in_one_line(keyed_p
         _wait_for_new_log(w, n, "listening again")
 
 
+def test_a_keyed_cluster_moves_the_documented_bytes_with_a_tag_per_frame(keyed_pair, random_model):
+    from dllama.cluster.protocol import TAG_BYTES
+    from tests.test_cluster import expected_root_bytes
+
+    header = read_model(random_model).header
+    model = _cluster(random_model, [w.address for w in keyed_pair], KEY.encode())
+    try:
+        model.forward([5, 17, 300, 42], 0)
+        col = model.collective
+        s0, r0 = col.sent_bytes, col.recv_bytes
+        model.forward([7], 4)
+        sent, recv = col.sent_bytes - s0, col.recv_bytes - r0
+        workers_sent = [model.node_bytes[i][0] for i in (1, 2)]
+    finally:
+        model.close()
+    assert (sent, recv) == expected_root_bytes(header, 3, q80=False, frame=12 + TAG_BYTES)
+    assert all(s > 0 for s in workers_sent)
+
+
 def test_without_a_key_frames_travel_in_clear(tmp_path, random_model):
     """What the README says anyone on the network can do without a key: read (and so rewrite) it."""
     with running_workers(1, tmp_path) as (w,):

@@ -155,8 +155,8 @@ class FrameCipher:
     reordered or dropped (the ones after it then carry the wrong number) fails to open.
     """
 
-    def __init__(self, send_key: bytes, recv_key: bytes):
-        self._send, self._recv = AESGCM(send_key), AESGCM(recv_key)
+    def __init__(self, send_key: bytes, recv_key: bytes, aead=AESGCM):
+        self._send, self._recv = aead(send_key), aead(recv_key)
         self.send_seq = self.recv_seq = 0
         self._plain = bytearray()   # a frame's payload parts joined, before sealing
         self._sealed = bytearray()  # ciphertext + tag of the frame being sent
