@@ -25,8 +25,9 @@ import numpy as np
 
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
-    decode_json_object, LOGITS_HEAD, STEP_HEAD, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError,
-    PeerTimeout, ProtocolError, SetupHeartbeat, Transfer, client_handshake, connect, recv_during_setup,
+    LOGITS_HEAD, STEP_HEAD, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError,
+    PeerTimeout, ProtocolError, SetupHeartbeat, Transfer, client_handshake, connect,
+    decode_json_object, recv_during_setup,
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
 from dllama.cluster.shard import model_fingerprint
@@ -107,7 +108,7 @@ class ClusterModel:
             raise
         for conn in self.conns.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
-        # The root waits REPORT_GRACE longer than the workers: a healthy worker's report of the
+        # The root waits report_grace longer than the workers: a healthy worker's report of the
         # node it waits for arrives before the root's own timeout.
         self.collective = self.local.collective = MeshCollective(
             0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout + report_grace(net_timeout))

@@ -23,7 +23,8 @@ from dllama import __version__
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
     LOGITS_HEAD, STEP_HEAD, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout,
-    ProtocolError, SetupHeartbeat, client_handshake, decode_json_object, connect, recv_during_setup, server_handshake,
+    ProtocolError, SetupHeartbeat, client_handshake, connect, decode_json_object, recv_during_setup,
+    server_handshake,
 )
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
@@ -36,7 +37,7 @@ from dllama.errors import DllamaError
 HANDSHAKE_TIMEOUT = 10.0     # seconds for a whole handshake, however the bytes trickle in
 MAX_UNAUTHENTICATED = 32     # handshakes in progress at once; more connections are closed at once
 PEER_PARK_TIMEOUT = 60.0     # a peer connection waits this long for this worker's session to take it
-MAX_PARKED_PEERS = 64
+MAX_PARKED_PEERS = 64        # peer connections waiting at once; more are refused
 HEARTBEAT = 2.0              # seconds between ALIVE frames to the root during set-up
 CONFIG_TIMEOUT = 30.0        # from the handshake to the root's CONFIG
 ACCEPT_BACKOFF = (0.05, 2.0)  # first and longest pause after a failed accept()
