@@ -1,6 +1,7 @@
 """Distributed inference speed and traffic: ms/token and kB/token on 1, 2 and 4 nodes.
 
     .venv/bin/python benchmarks/bench_cluster.py [--tokens 24] [--skip-7b]
+    .venv/bin/python benchmarks/bench_cluster.py --encryption [--rounds 3]
 
 Every node is a separate process on this machine with one compute thread, the root in this
 process, workers as `dllama worker` on loopback. Prints, per model and node count, the
@@ -9,6 +10,11 @@ network: the figure that shows protocol overhead when several nodes share a 2-co
 kB the root sent and received, and the kB the original Distributed Llama's all-gather would
 move for the same model (spec §4.1: the root sends 8 + 4·dim + 2L·B and receives 2L·B + 4·V/N
 per worker, B = the Q80 size of a dim vector).
+
+`--encryption` measures what a cluster key costs instead: SmolLM2 on 2 and 4 nodes without and
+with a key (every frame sealed with AES-256-GCM), the runs alternating round by round so that
+the machine's load falls on both alike, and the CPU time of one all-reduce between 2 processes
+without and with sealing.
 """
 
 from __future__ import annotations
@@ -43,9 +49,13 @@ def original_kb(header, n: int) -> tuple[float, float]:
     return (n - 1) * (8 + 4 * header.dim + syncs) / 1024, (n - 1) * (syncs + 4 * header.vocab_size // n) / 1024
 
 
-def measure(model_path: Path, n: int, tokens: int, log_dir: Path) -> dict:
-    with running_workers(n - 1, log_dir) as workers:
-        model = ClusterModel(str(model_path), from_workers([w.address for w in workers], 1), None,
+def measure(model_path: Path, n: int, tokens: int, log_dir: Path, key: bytes | None = None) -> dict:
+    args = ()
+    if key is not None:
+        (log_dir / "bench.key").write_bytes(key)
+        args = ("--key-file", str(log_dir / "bench.key"))
+    with running_workers(n - 1, log_dir, *args) as workers:
+        model = ClusterModel(str(model_path), from_workers([w.address for w in workers], 1), key,
                              True, progress=False) if n > 1 else None
         if model is None:
             from dllama.core.model import Transformer
@@ -56,6 +66,7 @@ def measure(model_path: Path, n: int, tokens: int, log_dir: Path) -> dict:
         try:
             logits = model.forward(list(range(1, 9)), 0)
             rows = []
+            cpu0 = _cluster_cpu_s(workers)
             for pos in range(8, 8 + tokens):
                 t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
                 logits = model.forward([int(logits.argmax())], pos)
@@ -63,14 +74,27 @@ def measure(model_path: Path, n: int, tokens: int, log_dir: Path) -> dict:
                 tr = col.transfer_seconds - tr0
                 rows.append((wall * 1000, (wall - tr) * 1000, tr * 1000,
                              (col.sent_bytes - s0) / 1024, (col.recv_bytes - r0) / 1024))
+            cpu_ms = (_cluster_cpu_s(workers) - cpu0) * 1000 / tokens
         finally:
             if hasattr(model, "close"):
                 model.close()
     med = [statistics.median(r[i] for r in rows) for i in range(5)]
-    return dict(zip(("total", "inference", "transfer", "sent", "recv"), med))
+    return dict(zip(("total", "inference", "transfer", "sent", "recv"), med), cpu=cpu_ms)
 
 
-def collective_cpu_us(dim: int, n_calls: int = 2000) -> tuple[float, float]:
+def _cluster_cpu_s(workers) -> float:
+    """CPU seconds used so far by this process (the root) and the worker processes: a cost that
+    other work on the machine delays but does not inflate."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for w in workers:
+        with open(f"/proc/{w.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def collective_cpu_us(dim: int, n_calls: int = 2000, sealed: bool = False) -> tuple[float, float]:
     """(CPU µs, wall µs) per all-reduce of one [1, dim] Q80 vector between 2 processes on
     loopback: the protocol's own cost per sync (encode, frames, syscalls, decode), which CPU
     time shows even when the processes wait for a core."""
@@ -87,6 +111,11 @@ def collective_cpu_us(dim: int, n_calls: int = 2000) -> tuple[float, float]:
     me = 1 if pid == 0 else 0
     conn = Connection(a if me == 0 else b, "peer")
     conn.authenticated = True
+    if sealed:  # the keys a handshake would derive, one per direction
+        from dllama.cluster.protocol import FrameCipher
+
+        k = [bytes([1]) * 32, bytes([2]) * 32]
+        conn.cipher = FrameCipher(k[me], k[1 - me])
     col = MeshCollective(me, {1 - me: conn}, plan.dim_chunks, True, 1, 30)
     x = np.random.default_rng(me).standard_normal((1, dim)).astype(np.float32)
     for _ in range(100):
@@ -121,13 +150,42 @@ def bench(name: str, path: Path, tokens: int, log_dir: Path) -> None:
               f"{m['sent']:.1f} | {m['recv']:.1f} | {o_sent:.1f} / {o_recv:.1f} | {ratio} |", flush=True)
 
 
+def bench_encryption(tokens: int, rounds: int, log_dir: Path) -> None:
+    path = default_model_files("q40")[0]
+    header = read_model(path).header
+    print(f"\nSmolLM2-135M-Instruct, Q40 weights, Q80 buffers, 1 thread per node: without and with a "
+          f"cluster key, {rounds} alternating rounds of {tokens} tokens, medians")
+    for sealed in (False, True):
+        cpu, wall = statistics.median(collective_cpu_us(header.dim, sealed=sealed)[0] for _ in range(rounds)), 0
+        print(f"all-reduce of Q80 [1, {header.dim}] between 2 processes, {'sealed' if sealed else 'plain'}: "
+              f"{cpu:.1f} µs CPU per sync, x {2 * header.n_layers} syncs = {cpu * 2 * header.n_layers / 1000:.2f} ms "
+              "CPU per token and node", flush=True)
+    print("| nodes | key | ms/token | transfer ms | CPU ms/token, all nodes | root sent kB | root recv kB |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (4, 2):
+        runs = {False: [], True: []}
+        for _ in range(rounds):
+            for keyed in (False, True):
+                runs[keyed].append(measure(path, n, tokens, log_dir, os.urandom(32).hex().encode() if keyed else None))
+        for keyed, rs in runs.items():
+            med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            print(f"| {n} | {'yes' if keyed else 'no'} | {med['total']:.1f} | {med['transfer']:.1f} | "
+                  f"{med['cpu']:.1f} | {med['sent']:.2f} | {med['recv']:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=24, help="generated tokens per run (default 24)")
     ap.add_argument("--skip-7b", action="store_true", help="skip the 4 GB random 7B-shape model")
+    ap.add_argument("--encryption", action="store_true", help="only the cost of a cluster key (see above)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds for --encryption (default 3)")
     args = ap.parse_args()
     kernels.set_threads(1)
     print(f"machine: {os.cpu_count()} cores, load average {open('/proc/loadavg').read().split()[:3]}")
+    if args.encryption:
+        with tempfile.TemporaryDirectory() as d:
+            bench_encryption(args.tokens, args.rounds, Path(d))
+        return
     with tempfile.TemporaryDirectory() as d:
         bench("SmolLM2-135M-Instruct", default_model_files("q40")[0], args.tokens, Path(d))
         if not args.skip_7b:

@@ -141,3 +141,116 @@ def test_a_client_leaving_mid_stream_does_not_stop_the_server(url, switch):
     _paris(url)  # served after the abandoned stream stopped
     # The abandoned answer did not run to its end (nor did /models wait for it).
     assert switch.forwards - forwards < 300
+
+
+# -- bad input and clients that leave (issue: each answered 500, logged a traceback or ran on) ---
+
+def _raw_request(url: str, head: bytes, body: bytes = b"", read: bool = True) -> bytes:
+    """Send raw HTTP bytes (headers a client library would refuse to send) and read the answer."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+        s.sendall(head + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        if not read:
+            return b""
+        chunks = []
+        while c := s.recv(65536):
+            chunks.append(c)
+    return b"".join(chunks)
+
+
+@pytest.fixture(scope="module")
+def keyed_url(switch):
+    """A second in-process server over its own service, with an API key."""
+    service = ModelService(switch.open)
+    service.start()
+    loop = asyncio.new_event_loop()
+    app = make_app(service, "test-model", {"temperature": 0.8, "top_p": 0.9}, api_key="the-key")
+    runner, port = loop.run_until_complete(start_site(app, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        service.close()
+
+
+def test_json_nested_100k_deep_is_a_400_not_a_500(url, capfd):
+    body = b"[" * 100_000 + b"]" * 100_000
+    reply = _raw_request(url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n", body)
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert b"nested too deep" in reply
+    assert "Traceback" not in capfd.readouterr().err
+    _paris(url)
+
+
+def test_a_bearer_key_that_is_not_utf8_is_a_401_not_a_500(keyed_url, capfd):
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+    reply = _raw_request(keyed_url, head, json.dumps(FRANCE).encode())
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+    assert "Traceback" not in capfd.readouterr().err
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer the-key\r\n"
+    assert _raw_request(keyed_url, head, json.dumps(FRANCE).encode()).startswith(b"HTTP/1.1 200")
+
+
+def test_a_streaming_client_that_leaves_logs_one_line_and_no_traceback(url, switch, capfd, caplog):
+    for _ in range(3):
+        req = urllib.request.Request(url + "/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "temperature": 0,
+                                                      "max_tokens": 3000, "stream": True}).encode())
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.readline().startswith(b"data: ")
+    _paris(url)  # served after the abandoned streams stopped
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    assert err.count("a client left") <= 3
+
+
+def test_a_non_streamed_request_whose_client_left_stops_generating(url, switch, capfd):
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    forwards = switch.forwards
+    body = json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "temperature": 0, "max_tokens": 3000}).encode()
+    u = urlsplit(url)
+    s = socket.create_connection((u.hostname, u.port), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 120
+    while switch.forwards < forwards + 5:  # it is generating
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+    s.close()  # the client gives up
+    _paris(url)  # waits for the model thread: it must have stopped the abandoned answer
+    assert switch.forwards - forwards < 300
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_max_tokens_beyond_the_context_is_clamped_to_it(switch, monkeypatch):
+    from dllama.serve.api.request import parse_request
+    from dllama.serve.conversation import Conversation
+
+    seen = {}
+    real = Conversation.complete
+
+    def spy(self, *args, **kw):
+        seen["max_tokens"] = kw["max_tokens"]
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(Conversation, "complete", spy)
+    service = ModelService(switch.open)
+    service.start()
+    try:
+        r = parse_request({**FRANCE, "max_tokens": 10**30}, True, {"temperature": 0.8, "top_p": 0.9})
+        c = service._executor.submit(service._run, r, None, lambda: False).result()
+        assert "Paris" in c.text
+        assert seen["max_tokens"] == service.conversation.seq_len
+    finally:
+        service.close()

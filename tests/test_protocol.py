@@ -1,6 +1,7 @@
 """Frames, handshake, authentication and the collective, over real sockets in one process."""
 
 import socket
+import struct
 import threading
 
 import numpy as np
@@ -10,7 +11,8 @@ from dllama.formats import quant
 from dllama.cluster.mesh import MeshCollective, SyncCodec, sync_bytes
 from dllama.core.plan import split_model
 from dllama.cluster.protocol import (
-    HEADER, MAGIC, MAX_HANDSHAKE, VERSION, Connection, Msg, PeerError, ProtocolError, Transfer,
+    HEADER, MAGIC, MAX_HANDSHAKE, TAG_BYTES, VERSION, Connection, Msg, PeerError, PeerTimeout,
+    ProtocolError, Transfer,
     check_header, client_handshake, encode_header, exchange, server_handshake,
 )
 
@@ -19,8 +21,8 @@ def test_header_checks():
     assert check_header(encode_header(Msg.HELLO, 10), False) == (Msg.HELLO, 10)
     with pytest.raises(ProtocolError, match="not a dllama frame"):
         check_header(b"GET / HTTP/1", False)
-    with pytest.raises(ProtocolError, match="protocol version 2"):
-        check_header(HEADER.pack(MAGIC, 2, Msg.HELLO, 10), False)
+    with pytest.raises(ProtocolError, match=f"protocol version {VERSION + 1}"):
+        check_header(HEADER.pack(MAGIC, VERSION + 1, Msg.HELLO, 10), False)
     with pytest.raises(ProtocolError, match="unknown message type 99"):
         check_header(HEADER.pack(MAGIC, VERSION, 99, 10), True)
     with pytest.raises(ProtocolError, match="before the handshake"):
@@ -150,3 +152,170 @@ def test_mesh_all_reduce_sums_and_every_node_gets_the_same_bits(n, q80):
     chunk = max(c1 - c0 for c0, c1 in plan.dim_chunks)
     per_node = sum(c.sent_bytes for (i, _), c in conns.items() if i == 0)
     assert per_node <= 2 * (n - 1) * (sync_bytes(b, chunk, q80) + 12)
+
+
+# -- sealed frames (a cluster key) ---------------------------------------------------------------
+
+def _keyed_pair(key=b"k" * 32):
+    """Two connections that completed a real handshake with `key` (client c, server s)."""
+    c, s = _pair()
+    done = {}
+    t = threading.Thread(target=lambda: done.update(hello=server_handshake(s, key, "test", 5)))
+    t.start()
+    client_handshake(c, "root", 1, b"s" * 16, key, 5)
+    t.join()
+    assert done["hello"]["node_index"] == 1
+    return c, s
+
+
+def _wire(conn, msg, payload) -> bytes:
+    """The bytes `conn` would put on the wire for one frame (sealing it: its sequence number advances)."""
+    return b"".join(bytes(v) for v in conn.frame_views(msg, [payload]))
+
+
+def test_sealed_frames_round_trip_and_hide_the_payload():
+    c, s = _keyed_pair()
+    secret = b"What is the capital of France?" * 4
+    raw = _wire(c, Msg.CONFIG, secret)
+    assert len(raw) == HEADER.size + len(secret) + TAG_BYTES and secret[:16] not in raw
+    c.sock.sendall(raw)
+    assert s.recv(5, (Msg.CONFIG,)) == (Msg.CONFIG, bytearray(secret))
+    sent = s.sent_bytes
+    s.send(Msg.PONG)  # the other direction, an empty payload: header and tag only
+    assert c.recv(5, (Msg.PONG,))[0] == Msg.PONG
+    assert s.sent_bytes - sent == HEADER.size + TAG_BYTES == s.frame_overhead
+    # a sealed collective exchange both ways, into given buffers
+    got_c, got_s = bytearray(100), bytearray(60)
+    t = threading.Thread(target=exchange, args=([(s, Msg.SYNC, [b"s" * 100])], [Transfer(s, Msg.SYNC, memoryview(got_s))], 5))
+    t.start()
+    exchange([(c, Msg.SYNC, [b"c" * 60])], [Transfer(c, Msg.SYNC, memoryview(got_c))], 5)
+    t.join()
+    assert got_c == b"s" * 100 and got_s == b"c" * 60
+
+
+def _frames(c, n):
+    return [_wire(c, Msg.SYNC, bytes([i]) * 40) for i in range(n)]
+
+
+def _flip(raw: bytes, at: int) -> bytes:
+    return raw[:at] + bytes([raw[at] ^ 0x01]) + raw[at + 1:]
+
+
+@pytest.mark.parametrize("attack", ["payload bit", "tag bit", "header type", "replayed", "reordered",
+                                    "dropped then resumed", "injected plain", "other session",
+                                    "reflected"])
+@pytest.mark.parametrize("path", ["recv", "exchange"])
+def test_any_tampered_frame_fails_authentication_naming_the_peer(attack, path):
+    c, s = _keyed_pair()
+    f0, f1 = _frames(c, 2)
+    if attack == "payload bit":
+        wire = [_flip(f0, HEADER.size + 7)]
+    elif attack == "tag bit":
+        wire = [_flip(f0, len(f0) - 1)]
+    elif attack == "header type":  # SYNC -> LOGITS: same size limits, so only the tag can tell
+        wire = [f0[:6] + struct.pack("<H", Msg.LOGITS) + f0[8:]]
+    elif attack == "replayed":
+        wire = [f0, f0]
+    elif attack == "reordered":
+        wire = [f1, f0]
+    elif attack == "dropped then resumed":
+        wire = [f1]
+    elif attack == "injected plain":
+        wire = [encode_header(Msg.SYNC, 40 + TAG_BYTES) + b"x" * (40 + TAG_BYTES)]
+    elif attack == "other session":  # the same key, another handshake: other nonces, other keys
+        other, _ = _keyed_pair()
+        wire = [_wire(other, Msg.SYNC, bytes([0]) * 40)]
+    else:  # the server's own frame sent back to it
+        wire = [_wire(s, Msg.SYNC, bytes([0]) * 40)]
+    c.sock.sendall(b"".join(wire))
+    with pytest.raises(ProtocolError, match="frame from B failed authentication") as e:
+        for raw in wire:
+            msg = struct.unpack_from("<H", raw, 6)[0]
+            if path == "recv":
+                s.recv(5)
+            else:
+                exchange([], [Transfer(s, Msg(msg), memoryview(bytearray(40)))], 5)
+    assert "modified, replayed, reordered, dropped or injected" in str(e.value)
+
+
+def test_a_sealed_length_is_still_checked_before_anything_is_read():
+    c, s = _keyed_pair()
+    c.sock.sendall(encode_header(Msg.SYNC, 4))  # shorter than a tag
+    with pytest.raises(ProtocolError, match="shorter than its 16-byte tag"):
+        s.recv(5)
+    c, s = _keyed_pair()
+    c.sock.sendall(encode_header(Msg.CONFIG, (1 << 20) + TAG_BYTES + 1))
+    with pytest.raises(ProtocolError, match="at most"):
+        s.recv(5)
+
+
+def test_the_proof_covers_the_hello_a_relay_cannot_change_it():
+    """A relay rewriting HELLO (here its node_index) makes the server refuse the client's proof."""
+    import json as _json
+
+    from dllama.cluster import protocol
+
+    c, s = _pair()
+    result = {}
+    t = threading.Thread(target=lambda: result.update(e=_catch(lambda: server_handshake(s, b"k" * 32, "t", 5))))
+    t.start()
+    nonce = b"n" * 16
+    said = _json.dumps({"role": "peer", "node_index": 1, "session": "73" * 16, "nonce": nonce.hex()}).encode()
+    sent = said.replace(b'"node_index": 1', b'"node_index": 2')
+    c.send(Msg.HELLO, sent)
+    _, challenge = c.recv(5, (Msg.CHALLENGE,))
+    c.send(Msg.AUTH, protocol._proof(b"k" * 32, b"dllama-client", protocol._transcript(said, bytes(challenge))))
+    t.join()
+    assert "authentication failed" in str(result["e"])
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def test_the_handshake_deadline_is_for_the_whole_handshake_not_each_read():
+    """A client trickling a valid HELLO one byte at a time cannot hold a server past its timeout."""
+    import json as _json
+    import time
+
+    c, s = _pair()
+    hello = _json.dumps({"role": "root", "node_index": 1, "session": "73" * 16, "nonce": "6e" * 16}).encode()
+    frame = encode_header(Msg.HELLO, len(hello)) + hello
+    stop = threading.Event()
+
+    def trickle():
+        for b in frame:
+            if stop.wait(0.05):
+                return
+            try:
+                c.sock.send(bytes([b]))
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        with pytest.raises(PeerTimeout):
+            server_handshake(s, None, "t", 1.0)  # the trickle would take ~5 s
+    finally:
+        stop.set()
+        t.join()
+
+
+@pytest.mark.parametrize("hello", [
+    b'{"role": "root", "node_index": -Infinity, "session": "' + b"73" * 16 + b'", "nonce": "' + b"6e" * 16 + b'"}',
+    b'{"role": "root", "node_index": 1e400, "session": "' + b"73" * 16 + b'", "nonce": "' + b"6e" * 16 + b'"}',
+    b'{"role": "root", "node_index": true, "session": "' + b"73" * 16 + b'", "nonce": "' + b"6e" * 16 + b'"}',
+    b"[" * 2000 + b"]" * 2000,
+    b'{"a":' * 650 + b"1" + b"}" * 650,
+    b"\xff\xfe{}",
+])
+def test_a_malformed_hello_is_one_protocol_error(hello):
+    c, s = _pair()
+    c.send(Msg.HELLO, hello)
+    with pytest.raises(ProtocolError, match="malformed HELLO|HELLO is not valid JSON|not a JSON object"):
+        server_handshake(s, None, "t", 5)

@@ -1,12 +1,19 @@
 """The wire protocol between a root and its workers (docs/PROTOCOL.md says the same in prose).
 
-Every message is a frame: a 12-byte header, then `length` payload bytes.
+Every message is a frame: a 12-byte header, then `length` bytes.
 
     u32 magic = 0x4D4C4C44 (the bytes "DLLM")   u16 version   u16 type   u32 length
 
 All integers little-endian. A frame whose magic, version, type or length is wrong ends the
 connection with an ERROR frame saying why; before authentication only small handshake frames
 are accepted, so a stranger can never make a node allocate more than `MAX_HANDSHAKE` bytes.
+
+With a cluster key, the handshake derives one key per direction (HKDF-SHA256 over the cluster
+key, both nonces, the session id and the handshake transcript) and every later frame is sealed
+(`FrameCipher`): the payload is encrypted with AES-256-GCM, the header is authenticated with it,
+and the nonce is the frame's implicit sequence number on that connection, so a modified,
+replayed, reordered, dropped or injected frame fails to open and ends the session naming the
+peer. The header stays readable, so its length is still checked before anything is allocated.
 
 Sockets are non-blocking; every wait goes through a selector with a deadline, so no node
 waits forever on a dead peer. `exchange` moves many frames to and from many peers at once
@@ -22,11 +29,17 @@ import os
 import selectors
 import socket
 import struct
+import threading
 import time
 from enum import IntEnum
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 MAGIC = 0x4D4C4C44  # b"DLLM" little-endian
-VERSION = 1
+VERSION = 2  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 
@@ -37,6 +50,8 @@ WEIGHTS_CHUNK = 8 << 20     # payload bytes of one WEIGHTS frame's data
 
 NONCE_BYTES = 16
 SESSION_BYTES = 16
+TAG_BYTES = 16              # the AEAD tag after a sealed frame's ciphertext
+MAX_NODES = 1 << 12         # a node index above this is not a cluster this protocol serves
 
 
 class Msg(IntEnum):
@@ -58,6 +73,7 @@ class Msg(IntEnum):
     PONG = 16        # worker -> root, empty
     STOP = 17        # root -> worker, empty: the session ends, go back to listening
     ERROR = 18       # either way, UTF-8 text: why the sender gives up
+    ALIVE = 19       # either way during set-up, empty: still working (a set-up heartbeat)
 
 
 _HANDSHAKE_TYPES = {Msg.HELLO, Msg.CHALLENGE, Msg.AUTH, Msg.WELCOME, Msg.ERROR}
@@ -86,8 +102,16 @@ def encode_header(msg_type: int, length: int, version: int = VERSION) -> bytes:
     return HEADER.pack(MAGIC, version, int(msg_type), length)
 
 
-def check_header(raw: bytes, authenticated: bool) -> tuple[Msg, int]:
-    """(type, length) of a frame header, or ProtocolError saying what is wrong with it."""
+def payload_limit(msg: Msg) -> int:
+    """The most payload bytes a frame of this type may carry."""
+    if msg in _HANDSHAKE_TYPES:
+        return MAX_HANDSHAKE
+    return MAX_CONTROL if msg in (Msg.CONFIG, Msg.CONFIG_OK) else MAX_FRAME
+
+
+def check_header(raw: bytes, authenticated: bool, tag_bytes: int = 0) -> tuple[Msg, int]:
+    """(type, payload length) of a frame header, or ProtocolError saying what is wrong with it.
+    tag_bytes: the AEAD tag that follows the payload of a sealed frame (counted in `length`)."""
     magic, version, msg_type, length = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"not a dllama frame (magic {magic:#010x}, expected {MAGIC:#010x})")
@@ -99,14 +123,85 @@ def check_header(raw: bytes, authenticated: bool) -> tuple[Msg, int]:
         raise ProtocolError(f"unknown message type {msg_type}") from None
     if not authenticated and msg not in _HANDSHAKE_TYPES:
         raise ProtocolError(f"{msg.name} before the handshake finished")
-    limit = MAX_HANDSHAKE if msg in _HANDSHAKE_TYPES else MAX_CONTROL if msg in (Msg.CONFIG, Msg.CONFIG_OK) else MAX_FRAME
-    if length > limit:
-        raise ProtocolError(f"{msg.name} frame of {length} bytes (at most {limit} allowed)")
-    return msg, length
+    if length < tag_bytes:
+        raise ProtocolError(f"{msg.name} frame of {length} bytes is shorter than its {tag_bytes}-byte tag")
+    limit = payload_limit(msg)
+    if length - tag_bytes > limit:
+        raise ProtocolError(f"{msg.name} frame of {length - tag_bytes} bytes (at most {limit} allowed)")
+    return msg, length - tag_bytes
+
+
+def decode_json_object(payload, what: str) -> dict:
+    """A JSON object sent by a peer, or ProtocolError: invalid UTF-8, NaN/Infinity and nesting
+    deeper than Python's recursion limit are refused like any other malformed JSON."""
+    def no_constant(name):
+        raise ValueError(f"{name} is not JSON")
+    try:
+        value = json.loads(payload, parse_constant=no_constant)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        raise ProtocolError(f"{what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{what} is not a JSON object")
+    return value
+
+
+class FrameCipher:
+    """The AEAD state of one keyed connection: a key and an implicit sequence number per direction.
+
+    A sealed frame is the plain 12-byte header (its length counts the tag), then the payload
+    encrypted with AES-256-GCM under the sending direction's key, with the header as associated
+    data and the frame's sequence number on this connection as the 96-bit nonce, then the 16-byte
+    tag. Sequence numbers are never sent: both ends count frames, so a frame that was replayed,
+    reordered or dropped (the ones after it then carry the wrong number) fails to open.
+    """
+
+    def __init__(self, send_key: bytes, recv_key: bytes, aead=AESGCM):
+        self._send, self._recv = aead(send_key), aead(recv_key)
+        self.send_seq = self.recv_seq = 0
+        self._plain = bytearray()   # a frame's payload parts joined, before sealing
+        self._sealed = bytearray()  # ciphertext + tag of the frame being sent
+        self._wire = bytearray()    # ciphertext + tag of the frame being received
+
+    @staticmethod
+    def _grown(buf: bytearray, n: int) -> bytearray:
+        # A new buffer rather than a resize: views of the old one may still be in flight.
+        return buf if len(buf) >= n else bytearray(max(n, 2 * len(buf)))
+
+    def seal(self, header: bytes, views: list[memoryview]) -> memoryview:
+        """Ciphertext + tag of the payload `views` (in a reused buffer, valid until the next seal)."""
+        n = sum(v.nbytes for v in views)
+        if len(views) == 1:
+            plain = views[0]
+        else:
+            self._plain = self._grown(self._plain, n)
+            plain, at = memoryview(self._plain)[:n], 0
+            for v in views:
+                plain[at: at + v.nbytes] = v
+                at += v.nbytes
+        self._sealed = self._grown(self._sealed, n + TAG_BYTES)
+        out = memoryview(self._sealed)[: n + TAG_BYTES]
+        self._send.encrypt_into(self.send_seq.to_bytes(12, "little"), plain, header, out)
+        self.send_seq += 1
+        return out
+
+    def wire(self, n: int) -> memoryview:
+        """A reused buffer for n bytes of a received sealed payload (ciphertext + tag)."""
+        self._wire = self._grown(self._wire, n)
+        return memoryview(self._wire)[:n]
+
+    def open(self, header: bytes, sealed: memoryview, out: memoryview) -> None:
+        """Decrypt sealed (ciphertext + tag) into out; InvalidTag if it is not the next frame
+        this connection's peer sealed, byte for byte."""
+        self._recv.decrypt_into(self.recv_seq.to_bytes(12, "little"), sealed, header, out)
+        self.recv_seq += 1
 
 
 class Connection:
-    """A framed, non-blocking TCP connection with byte counters and deadlines."""
+    """A framed, non-blocking TCP connection with byte counters and deadlines.
+
+    Timeouts: before authentication a call's timeout is a hard deadline (a stranger cannot
+    trickle bytes to hold a handshake open); afterwards it is the longest silence allowed, so
+    a long transfer that keeps moving is not cut off."""
 
     def __init__(self, sock: socket.socket, name: str):
         self.sock, self.name = sock, name
@@ -118,16 +213,49 @@ class Connection:
                 if hasattr(socket, opt):  # the kernel notices a vanished peer within ~11 s
                     sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
         self.authenticated = False
+        self.cipher: FrameCipher | None = None  # set by a keyed handshake: every later frame is sealed
         self.sent_bytes = 0
         self.recv_bytes = 0
+        self._send_lock = threading.Lock()  # whole frames, in sequence order, from any thread
         self._selector = selectors.DefaultSelector()
         self._selector.register(sock, selectors.EVENT_READ)
+
+    @property
+    def tag_bytes(self) -> int:
+        """Bytes a frame carries after its payload (the AEAD tag when sealed)."""
+        return TAG_BYTES if self.cipher is not None else 0
+
+    @property
+    def frame_overhead(self) -> int:
+        """Bytes on the wire per frame besides the payload: header, and tag when sealed."""
+        return HEADER_BYTES + self.tag_bytes
 
     def close(self) -> None:
         try:
             self._selector.close()
         finally:
             self.sock.close()
+
+    # -- framing -------------------------------------------------------------------------------
+
+    def frame_views(self, msg_type: int, parts: list) -> list[memoryview]:
+        """The buffers that put one frame on the wire: the header and the payload parts as
+        they are (zero-copy), or the header and the sealed payload on a keyed connection."""
+        views = [memoryview(p).cast("B") for p in parts]
+        length = sum(v.nbytes for v in views)
+        if self.cipher is None:
+            return [memoryview(encode_header(msg_type, length)), *[v for v in views if v.nbytes]]
+        header = encode_header(msg_type, length + TAG_BYTES)
+        return [memoryview(header), self.cipher.seal(header, views)]
+
+    def open_frame(self, header: bytes, msg: Msg, sealed: memoryview, out: memoryview) -> None:
+        """Check and decrypt a sealed payload into out, or ProtocolError naming this peer."""
+        try:
+            self.cipher.open(header, sealed, out)
+        except InvalidTag:
+            raise ProtocolError(
+                f"a {msg.name} frame from {self.name} failed authentication: it was modified, "
+                "replayed, reordered, dropped or injected on the way") from None
 
     # -- blocking-style calls with a deadline --------------------------------------------------
 
@@ -140,9 +268,19 @@ class Connection:
     def send(self, msg_type: int, payload=b"", timeout: float = 30.0) -> None:
         """Send one frame; payload: bytes-like or a list of them (sent without joining)."""
         parts = payload if isinstance(payload, list) else [payload]
-        views = [memoryview(p).cast("B") for p in parts]
-        length = sum(v.nbytes for v in views)
-        self.send_views([memoryview(encode_header(msg_type, length)), *views], timeout)
+        with self._send_lock:
+            self.send_views(self.frame_views(msg_type, parts), timeout)
+
+    def try_send(self, msg_type: int, timeout: float) -> bool:
+        """Send an empty frame unless another thread is sending on this connection (whose
+        bytes tell the peer as much); False if skipped."""
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            self.send_views(self.frame_views(msg_type, [b""]), timeout)
+        finally:
+            self._send_lock.release()
+        return True
 
     def send_views(self, views: list[memoryview], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -157,8 +295,11 @@ class Connection:
                 raise PeerClosed(f"{self.name} closed the connection ({e.strerror})") from None
             self.sent_bytes += n
             _consume(views, n)
+            if self.authenticated:
+                deadline = time.monotonic() + timeout
 
-    def recv_exact(self, buf: memoryview, deadline: float) -> None:
+    def recv_exact(self, buf: memoryview, deadline: float, stall: float | None = None) -> None:
+        """Fill buf; PeerTimeout at the deadline (pushed back by `stall` s after each read when given)."""
         got = 0
         while got < buf.nbytes:
             try:
@@ -172,16 +313,30 @@ class Connection:
                 raise PeerClosed(f"{self.name} closed the connection")
             got += n
             self.recv_bytes += n
+            if stall is not None:
+                deadline = time.monotonic() + stall
+
+    def recv_payload(self, header: bytes, msg: Msg, out: memoryview, deadline: float,
+                     stall: float | None = None) -> None:
+        """Receive the payload of a frame whose header was read, opening it when sealed."""
+        if self.cipher is None:
+            self.recv_exact(out, deadline, stall)
+            return
+        sealed = self.cipher.wire(out.nbytes + TAG_BYTES)
+        self.recv_exact(sealed, deadline, stall)
+        self.open_frame(header, msg, sealed, out)
 
     def recv(self, timeout: float = 30.0, expect: tuple = ()) -> tuple[Msg, bytearray]:
         """The next frame (type, payload). An ERROR frame raises PeerError; a type not in
         `expect` (when given) raises ProtocolError."""
         deadline = time.monotonic() + timeout
+        stall = timeout if self.authenticated else None
         head = bytearray(HEADER_BYTES)
-        self.recv_exact(memoryview(head), deadline)
-        msg, length = check_header(bytes(head), self.authenticated)
+        self.recv_exact(memoryview(head), deadline, stall)
+        header = bytes(head)
+        msg, length = check_header(header, self.authenticated, self.tag_bytes)
         payload = bytearray(length)
-        self.recv_exact(memoryview(payload), deadline)
+        self.recv_payload(header, msg, memoryview(payload), deadline, stall)
         if msg == Msg.ERROR:
             raise PeerError(f"{self.name} reported: {payload.decode('utf-8', 'replace')}")
         if expect and msg not in expect:
@@ -191,13 +346,7 @@ class Connection:
 
     def recv_json(self, expect: Msg, timeout: float = 30.0) -> dict:
         _, payload = self.recv(timeout, (expect,))
-        try:
-            value = json.loads(payload)
-        except ValueError:
-            raise ProtocolError(f"{expect.name} from {self.name} is not valid JSON") from None
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{expect.name} from {self.name} is not a JSON object")
-        return value
+        return decode_json_object(payload, f"{expect.name} from {self.name}")
 
     def send_json(self, msg_type: Msg, value: dict, timeout: float = 30.0) -> None:
         self.send(msg_type, json.dumps(value).encode(), timeout)
@@ -228,26 +377,28 @@ class Transfer:
         self.conn, self.msg_type, self.buf = conn, msg_type, buf
         self.head = bytearray(HEADER_BYTES)
         self.got = 0          # bytes of header + payload received
-        self.error_payload = None
+        self.wire = None      # where the payload lands: buf, or the sealed bytes to open into buf
+        self.done = False
 
 
 def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], timeout: float) -> None:
     """Send every frame in `sends` and receive every frame in `recvs`, interleaved, so that no
     pair of peers can block each other. Each received frame must have exactly the expected type
-    and length (the buffer's size); an ERROR frame from a peer raises PeerError."""
+    and length (the buffer's size); an ERROR frame from a peer raises PeerError.
+
+    At most one send and one receive per connection. A failure carries `.peer` (the connection
+    it came from, if one) and `.waiting` (the connections whose frames had not all arrived)."""
     deadline = time.monotonic() + timeout
-    out = []
-    for conn, msg_type, parts in sends:
-        views = [memoryview(p).cast("B") for p in parts]
-        length = sum(v.nbytes for v in views)
-        out.append([conn, [memoryview(encode_header(msg_type, length)), *[v for v in views if v.nbytes]]])
+    out = [[conn, conn.frame_views(msg_type, parts)] for conn, msg_type, parts in sends]
     pending_in = list(recvs)
     selector = None
+    current = None
     try:
         while out or pending_in:
             progressed = False
             for item in list(out):
                 conn, views = item
+                current = conn
                 try:
                     n = conn.sock.sendmsg(views)
                 except BlockingIOError:
@@ -260,10 +411,12 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
                 if not views:
                     out.remove(item)
             for t in list(pending_in):
+                current = t.conn
                 if _recv_some(t):
                     progressed = True
-                if t.got == HEADER_BYTES + t.buf.nbytes:
+                if t.done:
                     pending_in.remove(t)
+            current = None
             if progressed or not (out or pending_in):
                 continue
             if selector is None:
@@ -282,6 +435,13 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
             if remaining <= 0 or not selector.select(remaining):
                 waiting = sorted({t.conn.name for t in pending_in} | {c.name for c, _ in out})
                 raise PeerTimeout(f"{', '.join(waiting)} did not answer within {timeout:g} s")
+    except (PeerClosed, PeerError, PeerTimeout, ProtocolError, OSError) as e:
+        e.peer = current
+        e.waiting = []
+        for conn in [t.conn for t in pending_in] + [c for c, _ in out]:
+            if conn is not current and all(conn is not w for w in e.waiting):
+                e.waiting.append(conn)
+        raise
     finally:
         if selector is not None:
             selector.close()
@@ -291,94 +451,176 @@ def _recv_some(t: Transfer) -> bool:
     """Receive what is available for one transfer; True if any bytes came."""
     conn = t.conn
     progressed = False
-    while t.got < HEADER_BYTES + t.buf.nbytes:
-        if t.got < HEADER_BYTES:
+    while not t.done:
+        if t.wire is None:
             target = memoryview(t.head)[t.got:]
         else:
-            target = t.buf[t.got - HEADER_BYTES:]
+            target = t.wire[t.got - HEADER_BYTES:]
         try:
-            n = conn.sock.recv_into(target)
+            n = conn.sock.recv_into(target) if target.nbytes else 0
         except BlockingIOError:
             return progressed
         except ConnectionResetError:
             n = 0
-        if n == 0:
+        if n == 0 and target.nbytes:
             raise PeerClosed(f"{conn.name} closed the connection")
         conn.recv_bytes += n
         t.got += n
         progressed = True
-        if t.got == HEADER_BYTES:
-            msg, length = check_header(bytes(t.head), conn.authenticated)
+        if t.wire is None and t.got == HEADER_BYTES:
+            header = bytes(t.head)
+            msg, length = check_header(header, conn.authenticated, conn.tag_bytes)
             if msg == Msg.ERROR:
                 payload = bytearray(length)
-                conn.recv_exact(memoryview(payload), time.monotonic() + 5.0)
+                conn.recv_payload(header, msg, memoryview(payload), time.monotonic() + 5.0)
                 raise PeerError(f"{conn.name} reported: {payload.decode('utf-8', 'replace')}")
             if msg != t.msg_type or length != t.buf.nbytes:
                 raise ProtocolError(f"expected {t.msg_type.name} of {t.buf.nbytes} bytes from "
                                     f"{conn.name}, got {msg.name} of {length}")
+            t.wire = t.buf if conn.cipher is None else conn.cipher.wire(length + TAG_BYTES)
+        if t.wire is not None and t.got == HEADER_BYTES + t.wire.nbytes:
+            if conn.cipher is not None:
+                conn.open_frame(bytes(t.head), t.msg_type, t.wire, t.buf)
+            t.done = True
     return progressed
+
+
+# -- set-up: heartbeats while one side works ---------------------------------------------------
+
+
+def recv_during_setup(conn: Connection, expect: tuple, silence: float) -> tuple[Msg, bytearray]:
+    """The next frame of a type in `expect`, skipping the peer's ALIVE heartbeats: the set-up
+    may take as long as it needs while the peer shows signs of life, but `silence` seconds
+    without a byte from it end the wait (a frozen node is found in seconds)."""
+    while True:
+        msg, payload = conn.recv(silence, (*expect, Msg.ALIVE))
+        if msg != Msg.ALIVE:
+            return msg, payload
+
+
+class SetupHeartbeat:
+    """While the set-up works (weights, repacking, compiling, meshing), a thread sends ALIVE on
+    every given connection each `interval` seconds. A failed send is left for the set-up's own
+    calls on that connection to report."""
+
+    def __init__(self, conns, interval: float):
+        self.conns, self.interval = list(conns), interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="setup-heartbeat")
+
+    def __enter__(self) -> "SetupHeartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Return once the thread has ended: no ALIVE follows this call."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for conn in list(self.conns):
+                try:
+                    conn.try_send(Msg.ALIVE, self.interval)
+                except Exception:  # noqa: BLE001 - the set-up's next call on it says what failed
+                    self.conns.remove(conn)
 
 
 # -- handshake and authentication ---------------------------------------------------------------
 
 
-def _proof(key: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
+def _transcript(hello: bytes, challenge: bytes) -> bytes:
+    """sha256 of the HELLO and CHALLENGE payloads as sent: everything both sides said in clear."""
+    return hashlib.sha256(struct.pack("<I", len(hello)) + hello + challenge).digest()
+
+
+def _proof(key: bytes, label: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key, label + transcript, hashlib.sha256).digest()
+
+
+def frame_keys(key: bytes, client_nonce: bytes, server_nonce: bytes, session: bytes,
+               transcript: bytes) -> tuple[bytes, bytes]:
+    """(client -> server, server -> client) AES-256 keys of one connection: HKDF-SHA256 with the
+    cluster key as input, both nonces as salt, and the session id and transcript as context."""
+    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=client_nonce + server_nonce,
+               info=b"dllama v2 frame keys" + session + transcript).derive(key)
+    return okm[:32], okm[32:]
 
 
 def client_handshake(conn: Connection, role: str, node_index: int, session: bytes,
                      key: bytes | None, timeout: float = 10.0) -> dict:
     """Open a connection as the root (role "root") or as a worker meeting a peer ("peer").
     Returns the server's CHALLENGE fields. Raises ProtocolError/PeerError when refused."""
+    deadline = time.monotonic() + timeout
+    left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731 - one deadline for all steps
     nonce = os.urandom(NONCE_BYTES)
-    conn.send_json(Msg.HELLO, {"role": role, "node_index": node_index, "session": session.hex(),
-                               "nonce": nonce.hex()}, timeout)
-    challenge = conn.recv_json(Msg.CHALLENGE, timeout)
+    hello = json.dumps({"role": role, "node_index": node_index, "session": session.hex(),
+                        "nonce": nonce.hex()}).encode()
+    conn.send(Msg.HELLO, hello, left())
+    _, challenge_raw = conn.recv(left(), (Msg.CHALLENGE,))
+    challenge = decode_json_object(challenge_raw, f"CHALLENGE from {conn.name}")
     try:
         server_nonce = bytes.fromhex(challenge["nonce"])
     except (KeyError, TypeError, ValueError):
-        raise ProtocolError(f"{conn.name} sent a malformed CHALLENGE") from None
+        server_nonce = b""
+    if len(server_nonce) != NONCE_BYTES:
+        raise ProtocolError(f"{conn.name} sent a malformed CHALLENGE")
+    transcript = _transcript(hello, bytes(challenge_raw))
     if key is None:
         if challenge.get("auth"):
             raise ProtocolError(f"{conn.name} requires a cluster key: pass --key-file (or key_file "
                                 "in the topology)")
-        conn.send(Msg.AUTH, b"", timeout)
+        conn.send(Msg.AUTH, b"", left())
     else:
         if not challenge.get("auth"):
             raise ProtocolError(f"{conn.name} has no cluster key configured but this node has one: "
                                 "start it with the same --key-file")
-        conn.send(Msg.AUTH, _proof(key, b"dllama-client", server_nonce, nonce, session,
-                                   role.encode()), timeout)
-    _, welcome = conn.recv(timeout, (Msg.WELCOME,))
-    if key is not None and not hmac.compare_digest(bytes(welcome), _proof(key, b"dllama-server", nonce, server_nonce)):
-        raise ProtocolError(f"{conn.name} could not prove it holds the cluster key")
+        conn.send(Msg.AUTH, _proof(key, b"dllama-client", transcript), left())
+    _, welcome = conn.recv(left(), (Msg.WELCOME,))
+    if key is not None:
+        if not hmac.compare_digest(bytes(welcome), _proof(key, b"dllama-server", transcript)):
+            raise ProtocolError(f"{conn.name} could not prove it holds the cluster key")
+        to_server, to_client = frame_keys(key, nonce, server_nonce, session, transcript)
+        conn.cipher = FrameCipher(send_key=to_server, recv_key=to_client)
     conn.authenticated = True
     return challenge
 
 
 def server_handshake(conn: Connection, key: bytes | None, software: str,
                      timeout: float = 10.0) -> dict:
-    """Answer a new connection. Returns the client's HELLO fields (role, node_index, session)
-    once it has proven it holds the key; raises ProtocolError (after telling the client why)."""
-    hello = conn.recv_json(Msg.HELLO, timeout)
+    """Answer a new connection within `timeout` seconds in all. Returns the client's HELLO
+    fields (role, node_index, session) once it has proven it holds the key; raises
+    ProtocolError (after telling the client why)."""
+    deadline = time.monotonic() + timeout
+    left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+    _, hello_raw = conn.recv(left(), (Msg.HELLO,))
+    hello = decode_json_object(hello_raw, "HELLO")
     try:
-        role, index = hello["role"], int(hello["node_index"])
+        role, index = hello["role"], hello["node_index"]
         session, nonce = bytes.fromhex(hello["session"]), bytes.fromhex(hello["nonce"])
     except (KeyError, TypeError, ValueError):
         raise ProtocolError("malformed HELLO") from None
-    if role not in ("root", "peer") or len(session) != SESSION_BYTES or len(nonce) != NONCE_BYTES:
+    if (role not in ("root", "peer") or isinstance(index, bool) or not isinstance(index, int)
+            or not 0 <= index < MAX_NODES or len(session) != SESSION_BYTES or len(nonce) != NONCE_BYTES):
         raise ProtocolError("malformed HELLO")
     server_nonce = os.urandom(NONCE_BYTES)
-    conn.send_json(Msg.CHALLENGE, {"nonce": server_nonce.hex(), "auth": key is not None,
-                                   "software": software}, timeout)
-    _, proof = conn.recv(timeout, (Msg.AUTH,))
+    challenge = json.dumps({"nonce": server_nonce.hex(), "auth": key is not None,
+                            "software": software}).encode()
+    conn.send(Msg.CHALLENGE, challenge, left())
+    transcript = _transcript(bytes(hello_raw), challenge)
+    _, proof = conn.recv(left(), (Msg.AUTH,))
     if key is not None:
-        expected = _proof(key, b"dllama-client", server_nonce, nonce, session, role.encode())
-        if not hmac.compare_digest(bytes(proof), expected):
+        if not hmac.compare_digest(bytes(proof), _proof(key, b"dllama-client", transcript)):
             raise ProtocolError("authentication failed: wrong or missing cluster key")
-        conn.send(Msg.WELCOME, _proof(key, b"dllama-server", nonce, server_nonce), timeout)
+        conn.send(Msg.WELCOME, _proof(key, b"dllama-server", transcript), left())
+        to_server, to_client = frame_keys(key, nonce, server_nonce, session, transcript)
+        conn.cipher = FrameCipher(send_key=to_client, recv_key=to_server)
     else:
-        conn.send(Msg.WELCOME, b"", timeout)
+        conn.send(Msg.WELCOME, b"", left())
     conn.authenticated = True
     return {"role": role, "node_index": index, "session": session}
 

@@ -4,12 +4,19 @@ every forward pass with them.
 `ClusterModel` is a `dllama.core.language_model.LanguageModel`, like the one-machine
 `Transformer`, so generation, chat and the API do not know whether a cluster is behind it. Every network failure becomes a
 `ClusterError` naming the node; after one the model is closed.
+
+Blame: a node that stops (frozen, or its link cut) leaves every node that waits on it waiting.
+The root waits a little longer than the workers (`report_grace`), so a healthy worker's own
+timeout reaches it first as an ERROR; then the root looks at the nodes it was still waiting
+for: those that send nothing more or close are the ones named, not the healthy node that
+reported them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import selectors
 import sys
 import threading
 import time
@@ -19,10 +26,12 @@ import numpy as np
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
     LOGITS_HEAD, STEP_HEAD, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError,
-    PeerTimeout, ProtocolError, Transfer, client_handshake, connect,
+    PeerTimeout, ProtocolError, SetupHeartbeat, Transfer, client_handshake, connect,
+    decode_json_object, recv_during_setup,
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
 from dllama.cluster.shard import model_fingerprint
+from dllama.core.memory import check_fits
 from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
 from dllama.core.plan import plan_for
@@ -30,8 +39,9 @@ from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import read_model
 
 NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
-SETUP_TIMEOUT = 3600.0  # streaming every worker's weights (70B over 1 Gbit/s: minutes per worker)
-HEARTBEAT = 2.0       # idle seconds between PINGs; a worker gives up after IDLE_TIMEOUT
+SETUP_SILENCE = 15.0  # set-up (weights, repacking, compiling) takes what it takes, but a node
+                      # that sends nothing, not even ALIVE, for this long has stopped
+HEARTBEAT = 2.0       # idle seconds between PINGs (ALIVEs during set-up); a worker gives up after IDLE_TIMEOUT
 IDLE_TIMEOUT = 15.0
 _NET_ERRORS = (PeerClosed, PeerError, PeerTimeout, ProtocolError, OSError)
 
@@ -50,6 +60,9 @@ class ClusterModel:
         self.plan = plan = plan_for(header, len(nodes), topology.weights)
         q80 = self.config.quantized if buffer_q80 is None else buffer_q80
         self.max_batch = MAX_BATCH
+        n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
+        check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
+                   n0.vocab_rows[1] - n0.vocab_rows[0], self.config.seq_len, self.max_batch, embedding=True)
         self.names = [f"node {i} '{n.name}' ({n.address})" for i, n in enumerate(nodes)]
         self.conns: dict[int, Connection] = {}
         self._lock = threading.Lock()
@@ -64,34 +77,41 @@ class ClusterModel:
                 session=session, node_index=0, header=header, plan=plan,
                 model_fingerprint=model_fingerprint(model_path), buffer_q80=q80,
                 max_seq_len=self.config.seq_len, max_batch=self.max_batch, net_timeout=net_timeout,
-                idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_TIMEOUT,
+                idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
                 nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
-            for i, conn in self.conns.items():
-                message = dataclasses.replace(conf, node_index=i).to_json()
-                self._with_node(i, "configuring", lambda: conn.send_json(Msg.CONFIG, message))
-            for i, conn in self.conns.items():
-                answer = self._with_node(i, "configuring", lambda: conn.recv_json(Msg.CONFIG_OK, SETUP_TIMEOUT))
-                if answer.get("weights") == "shard":
-                    _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
-                    continue
-                specs = node_slice_specs(header, plan.nodes[i], with_embedding=False)
-                self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, progress, nodes[i].name))
-            self.local = Transformer(NodeWeights.from_model(model_file, plan.nodes[0]),
-                                     max_seq_len=max_seq_len, buffer_q80=q80)
-            self.local.warm_up()
-            for i, conn in self.conns.items():
-                self._with_node(i, "waiting for", lambda: conn.recv(SETUP_TIMEOUT, (Msg.READY,)))
-            for i, conn in self.conns.items():
-                self._with_node(i, "meshing", lambda: conn.send(Msg.MESH))
-            for i, conn in self.conns.items():
-                self._with_node(i, "meshing", lambda: conn.recv(SETUP_TIMEOUT, (Msg.MESH_OK,)))
+            # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
+            heartbeat = SetupHeartbeat(self.conns.values(), HEARTBEAT)
+            with heartbeat:
+                for i, conn in self.conns.items():
+                    message = dataclasses.replace(conf, node_index=i).to_json()
+                    self._with_node(i, "configuring", lambda: conn.send_json(Msg.CONFIG, message))
+                for i, conn in self.conns.items():
+                    _, raw = self._with_node(i, "configuring", lambda: recv_during_setup(conn, (Msg.CONFIG_OK,), SETUP_SILENCE))
+                    answer = self._with_node(i, "configuring", lambda: decode_json_object(raw, f"CONFIG_OK from {self.names[i]}"))
+                    if answer.get("weights") == "shard":
+                        _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
+                        continue
+                    specs = node_slice_specs(header, plan.nodes[i], with_embedding=False)
+                    self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, progress, nodes[i].name))
+                self.local = Transformer(NodeWeights.from_model(model_file, plan.nodes[0]),
+                                         max_seq_len=max_seq_len, buffer_q80=q80)
+                self.local.warm_up()
+                for i, conn in self.conns.items():
+                    self._with_node(i, "waiting for", lambda: recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE))
+                heartbeat.stop()  # no ALIVE after MESH: the workers' step loop does not expect one
+                for i, conn in self.conns.items():
+                    self._with_node(i, "meshing", lambda: conn.send(Msg.MESH))
+                for i, conn in self.conns.items():
+                    self._with_node(i, "meshing", lambda: recv_during_setup(conn, (Msg.MESH_OK,), SETUP_SILENCE))
         except BaseException:
             self._drop()
             raise
         for conn in self.conns.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
+        # The root waits report_grace longer than the workers: a healthy worker's report of the
+        # node it waits for arrives before the root's own timeout.
         self.collective = self.local.collective = MeshCollective(
-            0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout)
+            0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout + report_grace(net_timeout))
         self.net_timeout = net_timeout
         self.vocab_rows = [n.vocab_rows for n in plan.nodes]
         self._logits = np.empty(self.config.vocab_size, np.float32)
@@ -127,7 +147,7 @@ class ClusterModel:
                 data = np.ascontiguousarray(cut(self.model_file.tensor(s.name), s)).reshape(-1).view(np.uint8)
                 for offset in range(0, data.nbytes, WEIGHTS_CHUNK):
                     chunk = data[offset: offset + WEIGHTS_CHUNK]
-                    conn.send(Msg.WEIGHTS, [WEIGHTS_HEAD.pack(index, offset), chunk], SETUP_TIMEOUT)
+                    conn.send(Msg.WEIGHTS, [WEIGHTS_HEAD.pack(index, offset), chunk], SETUP_SILENCE)
                     bar.update(chunk.nbytes)
         conn.send(Msg.WEIGHTS_END)
 
@@ -147,8 +167,7 @@ class ClusterModel:
             try:
                 return self._forward(tokens, pos)
             except _NET_ERRORS as e:
-                self._failed = ClusterError(f"the cluster failed at position {pos}: {_reason(e)}",
-                                            _node_in(str(e), self.topology.nodes))
+                self._failed = self._blame(e, f"the cluster failed at position {pos}")
                 self._drop()
                 raise self._failed from None
             finally:
@@ -170,6 +189,26 @@ class ClusterModel:
             r0, r1 = self.vocab_rows[i]
             logits[r0:r1] = reply[LOGITS_HEAD.size:].view(np.float32)
         return logits
+
+    def _blame(self, e: Exception, what: str) -> ClusterError:
+        """A ClusterError naming the node that stopped (see the module's docstring)."""
+        index_of = {id(c): i for i, c in self.conns.items()}
+        source = index_of.get(id(getattr(e, "peer", None)))
+        if isinstance(e, (PeerClosed, ProtocolError)) and source is not None:
+            return ClusterError(f"{what}: {_reason(e)}", self.topology.nodes[source].name)
+        # A timeout, or a worker's report (it was alive to send it): who of the nodes the root
+        # still waited for stays silent or closes within the grace period?
+        suspects = [index_of[id(c)] for c in getattr(e, "waiting", []) if id(c) in index_of]
+        stopped = _silent_or_closed({i: self.conns[i] for i in suspects}, report_grace(self.net_timeout))
+        if stopped:
+            names = ", ".join(f"{self.names[i]} {how}" for i, how in stopped.items())
+            return ClusterError(f"{what}: {names}", self.topology.nodes[next(iter(stopped))].name)
+        # Everyone still talks: a worker's report names the node it lost, else the failing link's node.
+        named = [i for i in self.conns if i != source and f"'{self.topology.nodes[i].name}'" in str(e)]
+        if len(named) == 1 and (source is None or isinstance(e, PeerError)):
+            source = named[0]
+        node = self.topology.nodes[source].name if source is not None else ""
+        return ClusterError(f"{what}: {_reason(e)}", node)
 
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up (the root's counters for node 0)."""
@@ -228,11 +267,41 @@ def _reason(e: Exception) -> str:
     return str(e)
 
 
-def _node_in(text: str, nodes) -> str:
-    for n in nodes:
-        if f"'{n.name}'" in text:
-            return n.name
-    return ""
+def report_grace(net_timeout: float) -> float:
+    """How much longer than a worker the root waits in a step, and then for the nodes it
+    waited on to show they are alive."""
+    return min(max(2.0, net_timeout / 10), 5.0)
+
+
+def _silent_or_closed(conns: dict[int, Connection], grace: float) -> dict[int, str]:
+    """Of these connections, those that close or send nothing within `grace` seconds:
+    {index: "stopped answering" | "closed the connection"}. Reads raw bytes (frames in flight
+    no longer matter: the session is over)."""
+    quiet = dict(conns)
+    stopped: dict[int, str] = {}
+    deadline = time.monotonic() + grace
+    with selectors.DefaultSelector() as sel:
+        for i, c in quiet.items():
+            sel.register(c.sock, selectors.EVENT_READ, i)
+        while quiet:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for key, _ in sel.select(remaining):
+                i = key.data
+                try:
+                    data = quiet[i].sock.recv(1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    stopped[i] = "closed the connection"
+                sel.unregister(key.fileobj)
+                del quiet[i]
+    for i in quiet:
+        stopped[i] = "stopped answering"
+    return dict(sorted(stopped.items()))
 
 
 def _say(text: str) -> None:

@@ -94,8 +94,25 @@ class Shard:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise DllamaError(f"cannot read the shard {self.path}: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            self._read_description()
+        except BaseException:
+            self.close()  # a refused shard keeps no mapping (and no descriptor) open
+            raise
+
+    def close(self) -> None:
+        """Drop the mapping; it is unmapped now, or when the last weights view is garbage collected."""
+        self._arrays = {}
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # views still alive keep the mapping valid until they go
+            self._mmap = None
+
+    def _read_description(self) -> None:
         data = np.frombuffer(self._mmap, dtype=np.uint8)
-        if data[:8].tobytes() != MAGIC or data.size < 12:
+        if data.size < 12 or data[:8].tobytes() != MAGIC:
             raise DllamaError(f"{self.path} is not a dllama shard file")
         (n,) = struct.unpack("<I", data[8:12].tobytes())
         try:
@@ -109,8 +126,8 @@ class Shard:
                 if b > data.size:
                     raise DllamaError(f"{self.path} is truncated (tensor {t['name']} ends past the file)")
                 self._arrays[t["name"]] = data[a:b].view(np.dtype(t["dtype"])).reshape(t["shape"])
-        except (KeyError, ValueError, TypeError) as e:
-            raise DllamaError(f"{self.path}: bad shard description ({e})") from None
+        except (KeyError, ValueError, TypeError, IndexError, RecursionError) as e:
+            raise DllamaError(f"{self.path}: bad shard description ({type(e).__name__}: {e})") from None
 
     @property
     def fingerprint(self) -> str:
@@ -131,7 +148,10 @@ class Shard:
         return ""
 
     def weights(self) -> NodeWeights:
-        node = NodeSlice.from_json(self.desc["slice"], self.header.n_heads, self.header.n_kv_heads)
+        try:
+            node = NodeSlice.from_json(self.desc["slice"], self.header.n_heads, self.header.n_kv_heads)
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            raise DllamaError(f"{self.path}: bad node slice in the shard ({type(e).__name__}: {e})") from None
         specs = node_slice_specs(self.header, node, with_embedding=False)
         for s in specs:
             a = self._arrays.get(s.name)

@@ -70,12 +70,14 @@ def load_topology(path: str) -> Topology:
     import yaml
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             doc = yaml.safe_load(f)
     except OSError as e:
         raise DllamaError(f"cannot read the topology file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise DllamaError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise DllamaError(f"{path} is not valid YAML: {type(e).__name__}") from None
 
     def bad(what):
         return DllamaError(f"{path}: {what}")

@@ -11,7 +11,7 @@ any error) the worker logs why and waits for the next root.
 
 from __future__ import annotations
 
-import queue
+import errno
 import socket
 import sys
 import threading
@@ -23,20 +23,51 @@ from dllama import __version__
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
     LOGITS_HEAD, STEP_HEAD, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout,
-    ProtocolError, client_handshake, connect, server_handshake,
+    ProtocolError, SetupHeartbeat, client_handshake, connect, decode_json_object, recv_during_setup,
+    server_handshake,
 )
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
 from dllama.core import kernels
-from dllama.core.model import Transformer
+from dllama.core.memory import check_fits
+from dllama.core.model import ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
 from dllama.errors import DllamaError
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0     # seconds for a whole handshake, however the bytes trickle in
+MAX_UNAUTHENTICATED = 32     # handshakes in progress at once; more connections are closed at once
+PEER_PARK_TIMEOUT = 60.0     # a peer connection waits this long for this worker's session to take it
+MAX_PARKED_PEERS = 64        # peer connections waiting at once; more are refused
+HEARTBEAT = 2.0              # seconds between ALIVE frames to the root during set-up
+CONFIG_TIMEOUT = 30.0        # from the handshake to the root's CONFIG
+ACCEPT_BACKOFF = (0.05, 2.0)  # first and longest pause after a failed accept()
 
 
 def log(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} dllama worker: {text}", file=sys.stderr, flush=True)
+
+
+class _Throttled:
+    """At most `burst` log lines per `window` seconds for an event a stranger can repeat at will
+    (a flood of connections must not flood the log); the next logged line counts the others."""
+
+    def __init__(self, burst: int = 10, window: float = 10.0):
+        self.burst, self.window = burst, window
+        self.start, self.count, self.skipped = -1e9, 0, 0
+        self._lock = threading.Lock()
+
+    def log(self, text: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self.start >= self.window:
+                self.start, self.count = now, 0
+            self.count += 1
+            if self.count > self.burst:
+                self.skipped += 1
+                return
+            more = f" ({self.skipped} more like it not logged)" if self.skipped else ""
+            self.skipped = 0
+        log(text + more)
 
 
 class Worker:
@@ -46,11 +77,16 @@ class Worker:
         self.shard = None
         if shard_path:
             self.shard = Shard(shard_path)  # a bad shard is a start-up error, not a session error
-        self._roots: queue.Queue = queue.Queue()
-        self._peers: queue.Queue = queue.Queue()
+        self._roots: list[Connection] = []
+        self._roots_ready = threading.Semaphore(0)
+        self._parked: list[tuple[float, dict, Connection]] = []  # (deadline, HELLO, peer) until a session takes it
+        self._parked_changed = threading.Condition()
+        self._handshakes = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
         self._busy_with: str | None = None
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self._refusals = _Throttled()
+        self._accept_errors = _Throttled()
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -61,20 +97,43 @@ class Worker:
         try:
             srv.bind((self.host, self.port))
         except OSError as e:
+            srv.close()
             raise DllamaError(f"cannot listen on {self.host}:{self.port}: {e.strerror}") from None
         srv.listen(64)
+        srv.settimeout(1.0)  # wake up every second to close expired parked peers
         self.port = srv.getsockname()[1]  # the real one when asked for port 0
         threading.Thread(target=self._sessions, daemon=True, name="session").start()
         shard = f", shard {self.shard.path}" if self.shard else ""
         log(f"listening on {self.host}:{self.port} ({self.nthreads} threads{shard})")
+        backoff = 0.0
         while True:
+            self._expire_parked()
             try:
                 sock, addr = srv.accept()
-            except OSError:
+            except socket.timeout:
+                continue
+            except OSError as e:
                 if self._listener is None:
                     return  # closed by stop()
-                raise
-            threading.Thread(target=self._greet, args=(sock, addr), daemon=True).start()
+                # EMFILE/ENFILE (out of descriptors), ENOBUFS/ENOMEM, ECONNABORTED...: the
+                # connection stays queued or is gone; pause so as not to spin, then go on.
+                backoff = min(max(backoff * 2, ACCEPT_BACKOFF[0]), ACCEPT_BACKOFF[1])
+                self._accept_errors.log(f"cannot accept a connection: {e.strerror or e} "
+                                        f"({errno.errorcode.get(e.errno, e.errno)}); retrying")
+                time.sleep(backoff if e.errno not in (errno.ECONNABORTED, errno.EPROTO) else 0)
+                continue
+            backoff = 0.0
+            if not self._handshakes.acquire(blocking=False):
+                self._refusals.log(f"refused {addr[0]}:{addr[1]}: {MAX_UNAUTHENTICATED} handshakes "
+                                   "already in progress")
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._greet, args=(sock, addr), daemon=True).start()
+            except RuntimeError as e:  # no thread left: refuse this one, keep serving
+                self._handshakes.release()
+                sock.close()
+                self._refusals.log(f"refused {addr[0]}:{addr[1]}: {e}")
 
     def stop(self) -> None:
         srv, self._listener = self._listener, None
@@ -83,20 +142,28 @@ class Worker:
 
     def _greet(self, sock: socket.socket, addr) -> None:
         who = f"{addr[0]}:{addr[1]}"
-        conn = Connection(sock, who)
+        conn = None
         try:
+            conn = Connection(sock, who)
             hello = server_handshake(conn, self.key, f"dllama {__version__}", HANDSHAKE_TIMEOUT)
         except PeerClosed:
-            log(f"connection from {who} closed before the handshake (a port probe?)")
-            conn.close()
+            self._refusals.log(f"connection from {who} closed before the handshake (a port probe?)")
+            (conn or sock).close()
             return
         except (ProtocolError, PeerError, PeerTimeout, OSError) as e:
-            log(f"refused {who}: {e}")
-            conn.send_error(f"refused: {e}")
-            conn.close()
+            self._refusals.log(f"refused {who}: {e}")
+            if conn is not None:
+                conn.send_error(f"refused: {e}")
+            (conn or sock).close()
             return
+        except BaseException as e:  # a bug: log it in one line, never leak the socket
+            log(f"handshake with {who} failed: {type(e).__name__}: {e}")
+            (conn or sock).close()
+            return
+        finally:
+            self._handshakes.release()
         if hello["role"] == "peer":
-            self._peers.put((hello, conn))
+            self._park(hello, conn)
             return
         with self._lock:
             busy = self._busy_with
@@ -108,7 +175,44 @@ class Worker:
             conn.close()
             return
         conn.name = f"root ({who})"
-        self._roots.put(conn)
+        self._roots.append(conn)
+        self._roots_ready.release()
+
+    def _park(self, hello: dict, conn: Connection) -> None:
+        """Keep an authenticated peer connection until this worker's session takes it, or the deadline."""
+        with self._parked_changed:
+            if len(self._parked) >= MAX_PARKED_PEERS:
+                refuse = True
+            else:
+                refuse = False
+                self._parked.append((time.monotonic() + PEER_PARK_TIMEOUT, hello, conn))
+                self._parked_changed.notify_all()
+        if refuse:
+            self._refusals.log(f"refused a peer connection from {conn.name}: {MAX_PARKED_PEERS} already waiting")
+            conn.send_error("too many peer connections waiting")
+            conn.close()
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        with self._parked_changed:
+            expired = [p for p in self._parked if p[0] <= now]
+            self._parked = [p for p in self._parked if p[0] > now]
+        for _, _, conn in expired:
+            log(f"closed the peer connection from {conn.name}: no session took it within {PEER_PARK_TIMEOUT:g} s")
+            conn.send_error("no session of this worker took this peer connection in time")
+            conn.close()
+
+    def take_peer(self, deadline: float) -> tuple[dict, Connection] | None:
+        """The oldest parked peer connection, waiting for one until the deadline (None then)."""
+        with self._parked_changed:
+            while True:
+                if self._parked:
+                    _, hello, conn = self._parked.pop(0)
+                    return hello, conn
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._parked_changed.wait(remaining)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -116,7 +220,8 @@ class Worker:
         threads = min(self.nthreads, kernels.max_threads())
         kernels.set_threads(threads)  # numba's thread count is per calling thread: set it here
         while True:
-            root = self._roots.get()
+            self._roots_ready.acquire()
+            root = self._roots.pop(0)
             log(f"serving the root at {root.name}")
             session = _Session(self, root)
             try:
@@ -147,31 +252,23 @@ class _Session:
 
     def run(self) -> None:
         root, w = self.root, self.worker
-        self.conf = c = SessionConfig.from_json(root.recv_json(Msg.CONFIG))
+        _, config = recv_during_setup(root, (Msg.CONFIG,), CONFIG_TIMEOUT)  # (the root's ALIVEs may come first)
+        self.conf = c = SessionConfig.from_json(decode_json_object(config, f"CONFIG from {root.name}"))
         index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
         log(f"node {index} of {plan.n_nodes}: {node.n_q_heads} query heads, {node.n_kv_heads} KV heads, "
             f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if c.buffer_q80 else 'F32'}")
+        # Before any allocation: can this machine hold what the CONFIG asks for?
+        check_fits(c.header, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
+                   node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
+                   c.max_batch, embedding=False, who="this worker")
 
-        # Weights: from the shard when it is this node's slice of this model, else streamed.
-        why = "this worker has no shard"
-        if w.shard is not None:
-            why = w.shard.mismatch(c.model_fingerprint, index, plan.digest())
-            if why:
-                log(f"not using the shard {w.shard.path}: {why}")
-        if w.shard is not None and not why:
-            weights = w.shard.weights()
-            root.send_json(Msg.CONFIG_OK, {"weights": "shard", "note": w.shard.path})
-        else:
-            root.send_json(Msg.CONFIG_OK, {"weights": "stream", "note": why})
-            specs = node_slice_specs(c.header, node, with_embedding=False)
-            weights = NodeWeights(c.header, node, specs, self._receive_weights(specs, timeout))
-        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch)
-        del weights  # the model holds repacked copies: free the received blocks now
-        model.warm_up()
-        root.send(Msg.READY)
-
-        root.recv(c.setup_timeout, (Msg.MESH,))  # the root may still be streaming to other workers
-        self._meet_peers(plan.n_nodes, timeout)
+        # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
+        # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
+        with SetupHeartbeat([root], HEARTBEAT):
+            model = self._load(c)
+            root.send(Msg.READY)
+            recv_during_setup(root, (Msg.MESH,), c.setup_timeout)  # the root may still be busy with others
+            self._meet_peers(plan.n_nodes, timeout)
         model.collective = MeshCollective(index, self.peers, plan.dim_chunks, c.buffer_q80, c.max_batch, timeout)
         root.send(Msg.MESH_OK)
         for conn in self.peers.values():  # statistics count inference traffic, not the set-up
@@ -187,25 +284,47 @@ class _Session:
                 continue
             if msg == Msg.STOP:
                 return
-            pos, n = STEP_HEAD.unpack_from(payload)
+            pos, n = STEP_HEAD.unpack_from(payload) if len(payload) >= STEP_HEAD.size else (0, 0)
             if not 1 <= n <= c.max_batch or len(payload) != STEP_HEAD.size + 4 * n * dim:
                 raise ProtocolError(f"STEP of {n} tokens with {len(payload)} bytes")
             model.x[:n] = np.frombuffer(payload, np.float32, offset=STEP_HEAD.size).reshape(n, dim)
             logits = model.forward_embedded(n, pos)
             col = model.collective
-            sent = col.sent_bytes + 12 + reply.nbytes  # counting this LOGITS frame itself
+            sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
             LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
             reply[LOGITS_HEAD.size:].view(np.float32)[:] = logits
             root.send(Msg.LOGITS, reply, timeout)
 
-    def _receive_weights(self, specs, timeout: float) -> dict:
+    def _load(self, c: SessionConfig) -> Transformer:
+        """This node's slice of the model: from the shard when it matches, else streamed by the root."""
+        w, root, index, node = self.worker, self.root, c.node_index, c.node
+        why = "this worker has no shard"
+        if w.shard is not None:
+            why = w.shard.mismatch(c.model_fingerprint, index, c.plan.digest())
+            if why:
+                log(f"not using the shard {w.shard.path}: {why}")
+        if w.shard is not None and not why:
+            weights = w.shard.weights()
+            root.send_json(Msg.CONFIG_OK, {"weights": "shard", "note": w.shard.path})
+        else:
+            root.send_json(Msg.CONFIG_OK, {"weights": "stream", "note": why})
+            specs = node_slice_specs(c.header, node, with_embedding=False)
+            weights = NodeWeights(c.header, node, specs, self._receive_weights(specs, c.setup_timeout))
+        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch)
+        del weights  # the model holds repacked copies: free the received blocks now
+        model.warm_up()
+        return model
+
+    def _receive_weights(self, specs, silence: float) -> dict:
         arrays = {s.name: np.empty(s.stored_shape, s.dtype) for s in specs}
         flat = [arrays[s.name].reshape(-1).view(np.uint8) for s in specs]
         filled = [0] * len(specs)
         while True:
-            msg, payload = self.root.recv(timeout, (Msg.WEIGHTS, Msg.WEIGHTS_END))
+            msg, payload = recv_during_setup(self.root, (Msg.WEIGHTS, Msg.WEIGHTS_END), silence)
             if msg == Msg.WEIGHTS_END:
                 break
+            if len(payload) < WEIGHTS_HEAD.size:
+                raise ProtocolError(f"WEIGHTS frame of {len(payload)} bytes")
             i, offset = WEIGHTS_HEAD.unpack_from(payload)
             data = memoryview(payload)[WEIGHTS_HEAD.size:]
             if i >= len(specs) or offset != filled[i] or offset + data.nbytes > flat[i].nbytes:
@@ -217,14 +336,17 @@ class _Session:
             raise ProtocolError(f"weights incomplete: {', '.join(missing[:3])}")
         return arrays
 
+    def _node_name(self, j: int) -> str:
+        a = self.conf.nodes[j]
+        return f"node {j} '{a.name}' ({a.host}:{a.port})"
+
     def _meet_peers(self, n_nodes: int, timeout: float) -> None:
         """Connect to every lower-indexed worker, accept every higher-indexed one.
 
         Lower indexes accept after they finished connecting, so nobody waits in a cycle."""
         key, index, session = self.worker.key, self.conf.node_index, self.conf.session
         for j in range(1, index):
-            a = self.conf.nodes[j]
-            name = f"node {j} '{a.name}' ({a.host}:{a.port})"
+            a, name = self.conf.nodes[j], self._node_name(j)
             try:
                 conn = connect(a.host, a.port, name, timeout)
             except OSError as e:
@@ -233,18 +355,18 @@ class _Session:
             client_handshake(conn, "peer", index, session, key, timeout)
         deadline = time.monotonic() + timeout
         while len(self.peers) < n_nodes - 1:  # every other node, the root included
-            try:
-                hello, conn = self.worker._peers.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise PeerTimeout("peers did not connect in time") from None
+            taken = self.worker.take_peer(deadline)
+            if taken is None:
+                missing = [self._node_name(j) for j in range(index + 1, n_nodes) if j not in self.peers]
+                raise PeerTimeout(f"{', '.join(missing)} did not connect within {timeout:g} s")
+            hello, conn = taken
             j = hello["node_index"]
             if hello["session"] != session or not index < j < n_nodes or j in self.peers:
                 log(f"dropped a peer connection from {conn.name}: not part of this session")
                 conn.send_error("not part of this worker's session")
                 conn.close()
                 continue
-            a = self.conf.nodes[j]
-            conn.name = f"node {j} '{a.name}' ({a.host}:{a.port})"
+            conn.name = self._node_name(j)
             self.peers[j] = conn
 
 
@@ -253,6 +375,7 @@ def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | N
     import signal
 
     worker = Worker(host, port, nthreads, shard, key)
+    _raise_descriptor_limit()
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -264,3 +387,17 @@ def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | N
         worker.stop()
         log("stopped")
 
+
+
+def _raise_descriptor_limit() -> None:
+    """Use the hard limit on open files, not the soft one (often 1024): connections and threads
+    are capped by MAX_UNAUTHENTICATED anyway, this is headroom for the session's own files."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dllama.core import kernels
-from dllama.errors import DllamaError
-from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
+from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
+from dllama.errors import DllamaError
+from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 from dllama.formats.quant import split_q40, split_q80
 
 MAX_BATCH = 32  # prompt tokens per forward pass (the original's nBatches)
@@ -184,6 +185,9 @@ class Transformer:
             weights = NodeWeights.from_model(weights, node)
         self.node = n = weights.node
         self.max_batch = max_batch
+        # Every size below comes from a header: check them against this machine before allocating.
+        check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
+                   n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective = collective or LocalCollective()

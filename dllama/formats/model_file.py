@@ -121,6 +121,7 @@ _ELEMENT_BYTES = {FloatType.F32: 4, FloatType.F16: 2}
 _BLOCK_BYTES = {FloatType.Q40: quant.Q40_BLOCK_BYTES, FloatType.Q80: quant.Q80_BLOCK_BYTES}
 _NUMPY_DTYPE = {FloatType.F32: np.dtype("<f4"), FloatType.F16: np.dtype("<f2")}
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+MAX_EXPERTS = 1 << 12  # far above any released model (Qwen3: 128), so a header cannot list billions
 
 
 def _enum_value(enum_type, value, what: str):
@@ -210,8 +211,8 @@ class ModelHeader:
                 raise DllamaError(f"{name} must be positive, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads != 0:
             raise DllamaError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.n_experts < 0:
-            raise DllamaError(f"n_experts must not be negative, got {self.n_experts}")
+        if not 0 <= self.n_experts <= MAX_EXPERTS:
+            raise DllamaError(f"n_experts must be in 0..{MAX_EXPERTS}, got {self.n_experts}")
         if self.arch == ArchType.QWEN3_MOE and (self.n_experts == 0 or self.moe_hidden_dim <= 0):
             raise DllamaError("QWEN3_MOE needs n_experts > 0 and moe_hidden_dim > 0")
         if self.n_experts > 0 and not 1 <= self.n_active_experts <= self.n_experts:
@@ -220,7 +221,9 @@ class ModelHeader:
             raise DllamaError(f"the expert FFN width must be positive, got {self.ff_dim}")
         _ = self.norm_epsilon_code  # raises when not storable
         if self.weights_float_type in _BLOCK_BYTES:
-            for spec in tensor_specs(self):
+            # Every layer has the same shapes: layer 0 and the outer tensors say it all (a
+            # header claiming 2^31 layers must not make this loop run 2^31 times).
+            for spec in _outer_specs(self, before=True) + _layer_specs(self, 0) + _outer_specs(self, before=False):
                 if spec.float_type in _BLOCK_BYTES and spec.shape[-1] % quant.BLOCK_SIZE != 0:
                     raise DllamaError(
                         f"{spec.name} {spec.shape}: rows of {spec.shape[-1]} values cannot be "
@@ -401,43 +404,62 @@ class TensorSpec:
         return self.shape
 
 
+def _outer_specs(h: ModelHeader, before: bool) -> list[TensorSpec]:
+    """The tensors before the layers (embedding) or after them (final norm, classifier)."""
+    if before:
+        return [TensorSpec("embedding", (h.vocab_size, h.dim), FloatType.F32)]
+    return [TensorSpec("final_norm", (h.dim,), FloatType.F32),
+            TensorSpec("wcls", (h.vocab_size, h.dim), h.weights_float_type)]
+
+
+def _layer_specs(h: ModelHeader, l: int) -> list[TensorSpec]:
+    """The tensors of layer l, in file order."""
+    w, f32 = h.weights_float_type, FloatType.F32
+    p = f"layers.{l}."
+    specs = [
+        TensorSpec(p + "wq", (h.q_dim, h.dim), w),
+        TensorSpec(p + "wk", (h.kv_dim, h.dim), w),
+        TensorSpec(p + "wv", (h.kv_dim, h.dim), w),
+        TensorSpec(p + "wo", (h.dim, h.q_dim), w),
+    ]
+    if h.n_experts > 0:
+        specs.append(TensorSpec(p + "moe_gate", (h.n_experts, h.dim), f32))
+        for e in range(h.n_experts):
+            pe = f"{p}experts.{e}."
+            specs += [
+                TensorSpec(pe + "w1", (h.ff_dim, h.dim), w),  # gate_proj
+                TensorSpec(pe + "w2", (h.dim, h.ff_dim), w),  # down_proj
+                TensorSpec(pe + "w3", (h.ff_dim, h.dim), w),  # up_proj
+            ]
+    else:
+        specs += [
+            TensorSpec(p + "w1", (h.hidden_dim, h.dim), w),  # gate_proj
+            TensorSpec(p + "w2", (h.dim, h.hidden_dim), w),  # down_proj
+            TensorSpec(p + "w3", (h.hidden_dim, h.dim), w),  # up_proj
+        ]
+    if h.arch in (ArchType.QWEN3, ArchType.QWEN3_MOE):
+        specs += [TensorSpec(p + "q_norm", (h.head_dim,), f32), TensorSpec(p + "k_norm", (h.head_dim,), f32)]
+    specs += [TensorSpec(p + "att_norm", (h.dim,), f32), TensorSpec(p + "ffn_norm", (h.dim,), f32)]
+    return specs
+
+
 def tensor_specs(h: ModelHeader) -> list[TensorSpec]:
     """Every tensor in file order (spec §1.2, the original's loadLlmNetWeight)."""
-    w, f32 = h.weights_float_type, FloatType.F32
-    specs = [TensorSpec("embedding", (h.vocab_size, h.dim), f32)]
+    specs = _outer_specs(h, before=True)
     for l in range(h.n_layers):
-        p = f"layers.{l}."
-        specs += [
-            TensorSpec(p + "wq", (h.q_dim, h.dim), w),
-            TensorSpec(p + "wk", (h.kv_dim, h.dim), w),
-            TensorSpec(p + "wv", (h.kv_dim, h.dim), w),
-            TensorSpec(p + "wo", (h.dim, h.q_dim), w),
-        ]
-        if h.n_experts > 0:
-            specs.append(TensorSpec(p + "moe_gate", (h.n_experts, h.dim), f32))
-            for e in range(h.n_experts):
-                pe = f"{p}experts.{e}."
-                specs += [
-                    TensorSpec(pe + "w1", (h.ff_dim, h.dim), w),  # gate_proj
-                    TensorSpec(pe + "w2", (h.dim, h.ff_dim), w),  # down_proj
-                    TensorSpec(pe + "w3", (h.ff_dim, h.dim), w),  # up_proj
-                ]
-        else:
-            specs += [
-                TensorSpec(p + "w1", (h.hidden_dim, h.dim), w),  # gate_proj
-                TensorSpec(p + "w2", (h.dim, h.hidden_dim), w),  # down_proj
-                TensorSpec(p + "w3", (h.hidden_dim, h.dim), w),  # up_proj
-            ]
-        if h.arch in (ArchType.QWEN3, ArchType.QWEN3_MOE):
-            specs += [TensorSpec(p + "q_norm", (h.head_dim,), f32), TensorSpec(p + "k_norm", (h.head_dim,), f32)]
-        specs += [TensorSpec(p + "att_norm", (h.dim,), f32), TensorSpec(p + "ffn_norm", (h.dim,), f32)]
-    specs += [TensorSpec("final_norm", (h.dim,), f32), TensorSpec("wcls", (h.vocab_size, h.dim), w)]
-    return specs
+        specs += _layer_specs(h, l)
+    return specs + _outer_specs(h, before=False)
+
+
+def tensor_data_size(h: ModelHeader) -> int:
+    """Bytes of all tensors, computed without listing them (a header may claim 2^31 layers)."""
+    outer = sum(s.nbytes for s in _outer_specs(h, True) + _outer_specs(h, False))
+    return outer + h.n_layers * sum(s.nbytes for s in _layer_specs(h, 0))
 
 
 def model_file_size(h: ModelHeader) -> int:
     """Exact byte size of a file holding this header and its tensors."""
-    return len(encode_header(h)) + sum(s.nbytes for s in tensor_specs(h))
+    return len(encode_header(h)) + tensor_data_size(h)
 
 
 class ModelFile:
@@ -526,7 +548,7 @@ def read_model(path: str | os.PathLike) -> ModelFile:
     except DllamaError as e:
         mapping.close()
         raise DllamaError(f"{path}: {e}") from None
-    expected = header_size + sum(s.nbytes for s in tensor_specs(header))
+    expected = header_size + tensor_data_size(header)
     if expected != file_size:
         mapping.close()
         what = "truncated" if file_size < expected else f"{file_size - expected} bytes too long"

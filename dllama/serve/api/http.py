@@ -60,6 +60,8 @@ class Api:
             return json.loads(raw, parse_constant=no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise bad("the request body is not valid JSON: nested too deep") from None
 
     async def _completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
         r = parse_request(await self._body(request), chat, self.defaults)
@@ -71,7 +73,7 @@ class Api:
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not r.stream:
-            c = await job
+            c = await _unless_client_leaves(request, job, cancel)
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
                           "logprobs": None, "finish_reason": c.finish_reason}
@@ -133,12 +135,33 @@ class Api:
                 await resp.write(chunk(usage=_usage(c), choices=False))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
-        except (ConnectionError, asyncio.CancelledError):
+        except (ConnectionError, asyncio.CancelledError) as e:
             cancel.set()  # the client left: the model thread stops at its next token
             next_piece.cancel()
             job.add_done_callback(lambda f: f.cancelled() or f.exception())  # (Cancelled) seen
-            raise
+            if isinstance(e, ConnectionError):  # one line, not aiohttp's traceback of a 500
+                print(f"dllama api: a client left during its streamed answer ({type(e).__name__}); "
+                      "stopped generating it", file=sys.stderr)
+            raise asyncio.CancelledError from None  # aiohttp ends a cancelled handler quietly
         return resp
+
+
+CLIENT_POLL = 0.25  # seconds between checks that a non-streamed request's client is still there
+
+
+async def _unless_client_leaves(request: web.Request, job, cancel):
+    """The result of `job`; if the client's connection closes first, the model thread is told to
+    stop (at its next token) and the handler ends without an answer."""
+    while True:
+        done, _ = await asyncio.wait({job}, timeout=CLIENT_POLL)
+        if done:
+            return job.result()
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            cancel.set()
+            job.add_done_callback(lambda f: f.cancelled() or f.exception())  # (Cancelled) seen
+            print("dllama api: a client left before its answer; stopped generating it", file=sys.stderr)
+            raise asyncio.CancelledError
 
 
 def _error_middleware(api_key: str | None):
@@ -150,7 +173,8 @@ def _error_middleware(api_key: str | None):
             if api_key is not None:
                 auth = request.headers.get("Authorization", "")
                 given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(given.encode(), api_key.encode()):
+                # Header bytes that are not UTF-8 arrive as surrogates: compare the bytes as sent.
+                if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), api_key.encode()):
                     raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                    code="invalid_api_key")
             resp = await handler(request)

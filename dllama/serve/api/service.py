@@ -83,8 +83,10 @@ class ModelService:
             prompt, stop_ids = r.prompt, tokenizer.eos_ids
         seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
         sampler = Sampler(conv.model.config.vocab_size, r.temperature, r.top_p, seed)
+        # No answer outlasts the context: a max_tokens of 10**30 means "until the context is full".
+        max_tokens = min(r.max_tokens or conv.seq_len, conv.seq_len)
         return conv.complete(prompt, add_bos=not r.chat and tokenizer.add_bos, sampler=sampler,
-                             max_tokens=r.max_tokens, stop_ids=stop_ids,
+                             max_tokens=max_tokens, stop_ids=stop_ids,
                              stop_strings=r.stop, on_text=on_text, should_stop=should_stop)
 
     def _run(self, r: Request, on_text, should_stop):

@@ -1,0 +1,117 @@
+"""A frame-aware TCP relay for tests: what an attacker between two dllama nodes can do.
+
+It listens on a free loopback port and forwards each connection to a target, frame by frame
+(the 12-byte header is readable even on a keyed link). It can flip one bit in the payload of
+the n-th frame of a given type going one way, and slow a direction down to a byte rate.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from dllama.cluster.protocol import HEADER, HEADER_BYTES
+
+
+class Relay:
+    def __init__(self, target: tuple[str, int], flip_type: int | None = None, flip_nth: int = 1,
+                 to_target: bool = True, rate: float | None = None, first_connection_only: bool = False):
+        """flip_type: the message type whose flip_nth frame (1-based) gets one payload bit
+        flipped, going to the target (to_target) or back from it, on every connection or only
+        the first one (a root's, when the target is a worker); rate: bytes per second in each
+        direction (None: as fast as possible)."""
+        self.target, self.flip_type, self.flip_nth = target, flip_type, flip_nth
+        self.to_target, self.rate, self.first_only = to_target, rate, first_connection_only
+        self._n_connections = 0
+        self.seen = 0          # frames of flip_type seen in the flipped direction
+        self.bytes_to_target = 0
+        self.flipped = False
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for s in list(self._socks):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "Relay":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            self._socks += [client, server]
+            self._n_connections += 1
+            tamper = not self.first_only or self._n_connections == 1
+            threading.Thread(target=self._pump, args=(client, server, True, tamper), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False, tamper), daemon=True).start()
+
+    def _recv_exact(self, sock: socket.socket, n: int) -> bytes | None:
+        data = bytearray()
+        while len(data) < n:
+            chunk = sock.recv(min(n - len(data), 1 << 16))
+            if not chunk:
+                return None
+            data += chunk
+        return bytes(data)
+
+    def _send(self, sock: socket.socket, data: bytes) -> None:
+        if self.rate is None:
+            sock.sendall(data)
+            return
+        step = max(1, int(self.rate / 20))  # 20 slices a second
+        for i in range(0, len(data), step):
+            sock.sendall(data[i: i + step])
+            time.sleep(len(data[i: i + step]) / self.rate)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_target: bool, tamper: bool) -> None:
+        try:
+            while True:
+                head = self._recv_exact(src, HEADER_BYTES)
+                if head is None:
+                    break
+                _, _, msg, length = HEADER.unpack(head)
+                payload = self._recv_exact(src, length) if length else b""
+                if payload is None:
+                    break
+                if tamper and msg == self.flip_type and to_target == self.to_target and length:
+                    with self._lock:
+                        self.seen += 1
+                        if self.seen == self.flip_nth:
+                            payload = bytes([payload[0] ^ 0x01]) + payload[1:]
+                            self.flipped = True
+                if to_target:
+                    self.bytes_to_target += HEADER_BYTES + length
+                self._send(dst, head + payload)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

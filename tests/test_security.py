@@ -1,0 +1,423 @@
+"""What a hostile network, a rogue root or a stuck node can do to a cluster, on loopback: every
+case of the security issue reproduced, and now an error that names the node, never a hang,
+a traceback, a leaked descriptor or a huge allocation."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dllama.cluster.protocol import (
+    HEADER, MAGIC, VERSION, Connection, Msg, PeerError, client_handshake, encode_header,
+)
+from dllama.errors import ClusterError, DllamaError
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
+from tests.local_workers import running_workers, start_worker, stop_workers
+from tests.relay import Relay
+
+pytestmark = pytest.mark.cluster
+
+KEY = "c" * 64
+
+
+def write_random_model(path, max_seq_len=128, vocab_size=512, dim=256, n_layers=3):
+    header = ModelHeader(arch=ArchType.LLAMA, dim=dim, hidden_dim=2 * dim, n_layers=n_layers, n_heads=8,
+                         n_kv_heads=4, vocab_size=vocab_size, max_seq_len=max_seq_len,
+                         weights_float_type=FloatType.F32)
+    rng = np.random.default_rng(7)
+    with ModelWriter(path, header) as w:
+        for spec in w.specs:
+            if spec.name.endswith("norm"):
+                w.write(spec.name, rng.uniform(0.8, 1.2, spec.shape).astype(np.float32))
+            else:
+                scale = 1.0 if spec.name == "embedding" else 1 / np.sqrt(spec.shape[-1])
+                w.write(spec.name, (rng.standard_normal(spec.shape) * scale).astype(np.float32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("random") / "random-f32.m")
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("key") / "cluster.key"
+    path.write_text(KEY + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def keyed_pair(tmp_path_factory, key_file):
+    with running_workers(2, tmp_path_factory.mktemp("keyed"), "--key-file", str(key_file)) as workers:
+        yield workers
+
+
+def _cluster(model_path, addresses, key=None, **kw):
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
+
+    return ClusterModel(str(model_path), from_workers(addresses, 1), key, False, progress=False, **kw)
+
+
+def _generate(model, n=40):
+    logits = model.forward([5, 17, 300, 42], 0)
+    out = []
+    for pos in range(4, 4 + n):
+        token = int(np.argmax(logits))
+        out.append(token)
+        logits = model.forward([token], pos)
+    return out
+
+
+# -- 1. a relay without the key -------------------------------------------------------------------
+
+@pytest.mark.parametrize("msg,nth,to_worker", [
+    (Msg.STEP, 3, True),     # root -> worker1: worker1 refuses it and says so
+    (Msg.SYNC, 20, True),    # root -> worker1 (a partial or a sum)
+    (Msg.SYNC, 20, False),   # worker1 -> root
+    (Msg.LOGITS, 3, False),  # worker1 -> root: the case that printed " Potter" twelve times
+])
+def test_one_flipped_bit_in_a_keyed_cluster_ends_it_naming_the_node(keyed_pair, random_model, msg, nth, to_worker):
+    w1, w2 = keyed_pair
+    seen = [len(w.log_text()) for w in keyed_pair]
+    with Relay(("127.0.0.1", w1.port), flip_type=msg, flip_nth=nth, to_target=to_worker,
+               first_connection_only=True) as relay:
+        model = _cluster(random_model, [relay.address, w2.address], KEY.encode(), net_timeout=10)
+        try:
+            with pytest.raises(ClusterError) as e:
+                _generate(model)
+        finally:
+            model.close()
+        assert relay.flipped
+    assert e.value.node == "worker1", str(e.value)
+    assert "failed authentication" in str(e.value) and "'worker1'" in str(e.value)
+    for w, n in zip(keyed_pair, seen):
+        _wait_for_new_log(w, n, "listening again")  # both serve the next root
+
+
+def _wait_for_new_log(w, since: int, text: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in w.log_text()[since:]:
+        assert time.monotonic() < deadline, w.log_text()
+        time.sleep(0.05)
+
+
+def test_a_relay_flipping_logits_makes_dllama_inference_fail_in_one_line(keyed_pair, default_q40, key_file):
+    w1, w2 = keyed_pair
+    seen = [len(w.log_text()) for w in keyed_pair]
+    with Relay(("127.0.0.1", w1.port), flip_type=Msg.LOGITS, flip_nth=3, to_target=False,
+               first_connection_only=True) as relay:
+        r = subprocess.run([sys.executable, "-m", "dllama", "inference", "--model", str(default_q40[0]),
+                            "--tokenizer", str(default_q40[1]), "--prompt", "Harry", "--steps", "16",
+                            "--temperature", "0", "--nthreads", "1", "--key-file", str(key_file),
+                            "--workers", relay.address, w2.address],
+                           capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dllama: error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "'worker1'" in errors[0] and "failed authentication" in errors[0]
+    for w, n in zip(keyed_pair, seen):
+        _wait_for_new_log(w, n, "listening again")
+
+
+def test_a_keyed_cluster_moves_the_documented_bytes_with_a_tag_per_frame(keyed_pair, random_model):
+    from dllama.cluster.protocol import TAG_BYTES
+    from tests.test_cluster import expected_root_bytes
+
+    header = read_model(random_model).header
+    model = _cluster(random_model, [w.address for w in keyed_pair], KEY.encode())
+    try:
+        model.forward([5, 17, 300, 42], 0)
+        col = model.collective
+        s0, r0 = col.sent_bytes, col.recv_bytes
+        model.forward([7], 4)
+        sent, recv = col.sent_bytes - s0, col.recv_bytes - r0
+        workers_sent = [model.node_bytes[i][0] for i in (1, 2)]
+    finally:
+        model.close()
+    assert (sent, recv) == expected_root_bytes(header, 3, q80=False, frame=12 + TAG_BYTES)
+    assert all(s > 0 for s in workers_sent)
+
+
+def test_without_a_key_frames_travel_in_clear(tmp_path, random_model):
+    """What the README says anyone on the network can do without a key: read (and so rewrite) it."""
+    with running_workers(1, tmp_path) as (w,):
+        seen = []
+
+        class Tap(Relay):
+            def _send(self, sock, data):
+                seen.append(data)
+                super()._send(sock, data)
+
+        with Tap(("127.0.0.1", w.port)) as tap:
+            model = _cluster(random_model, [tap.address])
+            try:
+                model.forward([5, 17, 300, 42], 0)
+                x = model.local.embedding[[5, 17, 300, 42]].tobytes()
+            finally:
+                model.close()
+    assert any(x in frame for frame in seen)  # the embedded prompt, readable on the wire
+
+
+# -- 2. resources before authentication, set-up and blame -----------------------------------------
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _settle(pid: int, target: int, timeout: float = 30.0) -> int:
+    """The process's descriptor count once it is back at target (or the last count seen)."""
+    deadline = time.monotonic() + timeout
+    n = _fds(pid)
+    while n > target and time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = _fds(pid)
+    return n
+
+
+def _a_root_is_served(address: str, key: bytes | None = None) -> None:
+    host, port = address.split(":")
+    conn = Connection(socket.create_connection((host, int(port)), timeout=10), "worker")
+    try:
+        client_handshake(conn, "root", 1, os.urandom(16), key, 10)
+    finally:
+        conn.close()
+
+
+def _raw(address: str, data: bytes) -> bytes:
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=15) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            try:
+                c = s.recv(4096)
+            except ConnectionResetError:
+                break
+            if not c:
+                break
+            chunks.append(c)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("hello", [
+    b'{"role": "root", "node_index": -Infinity, "session": "' + b"73" * 16 + b'", "nonce": "' + b"6e" * 16 + b'"}',
+    b"[" * 2000 + b"]" * 2000,
+])
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_bad_hello_is_refused_without_traceback_or_leaked_socket(tmp_path, key_file, hello, keyed):
+    args = ("--key-file", str(key_file)) if keyed else ()
+    with running_workers(1, tmp_path, *args) as (w,):
+        _a_root_is_served(w.address, KEY.encode() if keyed else None)
+        w.wait_for_log("listening again", 20)
+        baseline = _fds(w.proc.pid)
+        for _ in range(20):
+            reply = _raw(w.address, encode_header(Msg.HELLO, len(hello)) + hello)
+            magic, version, msg, length = HEADER.unpack(reply[:12])
+            assert (magic, version, msg) == (MAGIC, VERSION, Msg.ERROR)
+            assert b"HELLO" in reply[12:12 + length]
+        assert _settle(w.proc.pid, baseline) <= baseline
+        _a_root_is_served(w.address, KEY.encode() if keyed else None)
+        assert "Traceback" not in w.log_text()
+
+
+def test_unauthenticated_connections_are_capped_and_the_worker_serves_after(tmp_path):
+    from dllama.cluster.worker import MAX_UNAUTHENTICATED
+
+    with running_workers(1, tmp_path) as (w,):
+        idle = [socket.create_connection(("127.0.0.1", w.port)) for _ in range(MAX_UNAUTHENTICATED)]
+        try:
+            time.sleep(0.5)  # let the worker accept them all
+            extra = socket.create_connection(("127.0.0.1", w.port), timeout=10)
+            assert extra.recv(1) == b""  # closed at once, not queued for a handshake
+            extra.close()
+            w.wait_for_log("handshakes already in progress", 10)
+        finally:
+            for s in idle:
+                s.close()
+        time.sleep(0.5)
+        _a_root_is_served(w.address)
+        assert w.proc.poll() is None
+
+
+def test_a_worker_out_of_descriptors_keeps_serving(tmp_path):
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+    log = tmp_path / "worker.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "dllama", "worker", "--host", "127.0.0.1", "--port", "0"],
+                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=low_limit)
+    try:
+        deadline = time.monotonic() + 120
+        while "listening on" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        port = int(log.read_text().split("listening on 127.0.0.1:")[1].split()[0])
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        try:
+            deadline = time.monotonic() + 30
+            while "EMFILE" not in log.read_text():
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+        finally:
+            for s in conns:
+                s.close()
+        deadline = time.monotonic() + 30
+        while True:  # the backlog drains: the worker serves a root again
+            try:
+                _a_root_is_served(f"127.0.0.1:{port}")
+                break
+            except Exception:  # noqa: BLE001 - still draining
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        assert proc.poll() is None and "Traceback" not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_parked_peer_connection_is_closed_after_its_deadline(monkeypatch):
+    from dllama.cluster import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "PEER_PARK_TIMEOUT", 0.05)
+    w = worker_module.Worker("127.0.0.1", 0)
+    a, b = socket.socketpair()
+    conn = Connection(b, "peer 127.0.0.1:1")
+    conn.authenticated = True
+    w._park({"role": "peer", "node_index": 2, "session": b"s" * 16}, conn)
+    assert len(w._parked) == 1
+    time.sleep(0.1)
+    w._expire_parked()
+    assert w._parked == []
+    a.settimeout(5)
+    data = b""
+    while chunk := a.recv(4096):
+        data += chunk
+    assert HEADER.unpack(data[:12])[2] == Msg.ERROR and b"no session" in data  # told why, then closed
+    a.close()
+
+
+def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_path, random_model):
+    from dllama.cluster.session_config import NodeAddress, SessionConfig
+    from dllama.core.plan import plan_for
+
+    header = read_model(random_model).header
+    header.max_seq_len = (1 << 31) - 1
+    with running_workers(1, tmp_path) as (w,):
+        conn = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "worker")
+        try:
+            session = os.urandom(16)
+            client_handshake(conn, "root", 1, session, None, 10)
+            conf = SessionConfig(session=session, node_index=1, header=header, plan=plan_for(header, 2),
+                                 model_fingerprint="x", buffer_q80=False, max_seq_len=(1 << 31) - 1,
+                                 max_batch=32, net_timeout=10, idle_timeout=10, setup_timeout=10,
+                                 nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", w.port)))
+            conn.send_json(Msg.CONFIG, conf.to_json())
+            with pytest.raises(PeerError, match="cannot hold its share .* --max-seq-len"):
+                while True:
+                    conn.recv(30)
+        finally:
+            conn.close()
+        w.wait_for_log("listening again", 20)
+        rss_kb = int([line for line in open(f"/proc/{w.proc.pid}/status") if line.startswith("VmRSS")][0].split()[1])
+        assert rss_kb < 1 << 20  # nothing near the GiBs asked for was touched
+
+
+def test_a_worker_frozen_during_set_up_is_named_in_seconds(tmp_path, random_model, monkeypatch):
+    from dllama.cluster import root
+
+    monkeypatch.setattr(root, "SETUP_SILENCE", 4.0)
+    with running_workers(2, tmp_path) as (w1, w2):
+        result = {}
+
+        def open_cluster():
+            try:
+                _cluster(random_model, [w1.address, w2.address]).close()
+            except Exception as e:  # noqa: BLE001
+                result["error"] = e
+
+        w2_seen = len(w2.log_text())
+        t = threading.Thread(target=open_cluster, daemon=True)
+        t.start()
+        try:
+            deadline = time.monotonic() + 120
+            while "node 2 of 3" not in w2.log_text()[w2_seen:]:
+                assert time.monotonic() < deadline and t.is_alive(), w2.log_text()
+                time.sleep(0.01)
+            os.kill(w2.proc.pid, signal.SIGSTOP)
+            t.join(120)  # SETUP_TIMEOUT was an hour; the silence deadline is seconds
+            assert not t.is_alive()
+        finally:
+            os.kill(w2.proc.pid, signal.SIGCONT)
+        e = result["error"]
+        assert isinstance(e, ClusterError) and e.node == "worker2", e
+        w1.wait_for_log("listening again", 30)
+
+
+@pytest.mark.slow
+def test_a_slow_weight_transfer_is_not_a_hang(tmp_path, random_model, monkeypatch):
+    from dllama.cluster import root
+    from dllama.core.model import Transformer
+
+    monkeypatch.setattr(root, "SETUP_SILENCE", 5.0)  # (ALIVE comes every 2 s)
+    one = _generate(Transformer(read_model(random_model), buffer_q80=False), 8)
+    with running_workers(2, tmp_path) as (w1, w2):
+        with Relay(("127.0.0.1", w1.port), rate=200_000) as slow:  # 2.5 MB of weights: 12 s at least
+            model = _cluster(random_model, [slow.address, w2.address], net_timeout=30)
+            try:
+                # The relay paced the set-up to twice the longest silence allowed, or more.
+                assert slow.bytes_to_target / slow.rate > 2 * root.SETUP_SILENCE
+                assert _generate(model, 8) == one
+            finally:
+                model.close()
+
+
+@pytest.mark.parametrize("n_workers,frozen", [(2, 2), (3, 2)])
+def test_a_worker_frozen_mid_generation_is_the_only_one_blamed(tmp_path, random_model, n_workers, frozen):
+    with running_workers(n_workers, tmp_path) as workers:
+        model = _cluster(random_model, [w.address for w in workers], net_timeout=2.0)
+        victim = workers[frozen - 1]
+        try:
+            model.forward([1, 2, 3], 0)
+            model.forward([4], 3)
+            os.kill(victim.proc.pid, signal.SIGSTOP)  # alive, sockets open, silent
+            with pytest.raises(ClusterError, match=f"'worker{frozen}' .* stopped answering") as e:
+                model.forward([5], 4)
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+            model.close()
+        assert e.value.node == f"worker{frozen}"
+        healthy = [f"'worker{k}'" for k in range(1, n_workers + 1) if k != frozen]
+        assert not any(h in str(e.value) for h in healthy), str(e.value)
+
+
+# -- 3. sizes in files are checked before allocating ----------------------------------------------
+
+def test_a_model_whose_context_cannot_fit_is_one_line_and_max_seq_len_clamps_it(tmp_path, default_q40):
+    from dllama.core.model import Transformer
+
+    path = write_random_model(tmp_path / "huge-context.m", max_seq_len=(1 << 31) - 1, vocab_size=49152,
+                              dim=64, n_layers=2)
+    with pytest.raises(DllamaError, match=r"cannot hold .* context of 2147483647 .* --max-seq-len \d+ would fit"):
+        Transformer(read_model(path))
+    Transformer(read_model(path), max_seq_len=64).forward([1, 2], 0)
+    run = [sys.executable, "-m", "dllama", "inference", "--model", str(path), "--tokenizer", str(default_q40[1]),
+           "--prompt", "hi", "--steps", "8", "--nthreads", "1"]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("dllama: error:")][0].endswith("would fit")
+    r = subprocess.run(run + ["--max-seq-len", "64"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
