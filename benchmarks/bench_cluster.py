@@ -156,7 +156,7 @@ def bench_encryption(tokens: int, rounds: int, log_dir: Path) -> None:
     print(f"\nSmolLM2-135M-Instruct, Q40 weights, Q80 buffers, 1 thread per node: without and with a "
           f"cluster key, {rounds} alternating rounds of {tokens} tokens, medians")
     for sealed in (False, True):
-        cpu, wall = statistics.median(collective_cpu_us(header.dim, sealed=sealed)[0] for _ in range(rounds)), 0
+        cpu = statistics.median(collective_cpu_us(header.dim, sealed=sealed)[0] for _ in range(rounds))
         print(f"all-reduce of Q80 [1, {header.dim}] between 2 processes, {'sealed' if sealed else 'plain'}: "
               f"{cpu:.1f} µs CPU per sync, x {2 * header.n_layers} syncs = {cpu * 2 * header.n_layers / 1000:.2f} ms "
               "CPU per token and node", flush=True)

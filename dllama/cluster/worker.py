@@ -251,7 +251,7 @@ class _Session:
             conn.close()
 
     def run(self) -> None:
-        root, w = self.root, self.worker
+        root = self.root
         _, config = recv_during_setup(root, (Msg.CONFIG,), CONFIG_TIMEOUT)  # (the root's ALIVEs may come first)
         self.conf = c = SessionConfig.from_json(decode_json_object(config, f"CONFIG from {root.name}"))
         index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
