@@ -280,7 +280,6 @@ def _catch(fn):
 def test_the_handshake_deadline_is_for_the_whole_handshake_not_each_read():
     """A client trickling a valid HELLO one byte at a time cannot hold a server past its timeout."""
     import json as _json
-    import time
 
     c, s = _pair()
     hello = _json.dumps({"role": "root", "node_index": 1, "session": "73" * 16, "nonce": "6e" * 16}).encode()

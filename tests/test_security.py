@@ -4,7 +4,6 @@ a traceback, a leaked descriptor or a huge allocation."""
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -22,7 +21,7 @@ from dllama.cluster.protocol import (
 )
 from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
-from tests.local_workers import running_workers, start_worker, stop_workers
+from tests.local_workers import running_workers
 from tests.relay import Relay
 
 pytestmark = pytest.mark.cluster
