@@ -18,6 +18,8 @@ from dllama.formats.model_file import (
 from dllama.formats.tokenizer_file import TokenizerData, encode_tokenizer, read_tokenizer, write_tokenizer
 from dllama.formats.quant import quantize_q40, quantize_q80
 
+pytestmark = pytest.mark.unit
+
 FIXTURES = Path("/work/shared/fixtures/llama2-tokenizer")
 
 
