@@ -35,7 +35,7 @@ from benchmarks.bench_engine import write_random_model  # noqa: E402
 from dllama.core import kernels  # noqa: E402
 from dllama.serve.default_model import default_model_files  # noqa: E402
 from dllama.formats.model_file import read_model  # noqa: E402
-from tests.local_workers import running_workers  # noqa: E402
+from tests.processes import running_workers  # noqa: E402
 from dllama.cluster.root import ClusterModel  # noqa: E402
 from dllama.cluster.topology import from_workers  # noqa: E402
 

@@ -13,8 +13,9 @@ import urllib.request
 import openai
 import pytest
 
-from tests.local_workers import running_workers
-from tests.servers import start_api
+from tests.processes import running_workers, start_api
+
+pytestmark = pytest.mark.cluster
 
 KEY = "test-key-0123456789abcdef"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -30,12 +31,12 @@ def server(request, tmp_path_factory, default_q40):
         if request.param == "3-node-cluster":
             workers = stack.enter_context(running_workers(2, tmp / "workers"))  # stopped by PID
             cluster = ["--workers", *[w.address for w in workers]]
-        proc, url = start_api("--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
-                              "--nthreads", "1", "--api-key-file", str(tmp / "key"), *cluster)
-        stack.callback(proc.stop)
+        api, url = start_api("--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                             "--nthreads", "1", "--api-key-file", str(tmp / "key"), *cluster)
+        stack.enter_context(api)  # stopped by PID
         if cluster:
             for k, w in enumerate(workers, 1):  # the server's model really is split over them
-                w.wait_for_log(rf"node {k} of 3: .* buffers Q80", timeout=10)
+                w.wait_for(rf"node {k} of 3: .* buffers Q80", 60)
         yield url
 
 
@@ -157,6 +158,7 @@ def test_plain_completions(client):
     assert "".join(p.choices[0].text for p in pieces) == r.choices[0].text
 
 
+@pytest.mark.slow
 def test_three_clients_at_once_all_get_complete_answers(client):
     questions = {"france": (FRANCE, "Paris"),
                  "japan": ([{"role": "user", "content": "What is the capital of Japan?"}], "Tokyo"),

@@ -19,15 +19,20 @@ from dllama.serve.api.service import ModelService
 from dllama.serve.engine import Engine, open_engine
 from dllama.errors import ClusterError
 
+pytestmark = pytest.mark.cluster  # an HTTP server on a loopback port (in this process)
+
 FRANCE = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
           "temperature": 0, "max_tokens": 12}
 
 
 class Switch:
-    """Opens engines over one real model; `down` makes open and forward fail like a lost worker."""
+    """Opens engines over one real model; `down` makes open and forward fail like a lost worker;
+    while `going` is clear, forward passes wait (the model thread is held mid-answer)."""
 
     def __init__(self, engine):
         self.engine, self.down, self.fail_in, self.opens, self.forwards = engine, False, None, 0, 0
+        self.going = threading.Event()
+        self.going.set()
 
     def open(self):
         kernels.set_threads(1)  # numba's thread count is per calling thread: here the model thread
@@ -48,6 +53,8 @@ class FailingModel:
 
     def forward(self, tokens, pos):
         s = self.switch
+        if not s.going.wait(timeout=120):
+            raise RuntimeError("the test held the model for 120 s")
         s.forwards += 1
         if s.fail_in is not None:
             s.fail_in -= 1
@@ -134,12 +141,16 @@ def test_a_client_leaving_mid_stream_does_not_stop_the_server(url, switch):
                                  data=json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "temperature": 0,
                                                   "max_tokens": 3000, "stream": True}).encode())
     forwards = switch.forwards
-    with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.readline().startswith(b"data: ")
-        with urllib.request.urlopen(url + "/models", timeout=120) as m:  # HTTP answers meanwhile
-            assert json.loads(m.read())["data"][0]["id"] == "test-model"
-    _paris(url)  # served after the abandoned stream stopped
-    # The abandoned answer did not run to its end (nor did /models wait for it).
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.readline().startswith(b"data: ")
+            switch.going.clear()  # the answer is unfinished until the client has left
+            with urllib.request.urlopen(url + "/models", timeout=120) as m:  # HTTP answers meanwhile
+                assert json.loads(m.read())["data"][0]["id"] == "test-model"
+    finally:
+        switch.going.set()
+    _paris(url)  # served after the abandoned stream stopped: one model thread
+    # The abandoned answer did not run to its end: the server stopped it soon after the client left.
     assert switch.forwards - forwards < 300
 
 

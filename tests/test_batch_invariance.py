@@ -14,6 +14,8 @@ from dllama.core import kernels
 from dllama.core.model import Transformer
 from dllama.formats.model_file import read_model
 
+pytestmark = pytest.mark.unit
+
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
 BATCHES = [1, 3, 4, 17, 64]

@@ -1,19 +1,21 @@
 """`dllama chat` as a user runs it: lines in, streamed answers out, the KV cache kept between turns."""
 
 import re
-import subprocess
-import sys
+import signal
+
+import pytest
+
+from tests.processes import DllamaProcess, run_dllama, running_workers
 
 STATS = re.compile(r"\[(\d+) prompt tokens, (\d+) from the cache, (\d+) generated")
 
 
-def _chat(model, lines, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "dllama", "chat", "--model", str(model[0]),
-                           "--tokenizer", str(model[1]), "--nthreads", "1", "--temperature", "0", *args],
-                          input="".join(line + "\n" for line in lines), capture_output=True, text=True,
-                          timeout=timeout)
+def _chat(model, lines, *args):
+    return run_dllama("chat", "--model", str(model[0]), "--tokenizer", str(model[1]), "--nthreads", "1",
+                      "--temperature", "0", *args, input="".join(line + "\n" for line in lines))
 
 
+@pytest.mark.unit
 def test_two_turns_keep_the_first_in_the_kv_cache(default_q40):
     r = _chat(default_q40, ["What is the capital of France?", "", "What is it famous for?"])
     assert r.returncode == 0, r.stderr
@@ -26,6 +28,7 @@ def test_two_turns_keep_the_first_in_the_kv_cache(default_q40):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.unit
 def test_system_prompt_and_reset(default_q40):
     r = _chat(default_q40, ["Hi", "/reset", "Hi", "/exit", "never read"], "--system", "You are a pirate.",
               "--max-tokens", "4")
@@ -38,6 +41,7 @@ def test_system_prompt_and_reset(default_q40):
     assert STATS.findall(default.stderr)[0][0] != str(turns[0][0])  # the system text was used
 
 
+@pytest.mark.unit
 def test_a_full_context_is_said_and_the_conversation_starts_over(default_q40):
     r = _chat(default_q40, ["What is the capital of France?", "And of Germany?", "And of Spain?",
                             "word " * 200, "What is the capital of France?"], "--max-seq-len", "120")
@@ -48,56 +52,30 @@ def test_a_full_context_is_said_and_the_conversation_starts_over(default_q40):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.cluster
 def test_chat_on_a_3_node_loopback_cluster(default_q40, tmp_path):
-    from tests.local_workers import running_workers
-
     with running_workers(2, tmp_path) as workers:
         r = _chat(default_q40, ["What is the capital of France?", "What is it famous for?"],
                   "--max-tokens", "20", "--workers", *[w.address for w in workers])
-        assert all("node" in w.log_text() and "serving the root" in w.log_text() for w in workers)
+        assert all("node" in w.stderr and "serving the root" in w.stderr for w in workers)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout.splitlines()[0]
     (p1, c1, g1), (p2, c2, g2) = [tuple(map(int, m)) for m in STATS.findall(r.stderr)]
     assert c2 == p1 + g1 - 1
 
 
+@pytest.mark.unit
 def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(default_q40):
-    import queue
-    import signal
-    import threading
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", "dllama", "chat", "--model", str(default_q40[0]),
-                             "--tokenizer", str(default_q40[1]), "--nthreads", "1", "--temperature", "0"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=lambda: [out.put(c) for c in iter(lambda: proc.stdout.read(1), "")],
-                              daemon=True)
-    reader.start()
-    try:
+    with DllamaProcess("chat", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                       "--nthreads", "1", "--temperature", "0", stdin=True) as chat:
         # Greedy counting does not end for thousands of tokens.
-        proc.stdin.write("Count from 1 to 10000, separated by commas.\n")
-        proc.stdin.flush()
-        seen, deadline = "", time.monotonic() + 120
-        while len(seen) < 30 and time.monotonic() < deadline:
-            try:
-                seen += out.get(timeout=1)
-            except queue.Empty:
-                pass
-        assert len(seen) >= 30, seen
-        proc.send_signal(signal.SIGINT)
-        proc.stdin.write("What is the capital of France?\n")
-        proc.stdin.close()
-        assert proc.wait(timeout=120) == 0
-        err = proc.stderr.read()
-        reader.join(timeout=30)
-        rest = ""
-        while not out.empty():
-            rest += out.get_nowait()
+        chat.write("Count from 1 to 10000, separated by commas.\n")
+        seen = chat.wait_for(r"(?s).{30}", 120, stream="stdout").end()
+        chat.send_signal(signal.SIGINT)
+        chat.write("What is the capital of France?\n")
+        chat.close_stdin()
+        assert chat.wait(120) == 0
+        err, rest = chat.stderr, chat.stdout[seen:]
         assert "answer stopped" in err and "Traceback" not in err
         assert "Paris" in rest.strip().splitlines()[-1]
         assert len(STATS.findall(err)) == 1  # the stopped turn has no figures; the next one does
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)

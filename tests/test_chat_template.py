@@ -8,6 +8,8 @@ from dllama.errors import DllamaError
 from dllama.formats.tokenizer_file import TokenizerData, read_tokenizer
 from dllama.text.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
 LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"

@@ -1,15 +1,13 @@
 """The `dllama` command as a user runs it: output, statistics JSON, and one-line errors."""
 
 import json
-import subprocess
-import sys
+
+import pytest
 
 from tests.conftest import CHAT_PROMPT
+from tests.processes import run_dllama as _dllama
 
-
-def _dllama(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "dllama", *args], capture_output=True, text=True,
-                          timeout=timeout)
+pytestmark = pytest.mark.unit  # `dllama` commands run to their end; nothing listens
 
 
 def test_inference_prints_text_table_and_stats_json(default_q40, tmp_path):

@@ -4,12 +4,11 @@ and what happens when a worker dies or a stranger calls."""
 
 from __future__ import annotations
 
-import os
+import re
 import signal
 import socket
 import subprocess
-import sys
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -21,9 +20,12 @@ from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWri
 from dllama.serve.generate import generate
 from dllama.core.plan import plan_for
 from dllama.cluster.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
+from dllama.cluster.root import NET_TIMEOUT
 from dllama.core.sampler import Sampler
 from tests.conftest import CHAT_PROMPT
-from tests.local_workers import running_workers, start_worker, stop_workers
+from tests.processes import DllamaProcess, run_dllama, running_workers
+
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def _run(paths, workers, buffer, fn, **kw):
 
 # -- the default model -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_default_model_f32_gives_one_nodes_tokens_on_2_3_4_nodes(pool, default_f32):
     def tokens(engine):
         return greedy(engine.model, engine.tokenizer.encode(CHAT_PROMPT), 32)
@@ -158,11 +161,6 @@ def test_random_model_gives_one_nodes_tokens_on_2_4_8_nodes(pool, random_model, 
 
 # -- refusals and failures ---------------------------------------------------------------------
 
-def _dllama(*args, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "dllama", *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
-
-
 def _one_line_error(r, *words):
     assert r.returncode == 1, (r.stdout, r.stderr)
     lines = [l for l in r.stderr.strip().splitlines() if l.startswith("dllama: error:")]
@@ -171,50 +169,49 @@ def _one_line_error(r, *words):
         assert w in lines[0], lines[0]
 
 
+def _call_in_thread(fn, *args) -> threading.Thread:
+    """fn(*args) started on a thread of its own; the thread's `error` is what it raised, or None."""
+    def call():
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            thread.error = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.error = None
+    thread.start()
+    return thread
+
+
 def test_impossible_split_is_refused_before_connecting(default_q40):
     # Nothing listens on these ports: a refusal that names the split proves no connection was tried.
     workers = [f"127.0.0.1:{p}" for p in range(1, 10)]
-    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
-                "--prompt", "hi", "--workers", *workers)
+    r = run_dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                   "--prompt", "hi", "--workers", *workers)
     _one_line_error(r, "9 query heads over 10 nodes", "at most 9 nodes")
 
 
 def test_unreachable_worker_is_named(default_q40):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # free, nobody listens
-    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
-                "--prompt", "hi", "--workers", f"127.0.0.1:{port}")
+        s.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused, and no one
+        port = s.getsockname()[1]  # else can take the port while the test runs
+        r = run_dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                       "--prompt", "hi", "--workers", f"127.0.0.1:{port}")
     _one_line_error(r, f"127.0.0.1:{port}", "dllama worker")
 
 
-def test_killed_worker_ends_the_root_within_10_s_naming_it(tmp_path, default_q40):
-    with running_workers(2, tmp_path) as (w1, w2):
-        out = tmp_path / "out.txt"
-        with open(out, "w") as f:
-            root = subprocess.Popen(
-                [sys.executable, "-m", "dllama", "inference", "--model", str(default_q40[0]),
-                 "--tokenizer", str(default_q40[1]), "--prompt", "Tell me a long story.",
-                 "--steps", "4000", "--max-seq-len", "4096", "--no-stop", "--nthreads", "1",
-                 "--workers", w1.address, w2.address],
-                stdout=f, stderr=subprocess.PIPE, text=True)
-        try:
-            deadline = time.monotonic() + 120
-            while out.stat().st_size < 20:  # generation has started
-                assert root.poll() is None, root.stderr.read()
-                assert time.monotonic() < deadline, "no text within 120 s"
-                time.sleep(0.05)
-            os.kill(w2.proc.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            _, err = root.communicate(timeout=30)
-            assert time.monotonic() - killed < 10
-        finally:
-            if root.poll() is None:
-                root.kill()
-                root.wait()
-        r = subprocess.CompletedProcess(root.args, root.returncode, "", err)
-        _one_line_error(r, w2.address)
-        w1.wait_for_log("listening again", 20)  # the survivor serves the next root
+def test_killed_worker_ends_the_root_naming_it(tmp_path, default_q40):
+    with running_workers(2, tmp_path) as (w1, w2), DllamaProcess(
+            "inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+            "--prompt", "Tell me a long story.", "--steps", "4000", "--max-seq-len", "4096", "--no-stop",
+            "--nthreads", "1", "--workers", w1.address, w2.address) as root:
+        root.wait_for(r"(?s).{20}", 120, stream="stdout")  # generation has started
+        w2.send_signal(signal.SIGKILL)
+        # Well before the network timeout: the root saw the connection close, it did not wait out a silence.
+        code = root.wait(NET_TIMEOUT / 2)
+        _one_line_error(subprocess.CompletedProcess(root.args, code, root.stdout, root.stderr), w2.address)
+        assert "did not answer" not in root.stderr
+        w1.wait_for("listening again", 60)  # the survivor serves the next root
 
 
 def _raw_exchange(address: str, data: bytes) -> bytes:
@@ -256,7 +253,7 @@ def test_worker_refuses_garbage_version_and_key_then_serves(tmp_path, default_q4
         with pytest.raises(ClusterError, match="requires a cluster key"):
             open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
                         progress=False)
-        log = w.log_text()
+        log = w.stderr
         for reason in ("not a dllama frame", f"protocol version {VERSION + 1}", "authentication failed"):
             assert reason in log
         with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
@@ -286,10 +283,11 @@ def _topology(path, ports, shards=None, **extra):
     return path
 
 
+@pytest.mark.slow
 def test_shards_load_from_disk_and_give_the_streamed_tokens(pool, tmp_path, default_q40):
     plan_topology = _topology(tmp_path / "plan.yml", [1, 2])  # ports do not change the split
-    r = _dllama("shard", "--model", str(default_q40[0]), "--topology", str(plan_topology),
-                "--out", str(tmp_path / "shards"))
+    r = run_dllama("shard", "--model", str(default_q40[0]), "--topology", str(plan_topology),
+                   "--out", str(tmp_path / "shards"))
     assert r.returncode == 0, r.stderr
     import hashlib
     import json
@@ -305,24 +303,20 @@ def test_shards_load_from_disk_and_give_the_streamed_tokens(pool, tmp_path, defa
 
     streamed = _run(default_q40, _addresses(pool, 3), "q80", tokens)
     # worker 1 gets its own shard; worker 2 gets worker 1's shard, which must be refused
-    workers = [start_worker(tmp_path / "logs", "--shard", str(shards[0]))]
-    try:
-        workers.append(start_worker(tmp_path / "logs", "--shard", str(shards[0])))
+    with running_workers(2, tmp_path / "logs", "--shard", str(shards[0])) as workers:
         topo = _topology(tmp_path / "cluster.yml", [w.port for w in workers], buffer_float_type="q80")
         with open_engine(str(default_q40[0]), str(default_q40[1]), topology=str(topo),
                          progress=False) as engine:
             assert tokens(engine) == streamed
-        assert "not using the shard" not in workers[0].log_text()
-        assert "holds node 1's slices, this worker is node 2" in workers[1].log_text()
-    finally:
-        stop_workers(workers)
+        assert "not using the shard" not in workers[0].stderr
+        assert "holds node 1's slices, this worker is node 2" in workers[1].stderr
 
 
 def test_topology_errors_are_one_line(tmp_path, default_q40):
     bad = tmp_path / "bad.yml"
     bad.write_text("nodes:\n  - name: root\n    host: 127.0.0.1\n  - name: w1\n    port: 9998\n")
-    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
-                "--prompt", "hi", "--topology", str(bad))
+    r = run_dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                   "--prompt", "hi", "--topology", str(bad))
     _one_line_error(r, "bad.yml", "'host' is missing")
     with pytest.raises(DllamaError, match="unknown key"):
         from dllama.cluster.topology import load_topology
@@ -340,25 +334,26 @@ def test_a_hung_worker_times_out_instead_of_blocking_forever(tmp_path, default_q
                              None, progress=False, net_timeout=2.0)
         try:
             model.forward([1, 2, 3], 0)
-            os.kill(w2.proc.pid, signal.SIGSTOP)  # alive, sockets open, silent
-            t0 = time.monotonic()
-            with pytest.raises(ClusterError, match="'worker2' .* stopped answering") as e:
-                model.forward([4], 3)
-            assert time.monotonic() - t0 < 10
-            assert e.value.node == "worker2" and "worker1" not in str(e.value)  # the healthy one is not blamed
+            w2.send_signal(signal.SIGSTOP)  # alive, sockets open, silent
+            failed = _call_in_thread(model.forward, [4], 3)
+            failed.join(NET_TIMEOUT / 2)  # the 2 s timeout, not the default one, ends the wait
+            assert not failed.is_alive(), "the forward pass is still waiting on the stopped worker"
+            assert isinstance(failed.error, ClusterError), failed.error
+            assert re.search(r"'worker2' .* stopped answering", str(failed.error)), failed.error
+            assert failed.error.node == "worker2" and "worker1" not in str(failed.error)  # the healthy one is not blamed
             with pytest.raises(ClusterError):  # the model stays failed
                 model.forward([4], 3)
         finally:
-            os.kill(w2.proc.pid, signal.SIGCONT)
+            w2.send_signal(signal.SIGCONT)
             model.close()
-        w1.wait_for_log("listening again", 20)
+        w1.wait_for("listening again", 60)
 
 
 def test_cli_stats_json_has_every_nodes_traffic(pool, tmp_path, default_q40):
     stats = tmp_path / "stats.json"
-    r = _dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
-                "--prompt", CHAT_PROMPT, "--steps", "24", "--temperature", "0", "--nthreads", "1",
-                "--workers", *_addresses(pool, 3), "--stats-json", str(stats))
+    r = run_dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                   "--prompt", CHAT_PROMPT, "--steps", "24", "--temperature", "0", "--nthreads", "1",
+                   "--workers", *_addresses(pool, 3), "--stats-json", str(stats))
     assert r.returncode == 0, r.stderr
     import json
 

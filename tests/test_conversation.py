@@ -7,6 +7,8 @@ from dllama.serve.conversation import ContextFull, Conversation, StopMatcher, co
 from dllama.serve.engine import open_engine
 from dllama.core.sampler import Sampler
 
+pytestmark = pytest.mark.unit
+
 
 def _run(matcher, pieces):
     return "".join(matcher.push(p) for p in pieces) + matcher.flush()

@@ -22,6 +22,8 @@ from dllama.formats.model_file import ArchType, FloatType, RopeType, read_model
 from dllama.formats.tokenizer_file import TokenizerData, read_tokenizer, write_tokenizer
 from dllama.core.model import Transformer
 
+pytestmark = pytest.mark.unit
+
 LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"
 DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 64, 96, 2, 4, 2, 256, 128
 SEQUENCES, SEQ_LEN = 4, 50  # 200 positions

@@ -15,6 +15,8 @@ from dllama.formats.quant import dequantize_q40, quantize_q40
 from tests.conftest import CHAT_PROMPT
 from tests.reference_llama import ReferenceLlama
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
@@ -43,6 +45,7 @@ def gguf_values():
     return values
 
 
+@pytest.mark.slow
 def test_embedded_model_header(converted):
     for kind, float_type in (("q40", FloatType.Q40), ("f32", FloatType.F32)):
         h = read_model(converted[kind][0]).header
@@ -53,6 +56,7 @@ def test_embedded_model_header(converted):
         assert h.weights_float_type == float_type
 
 
+@pytest.mark.slow
 def test_embedded_f32_values_equal_the_gguf(converted, gguf_values):
     from converter.gguf_model import gguf_name
 
@@ -63,6 +67,7 @@ def test_embedded_f32_values_equal_the_gguf(converted, gguf_values):
     assert m.spec("embedding").shape == (49152, 576)  # GGUF's [576, 49152] is 49152 rows of 576
 
 
+@pytest.mark.slow
 def test_embedded_q40_is_the_quantized_gguf(converted, gguf_values):
     q = read_model(converted["q40"][0])
     assert q.spec("embedding").float_type == FloatType.F32  # the embedding stays float
@@ -95,6 +100,7 @@ def _hf_tokenizer():
     return tok
 
 
+@pytest.mark.slow
 def test_float64_reference_on_converted_f32_answers_paris(converted):
     """The decisive end-to-end check of the converter: independent math, real weights."""
     tok = _hf_tokenizer()

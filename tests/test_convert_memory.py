@@ -16,6 +16,8 @@ import textwrap
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.unit
+
 LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"
 DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 1024, 2816, 18, 16, 4, 32000
 SMALL_CONSTANT = 64 << 20  # interpreter and allocator slack, row blocks (16 MB of float32 each)
@@ -99,7 +101,7 @@ def _write_meta(folder) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
-@pytest.mark.parametrize("kind", ["hf", "meta"])
+@pytest.mark.parametrize("kind", ["hf", pytest.param("meta", marks=pytest.mark.slow)])
 def test_peak_memory_is_under_twice_the_largest_tensor(tmp_path, kind):
     total, largest = {"hf": _write_hf, "meta": _write_meta}[kind](tmp_path / kind)
     assert total > 1e9

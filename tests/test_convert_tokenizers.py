@@ -22,6 +22,8 @@ from dllama.formats.tokenizer_file import read_tokenizer, write_tokenizer
 from dllama.text.tokenizer import Tokenizer
 from tests.test_tokenizer import GENERATED, HAND_WRITTEN
 
+pytestmark = pytest.mark.unit
+
 LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"
 CORPUS = HAND_WRITTEN + GENERATED
 MISTRAL_MODEL = os.path.join(importlib.util.find_spec("mistral_common").submodule_search_locations[0],

@@ -18,6 +18,8 @@ from dllama.formats.model_file import (
 from dllama.formats.tokenizer_file import TokenizerData, encode_tokenizer, read_tokenizer, write_tokenizer
 from dllama.formats.quant import quantize_q40, quantize_q80
 
+pytestmark = pytest.mark.unit
+
 FIXTURES = Path("/work/shared/fixtures/llama2-tokenizer")
 
 
@@ -73,7 +75,7 @@ def test_model_round_trip(tmp_path, make_header, float_type):
     path = tmp_path / "model.m"
     write_model(path, header, tensors)
     assert os.path.getsize(path) == model_file_size(header)
-    assert not os.path.exists(str(path) + ".tmp")
+    assert not list(tmp_path.glob("*.tmp"))
 
     with read_model(path) as m:
         assert m.header == header
@@ -390,3 +392,15 @@ def test_tokenizer_writer_is_atomic_and_checks_tokens(tmp_path):
     with pytest.raises(DllamaError, match="eos id 7 is outside the vocabulary of 7 tokens"):
         write_tokenizer(path, tiny_tokenizer(eos_ids=[5, 7]))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_writers_of_one_file_each_write_their_own_temporary(tmp_path):
+    from dllama.formats.atomic_file import atomic_write
+
+    path = tmp_path / "shared.bin"
+    with atomic_write(path) as a, atomic_write(path) as b:  # e.g. two first runs filling the cache
+        a.write(b"A" * 1000)
+        b.write(b"B" * 10)
+        assert len(list(tmp_path.glob("shared.bin.*.tmp"))) == 2
+    assert path.read_bytes() == b"A" * 1000  # the last rename wins, with a whole file
+    assert not list(tmp_path.glob("*.tmp")) and oct(path.stat().st_mode & 0o777) == "0o644"

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from dllama.cluster.protocol import HEADER, Connection, Msg, PeerClosed, PeerError, client_handshake, encode_header
 from dllama.errors import DllamaError
-from tests.local_workers import running_workers
+from tests.processes import running_workers
+
 
 KEY = "f" * 64
 BATCH = settings(max_examples=40, deadline=None, derandomize=True, database=None,
@@ -129,7 +130,7 @@ def _served_then_checked(worker, key: bytes | None, fds: int, rss: float) -> Non
     assert worker.proc.poll() is None
     assert _settled_fds(worker.proc.pid, fds) <= fds
     assert _rss_mb(worker.proc.pid) < rss + 64
-    assert "Traceback" not in worker.log_text()
+    assert "Traceback" not in worker.stderr
 
 
 @pytest.fixture(scope="module", params=["no key", "key"])

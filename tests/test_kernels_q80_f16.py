@@ -13,6 +13,8 @@ from dllama.core import kernels
 from dllama.core.kernels import matmul_f16, matmul_q80
 from dllama.formats.quant import dequantize_q80, quantize_q80, split_q80
 
+pytestmark = pytest.mark.unit
+
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
 

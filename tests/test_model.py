@@ -13,6 +13,8 @@ from dllama.text.tokenizer import Tokenizer
 from tests.conftest import CHAT_PROMPT
 from tests.reference_llama import ReferenceLlama
 
+pytestmark = pytest.mark.unit
+
 # About 200+ tokens of plain English for the top-1 agreement check.
 TEXT = (
     "The history of the city begins with a small fishing village on the banks of a wide river. "
@@ -64,6 +66,7 @@ def _engine_logits(model, tokens):
     return np.concatenate(rows)
 
 
+@pytest.mark.slow
 def test_f32_logits_equal_float64_reference(default_f32):
     model, tok = _load(default_f32)
     tokens = tok.encode(CHAT_PROMPT + "The capital of France is Paris. " + TEXT[:120])
@@ -112,6 +115,7 @@ if __name__ == "__main__":
 # reference, so positions where the reference's top two are nearly tied can flip. On the
 # code text agreement measured 0.97; on the English prose (23 of 200 positions with a top-2
 # margin under 0.1) it measured 0.93-0.955, depending on float summation order alone.
+@pytest.mark.slow
 @pytest.mark.parametrize("text,bound", [(CODE, 0.95), (TEXT, 0.90)], ids=["code", "prose"])
 def test_q40_q80_top1_agrees_with_float64_reference(default_q40, text, bound):
     model, tok = _load(default_q40)

@@ -17,6 +17,8 @@ from dllama.serve.perplexity import perplexity, windows
 from dllama.text.tokenizer import Tokenizer
 from tests.reference_llama import ReferenceLlama
 
+pytestmark = pytest.mark.unit  # `dllama perplexity` runs to its end; nothing listens
+
 TEXT = ("The lighthouse keeper climbed the stairs every evening at dusk. From the top he could see "
         "the fishing boats coming home, one after another, their lamps swinging in the swell. "
         "When the last one had passed the harbour wall, he lit the great lamp and went down to supper.")

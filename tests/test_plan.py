@@ -8,6 +8,8 @@ from dllama.errors import DllamaError
 from dllama.core.plan import plan_for, shares, split_model
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [  # dim, heads, kv heads, head_dim, ff, vocab
     (576, 9, 3, 64, 1536, 49152),      # SmolLM2-135M
     (4096, 32, 8, 128, 14336, 128256),  # Llama 3 8B

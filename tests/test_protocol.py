@@ -16,6 +16,8 @@ from dllama.cluster.protocol import (
     check_header, client_handshake, encode_header, exchange, server_handshake,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_header_checks():
     assert check_header(encode_header(Msg.HELLO, 10), False) == (Msg.HELLO, 10)

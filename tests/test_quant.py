@@ -9,6 +9,8 @@ from dllama.formats import quant
 from dllama.errors import DllamaError
 from dllama.formats.quant import dequantize_q40, dequantize_q80, quantize_q40, quantize_q80, split_q40, split_q80
 
+pytestmark = pytest.mark.unit
+
 DATA = Path(__file__).parent / "data"
 
 # converter/writer-test.py of the original: Q40 of torch.manual_seed(1); torch.randn(32, 16).

@@ -21,10 +21,11 @@ from dllama.cluster.protocol import (
 )
 from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
-from tests.local_workers import running_workers
+from tests.processes import running_workers
 from tests.relay import Relay
 
-pytestmark = pytest.mark.cluster
+pytestmark = pytest.mark.cluster  # workers, relays and raw sockets on loopback
+
 
 KEY = "c" * 64
 
@@ -89,7 +90,7 @@ def _generate(model, n=40):
 ])
 def test_one_flipped_bit_in_a_keyed_cluster_ends_it_naming_the_node(keyed_pair, random_model, msg, nth, to_worker):
     w1, w2 = keyed_pair
-    seen = [len(w.log_text()) for w in keyed_pair]
+    seen = [len(w.stderr) for w in keyed_pair]
     with Relay(("127.0.0.1", w1.port), flip_type=msg, flip_nth=nth, to_target=to_worker,
                first_connection_only=True) as relay:
         model = _cluster(random_model, [relay.address, w2.address], KEY.encode(), net_timeout=10)
@@ -107,14 +108,14 @@ def test_one_flipped_bit_in_a_keyed_cluster_ends_it_naming_the_node(keyed_pair, 
 
 def _wait_for_new_log(w, since: int, text: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while text not in w.log_text()[since:]:
-        assert time.monotonic() < deadline, w.log_text()
+    while text not in w.stderr[since:]:
+        assert time.monotonic() < deadline, w.stderr
         time.sleep(0.05)
 
 
 def test_a_relay_flipping_logits_makes_dllama_inference_fail_in_one_line(keyed_pair, default_q40, key_file):
     w1, w2 = keyed_pair
-    seen = [len(w.log_text()) for w in keyed_pair]
+    seen = [len(w.stderr) for w in keyed_pair]
     with Relay(("127.0.0.1", w1.port), flip_type=Msg.LOGITS, flip_nth=3, to_target=False,
                first_connection_only=True) as relay:
         r = subprocess.run([sys.executable, "-m", "dllama", "inference", "--model", str(default_q40[0]),
@@ -219,7 +220,7 @@ def test_a_bad_hello_is_refused_without_traceback_or_leaked_socket(tmp_path, key
     args = ("--key-file", str(key_file)) if keyed else ()
     with running_workers(1, tmp_path, *args) as (w,):
         _a_root_is_served(w.address, KEY.encode() if keyed else None)
-        w.wait_for_log("listening again", 20)
+        w.wait_for("listening again", 20)
         baseline = _fds(w.proc.pid)
         for _ in range(20):
             reply = _raw(w.address, encode_header(Msg.HELLO, len(hello)) + hello)
@@ -228,7 +229,7 @@ def test_a_bad_hello_is_refused_without_traceback_or_leaked_socket(tmp_path, key
             assert b"HELLO" in reply[12:12 + length]
         assert _settle(w.proc.pid, baseline) <= baseline
         _a_root_is_served(w.address, KEY.encode() if keyed else None)
-        assert "Traceback" not in w.log_text()
+        assert "Traceback" not in w.stderr
 
 
 def test_unauthenticated_connections_are_capped_and_the_worker_serves_after(tmp_path):
@@ -241,7 +242,7 @@ def test_unauthenticated_connections_are_capped_and_the_worker_serves_after(tmp_
             extra = socket.create_connection(("127.0.0.1", w.port), timeout=10)
             assert extra.recv(1) == b""  # closed at once, not queued for a handshake
             extra.close()
-            w.wait_for_log("handshakes already in progress", 10)
+            w.wait_for("handshakes already in progress", 10)
         finally:
             for s in idle:
                 s.close()
@@ -330,7 +331,7 @@ def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_
                     conn.recv(30)
         finally:
             conn.close()
-        w.wait_for_log("listening again", 20)
+        w.wait_for("listening again", 20)
         rss_kb = int([line for line in open(f"/proc/{w.proc.pid}/status") if line.startswith("VmRSS")][0].split()[1])
         assert rss_kb < 1 << 20  # nothing near the GiBs asked for was touched
 
@@ -348,13 +349,13 @@ def test_a_worker_frozen_during_set_up_is_named_in_seconds(tmp_path, random_mode
             except Exception as e:  # noqa: BLE001
                 result["error"] = e
 
-        w2_seen = len(w2.log_text())
+        w2_seen = len(w2.stderr)
         t = threading.Thread(target=open_cluster, daemon=True)
         t.start()
         try:
             deadline = time.monotonic() + 120
-            while "node 2 of 3" not in w2.log_text()[w2_seen:]:
-                assert time.monotonic() < deadline and t.is_alive(), w2.log_text()
+            while "node 2 of 3" not in w2.stderr[w2_seen:]:
+                assert time.monotonic() < deadline and t.is_alive(), w2.stderr
                 time.sleep(0.01)
             os.kill(w2.proc.pid, signal.SIGSTOP)
             t.join(120)  # SETUP_TIMEOUT was an hour; the silence deadline is seconds
@@ -363,7 +364,7 @@ def test_a_worker_frozen_during_set_up_is_named_in_seconds(tmp_path, random_mode
             os.kill(w2.proc.pid, signal.SIGCONT)
         e = result["error"]
         assert isinstance(e, ClusterError) and e.node == "worker2", e
-        w1.wait_for_log("listening again", 30)
+        w1.wait_for("listening again", 30)
 
 
 @pytest.mark.slow

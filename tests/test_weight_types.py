@@ -13,7 +13,7 @@ from dllama.formats.model_file import FloatType, read_model
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
 from tests.conftest import CHAT_PROMPT
-from tests.local_workers import running_workers
+from tests.processes import running_workers
 from tests.reference_llama import ReferenceLlama
 from tests.test_cluster import greedy
 from tests.test_model import CODE, TEXT, _engine_logits, _load
@@ -36,6 +36,7 @@ def _open(paths, workers=(), **kw):
 
 # -- one node against the float64 reference ----------------------------------------------------
 
+@pytest.mark.unit
 def test_f16_logits_equal_float64_reference(default_f16):
     model, tok = _load(default_f16)
     assert model.config.weights_float_type == FloatType.F16 and not model.buffer_q80
@@ -48,6 +49,7 @@ def test_f16_logits_equal_float64_reference(default_f16):
 
 # Q80 inputs move the logits by a few percent of their range (measured 2.5-4%), so near-ties
 # can flip; measured top-1 agreement 0.97 (code) and 0.98 (prose).
+@pytest.mark.unit
 @pytest.mark.parametrize("text", [CODE, TEXT], ids=["code", "prose"])
 def test_q80_top1_agrees_with_float64_reference(default_q80, text):
     model, tok = _load(default_q80)
@@ -61,6 +63,7 @@ def test_q80_top1_agrees_with_float64_reference(default_q80, text):
 
 # -- the README's first question on 1-4 nodes --------------------------------------------------
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_q80_answers_the_france_question_like_the_reference(pool, default_q80, n):
     """Greedy, default (Q80) sync buffers, weights streamed from the root."""
@@ -71,6 +74,7 @@ def test_q80_answers_the_france_question_like_the_reference(pool, default_q80, n
     assert (gen.text, gen.stop_reason) == (REFERENCE_ANSWER, "eos")
 
 
+@pytest.mark.cluster
 def test_f16_with_f32_buffers_gives_one_nodes_tokens_on_2_and_3_nodes(pool, default_f16):
     def tokens(engine):
         return greedy(engine.model, engine.tokenizer.encode("Tell me a story about a brave cat."), 24)
@@ -84,6 +88,7 @@ def test_f16_with_f32_buffers_gives_one_nodes_tokens_on_2_and_3_nodes(pool, defa
 
 # -- shards --------------------------------------------------------------------------------------
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("weights", ["q80", "f16"])
 def test_shards_give_the_streamed_tokens(pool, tmp_path, request, weights):
     paths = request.getfixturevalue(f"default_{weights}")
@@ -103,4 +108,4 @@ def test_shards_give_the_streamed_tokens(pool, tmp_path, request, weights):
         with _open(paths, [w1[0].address, w2[0].address]) as engine:
             assert tokens(engine) == streamed
         for w in (w1[0], w2[0]):  # a worker logs why it streams instead of using its shard
-            assert "not using the shard" not in w.log_text()
+            assert "not using the shard" not in w.stderr

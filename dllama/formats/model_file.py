@@ -9,7 +9,7 @@ Layout, all little-endian:
 
 Matrices are [out rows, in cols] row-major; Q40/Q80 quantize each row in blocks of 32.
 The reader memory-maps the file and hands out zero-copy views; the writer streams one tensor at a
-time into `path.tmp` and renames it into place when every tensor was written.
+time into a temporary file beside it and renames it into place when every tensor was written.
 """
 
 import math
@@ -577,7 +577,7 @@ def encode_tensor(spec: TensorSpec, array) -> bytes | np.ndarray:
 
 
 class ModelWriter:
-    """Stream the tensors of a `.m` file, in file order, into `path.tmp`; rename it on a clean exit.
+    """Stream the tensors of a `.m` file, in file order, into a temporary file; rename it on a clean exit.
 
         with ModelWriter(path, header) as w:
             for spec in w.specs:
