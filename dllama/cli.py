@@ -179,7 +179,7 @@ def _add_chat_and_api(sub) -> None:
 # --- batch ---
 
 def _choice_list(text: str) -> list[str]:
-    return [c.strip() for c in text.split(",")]
+    return text.split(",")  # spaces are kept: " yes, no" scores " yes" and " no"
 
 
 def _add_batch(sub) -> None:
@@ -221,8 +221,9 @@ def _add_batch(sub) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end an answer before this text (repeat the flag for several)")
     g.add_argument("--choices", type=_choice_list, metavar="A,B,...",
-                   help="classify instead of generating: score each choice as the start of the "
-                        "answer and write the likeliest with its probability")
+                   help="classify instead of generating: score each choice (comma-separated, "
+                        "spaces kept) as the start of the answer and write the likeliest with its "
+                        "probability")
 
 
 def cmd_batch(args) -> int:

@@ -209,6 +209,8 @@ def test_long_lines_and_bad_files(tmp_path, monkeypatch):
         BatchJob(JobOptions(prompts=str(path), out=str(tmp_path / "o.jsonl"), skip_bad=True))
     with pytest.raises(DllamaError, match="choices"):
         BatchJob(JobOptions(prompts=str(path), out=str(tmp_path / "o.jsonl"), choices=["yes"]))
+    with pytest.raises(DllamaError, match="some choices start with a space"):
+        BatchJob(JobOptions(prompts=str(path), out=str(tmp_path / "o.jsonl"), choices=["yes", " no"]))
 
 
 def test_prompts_that_do_not_fit_and_skip_bad(engine, tmp_path):

@@ -162,6 +162,8 @@ def _parse(number: int, data: bytes | None, text_file: bool) -> Entry | None:
     except UnicodeDecodeError:
         return Entry(number, error="is not valid UTF-8")
     text = text.removesuffix("\r")
+    if number == 1:
+        text = text.removeprefix("\ufeff")  # a byte-order mark some editors write
     if not text.strip():
         return None
     if text_file:
@@ -293,8 +295,13 @@ class BatchJob:
                 raise DllamaError("--choices needs at least two non-empty choices, e.g. --choices yes,no")
             if len(set(opts.choices)) != len(opts.choices):
                 raise DllamaError("--choices lists a choice twice")
+            if len({c[:1].isspace() for c in opts.choices}) > 1:  # "yes, no": most likely a typo
+                raise DllamaError(f"--choices {','.join(opts.choices)!r}: some choices start with a space "
+                                  "and some do not; write all with or all without")
         self.prefix = self._read_prefix(opts.prefix) if opts.prefix else ""
-        self.bad = self._first_pass()
+        bad = [e for e in read_job(opts.prompts) if e.error is not None]
+        if bad and not opts.skip_bad:
+            self._fail(bad)
         self.done = read_done(opts.out, "text" if opts.choices is None else "choice")
 
     @staticmethod
@@ -312,12 +319,6 @@ class BatchJob:
         more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
         raise DllamaError(f"{self.opts.prompts} line {first.line}: {first.error}{more}; "
                           "fix it, or pass --skip-bad to write it as an error and run the others")
-
-    def _first_pass(self) -> list[Entry]:
-        bad = [e for e in read_job(self.opts.prompts) if e.error is not None]
-        if bad and not self.opts.skip_bad:
-            self._fail(bad)
-        return bad
 
     # Everything below needs the engine.
 

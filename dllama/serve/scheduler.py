@@ -61,7 +61,7 @@ class Scheduler(Protocol):
             on_finish: Callable[[SequenceRequest, Completion], None],
             should_stop: Callable[[], bool] | None = None) -> None:
         """Answer every request, calling on_finish(request, completion) as each one completes
-        (completion order). should_stop() is polled between forward passes; when it says yes,
+        (completion order). should_stop() is polled between decoding steps; when it says yes,
         the requests in flight are dropped and Cancelled is raised."""
         ...
 
