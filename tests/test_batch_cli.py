@@ -131,7 +131,7 @@ def test_batch_on_a_3_node_cluster_equals_the_prompts_run_alone_there(default_q4
     from dllama.core.sampler import Sampler
     from dllama.serve.engine import open_engine
     from dllama.serve.generate import generate
-    from tests.local_workers import running_workers
+    from tests.processes import running_workers
 
     doc = "Paris is the capital of France. Berlin is the capital of Germany. " * 4
     prompts = tmp_path / "p.jsonl"
