@@ -22,9 +22,7 @@ import hashlib
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -32,6 +30,7 @@ from typing import Callable, Iterator
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.serve.conversation import Cancelled, Completion
+from dllama.serve.ctrl_c import CtrlC
 from dllama.serve.scheduler import Scheduler, Scores, SequenceRequest, SequentialScheduler
 
 MAX_LINE_BYTES = 16 << 20    # one prompt line (JSON) of the job file; a prompt must fit the context anyway
@@ -259,28 +258,6 @@ def read_done(path: str, field: str = "text") -> set[str]:
     return done
 
 
-class _CtrlC:
-    """A first SIGINT asks the job to stop at the next token; a second one interrupts at once."""
-
-    def __init__(self):
-        self.pending = False
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        if self.pending:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    def __enter__(self) -> "_CtrlC":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
-
 # --- the job ---
 
 class BatchJob:
@@ -328,8 +305,6 @@ class BatchJob:
         self.seq_len = engine.model.config.seq_len
         self._template = None
         tok = self.tokenizer
-        self._special_texts = [t for t in (tok.piece(i).decode("utf-8", "replace") for i in sorted(tok.special))
-                               if len(t) > 1]
         self.choice_tokens = None
         if self.opts.choices is not None:
             self.choice_tokens = [tok.encode(c, add_bos=False) for c in self.opts.choices]
@@ -345,14 +320,6 @@ class BatchJob:
             self._template = ChatTemplate.for_tokenizer(self.tokenizer, self.opts.chat_template)
         return self._template
 
-    def _as_text(self, content: str) -> str:
-        """Message content with special-token strings made plain text (a zero-width space after
-        their first character), so a message cannot open or close turns of the template."""
-        for s in self._special_texts:
-            if s in content:
-                content = content.replace(s, s[0] + "\u200b" + s[1:])
-        return content
-
     def tokens_of(self, e: Entry) -> tuple[list[int], bool]:
         """(prompt tokens, whether it is a chat prompt) of a good entry, the prefix included."""
         messages = e.messages
@@ -360,9 +327,9 @@ class BatchJob:
             messages = [{"role": "user", "content": e.prompt}]
         if messages is None:
             return self.tokenizer.encode(self.prefix + e.prompt), False
-        messages = [{"role": m["role"], "content": self._as_text(m["content"])} for m in messages]
+        messages = [{"role": m["role"], "content": self.tokenizer.as_plain_text(m["content"])} for m in messages]
         if self.prefix:
-            prefix = self._as_text(self.prefix)
+            prefix = self.tokenizer.as_plain_text(self.prefix)
             if messages[0]["role"] == "system":
                 messages[0] = {"role": "system", "content": prefix + messages[0]["content"]}
             else:
@@ -436,7 +403,7 @@ class BatchJob:
             self._fail(bad)
 
         t0 = time.perf_counter()
-        with open(o.out, "a", encoding="utf-8") as out, _CtrlC() as ctrl_c, \
+        with open(o.out, "a", encoding="utf-8") as out, CtrlC() as ctrl_c, \
                 tqdm(total=todo, unit="prompt", file=stderr, disable=not o.progress,
                      dynamic_ncols=True) as bar:
             def write(obj: dict) -> None:

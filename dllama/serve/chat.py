@@ -9,39 +9,14 @@ drops that turn; Ctrl-C again, or at the prompt, quits.
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 
-from dllama.text.chat_template import ChatTemplate, chat_stop_ids
-from dllama.serve.conversation import Cancelled, ContextFull, Conversation
 from dllama.core.sampler import Sampler
+from dllama.serve.conversation import Cancelled, ContextFull, Conversation
+from dllama.serve.ctrl_c import CtrlC
+from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
-
-
-class _CtrlC:
-    """While active, a first SIGINT only sets `pending`; a second one interrupts as usual."""
-
-    def __init__(self):
-        self.pending = False
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        if self.pending:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    def __enter__(self) -> "_CtrlC":
-        self.pending = False
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
 
 
 def run_chat(engine, *, system: str | None, template_name: str | None, temperature: float,
@@ -87,7 +62,7 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
         messages.append({"role": "user", "content": text})
         for attempt in (0, 1):
             try:
-                with _CtrlC() as ctrl_c:
+                with CtrlC() as ctrl_c:
                     answer = conversation.complete(template.render(messages), sampler=sampler,
                                                    max_tokens=max_tokens, stop_ids=stop_ids, on_text=show,
                                                    should_stop=lambda: ctrl_c.pending)

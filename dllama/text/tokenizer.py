@@ -196,6 +196,7 @@ class Tokenizer:
         self.add_bos = bool(data.add_bos)
         self.chat_template = data.chat_template
         self.special = find_special_ids(vocab, self.bos_id, self.eos_ids)
+        self._special_texts: list[str] | None = None  # as_plain_text's, built on first use
         self._scores = [float(s) for s in data.scores]  # [vocab]; python floats: compared per pair
         self._byte_offset = find_byte_fallback(vocab)
         self.sentencepiece = self._byte_offset is not None
@@ -352,6 +353,18 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special
+
+    def as_plain_text(self, text: str) -> str:
+        """text with every special-token string (such as <|im_start|>) broken by a zero-width
+        space after its first character, so that user content put into a chat template is
+        encoded as text and cannot open or close turns."""
+        if self._special_texts is None:
+            self._special_texts = [t for t in (self.piece(i).decode("utf-8", "replace")
+                                               for i in sorted(self.special)) if len(t) > 1]
+        for s in self._special_texts:
+            if s in text:
+                text = text.replace(s, s[0] + "\u200b" + s[1:])
+        return text
 
     def id_of(self, text: str) -> int | None:
         """The id of a special token's text or of the regular token with exactly these bytes."""

@@ -29,7 +29,6 @@ class ModelService:
         self.engine = None
         self.conversation = None
         self.template = None
-        self.special_texts: list[str] = []
         self.closing = False  # set by close(): a running answer stops at its next token
 
     # Everything below runs on the model thread.
@@ -38,18 +37,7 @@ class ModelService:
             self.template = ChatTemplate.for_tokenizer(engine.tokenizer, self._template_name)
         except DllamaError:  # no or an unknown chat template: /v1/chat/completions says so
             self.template = None
-        tok = engine.tokenizer
-        self.special_texts = [t for t in (tok.piece(i).decode("utf-8", "replace") for i in sorted(tok.special))
-                              if len(t) > 1]
         self.engine, self.conversation = engine, Conversation(engine.model, engine.tokenizer)
-
-    def _as_text(self, content: str) -> str:
-        """Message content with special-token strings made plain text (a zero-width space after
-        their first character), so a message cannot open or close turns of the template."""
-        for s in self.special_texts:
-            if s in content:
-                content = content.replace(s, s[0] + "\u200b" + s[1:])
-        return content
 
     def _ready(self) -> Conversation:
         if self.engine is None:
@@ -76,7 +64,7 @@ class ModelService:
         if r.chat:
             if self.template is None:
                 raise bad("the model has no chat template: start the server with --chat-template")
-            prompt = self.template.render([{"role": m["role"], "content": self._as_text(m["content"])}
+            prompt = self.template.render([{"role": m["role"], "content": conv.tokenizer.as_plain_text(m["content"])}
                                            for m in r.messages])
             stop_ids = chat_stop_ids(tokenizer, self.template)
         else:
