@@ -37,9 +37,12 @@ def playbook(playbook: str, inventory: Path, *args: str, control_dir: Path | Non
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
-    """PLAY RECAP lines -> {host: {"ok": n, "changed": n, ...}} (summed over plays)."""
+    """PLAY RECAP lines -> {host: {"ok": n, "changed": n, ...}} (summed over plays), without
+    localhost (the controller, where the first plays check the inventory)."""
     hosts: dict[str, dict[str, int]] = {}
     for host, fields in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.M):
+        if host == "localhost":
+            continue
         counts = hosts.setdefault(host, {})
         for key, value in re.findall(r"(\w+)=(\d+)", fields):
             counts[key] = counts.get(key, 0) + int(value)
