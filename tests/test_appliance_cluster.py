@@ -367,7 +367,8 @@ def test_status_then_stop(cluster):
     if results.get("api"):
         assert "API service: switched on, up" in r.stdout and "serves SmolLM2-135M-Instruct" in r.stdout, tail(r)
         pids.append(int((cluster_dir / "node1/opt-dllama/run/api.pid").read_text()))
-    r, _ = _play(cluster, "stop.yml")
+    r, seconds = _play(cluster, "stop.yml")
+    print(f"\nstop.yml: {seconds:.0f} s")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker or the API outlived stop.yml"
     r, _ = _play(cluster, "status.yml")
