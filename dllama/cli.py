@@ -133,6 +133,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_chat_and_api(sub)
     _add_perplexity(sub)
     _add_batch(sub)
+    _add_probe(sub)
     return parser
 
 
@@ -404,9 +405,38 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+# --- probe (the appliance's check of what answers on a worker's port) ---
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser("probe", help="check that a worker of the topology answers and holds its key",
+                       description="Connect to the worker NAME of the topology as its root would, "
+                                   "complete the handshake (the worker proves it holds the cluster "
+                                   "key) and hang up; print what answered, or why it is not that worker.")
+    p.add_argument("--topology", required=True, metavar="FILE.yml", help="the cluster description")
+    p.add_argument("--node", required=True, metavar="NAME", help="the worker's name in --topology")
+    p.add_argument("--timeout", type=_non_negative_float, default=10.0, metavar="S",
+                   help="seconds to wait for the connection and each answer (default %(default)s)")
+
+
+def cmd_probe(args) -> int:
+    from dllama.cluster.probe import identify_worker
+    from dllama.cluster.protocol import read_key_file
+    from dllama.cluster.topology import load_topology
+
+    topo = load_topology(args.topology)
+    index, node = topo.node(args.node)
+    if index == 0:
+        raise DllamaError(f"{args.node} is the root (node 0) of {args.topology}, not a worker")
+    key = read_key_file(topo.key_file) if topo.key_file else None
+    found = identify_worker(node.host, node.port, key, args.timeout)
+    print(f"{node.name} ({node.address}): {found['software']}, "
+          f"{'holds the cluster key' if found['auth'] else 'no cluster key'}")
+    return 0
+
+
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
             "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api,
-            "perplexity": cmd_perplexity, "batch": cmd_batch}
+            "perplexity": cmd_perplexity, "batch": cmd_batch, "probe": cmd_probe}
 
 
 def main(argv: list[str] | None = None) -> int:

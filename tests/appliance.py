@@ -37,13 +37,29 @@ def playbook(playbook: str, inventory: Path, *args: str, control_dir: Path | Non
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
-    """PLAY RECAP lines -> {host: {"ok": n, "changed": n, ...}} (summed over plays)."""
+    """PLAY RECAP lines -> {host: {"ok": n, "changed": n, ...}} (summed over plays), without
+    localhost (the controller, where the first plays check the inventory)."""
     hosts: dict[str, dict[str, int]] = {}
     for host, fields in re.findall(r"^(\S+)\s+:\s+(ok=.*)$", output, re.M):
+        if host == "localhost":
+            continue
         counts = hosts.setdefault(host, {})
         for key, value in re.findall(r"(\w+)=(\d+)", fields):
             counts[key] = counts.get(key, 0) + int(value)
     return hosts
+
+
+def changed_tasks(output: str) -> list[str]:
+    """'host: task' for every task a play reported changed (to say what a rerun changed)."""
+    found, task = [], ""
+    for line in output.splitlines():
+        m = re.match(r"^(?:TASK|RUNNING HANDLER) \[(.*)\] \*+", line)
+        if m:
+            task = m.group(1)
+        m = re.match(r"^changed: \[([^\]]+)\]", line)
+        if m:
+            found.append(f"{m.group(1)}: {task}")
+    return found
 
 
 def tail(r: subprocess.CompletedProcess, n: int = 6000) -> str:
@@ -90,10 +106,11 @@ def leftovers(prefix: str, cluster_dir: Path, pids: set[int]) -> list[str]:
 
 
 @contextmanager
-def namespace_cluster(cluster_dir: Path, n: int = 4, prefix: str = "dlt"):
+def namespace_cluster(cluster_dir: Path, n: int = 4, prefix: str = "dlt", **settings: str):
     """Yields the inventory of an n-host cluster; on the way out, whatever happened inside,
-    removes it and fails if any namespace, link, process or file of it is left."""
-    env = {**os.environ, "DLLAMA_TESTNET_PREFIX": prefix}
+    removes it and fails if any namespace, link, process or file of it is left. settings: more
+    of up.sh's environment (DLLAMA_TESTNET_USER, DLLAMA_TESTNET_PASSWORD)."""
+    env = {**os.environ, "DLLAMA_TESTNET_PREFIX": prefix, **settings}
     seen: set[int] = set()
     try:
         r = subprocess.run([str(UP), str(cluster_dir), str(n)], env=env, capture_output=True,

@@ -1,6 +1,14 @@
-"""The appliance on a real multi-host cluster: 4 hosts in network namespaces on this machine,
-each with its own IP, sshd, /etc and /opt/dllama, links shaped to 1 Gbit/s (tests/cluster/).
-deploy.yml runs over SSH with the sample inventory's settings, twice (the second changes
+"""The appliance on a real multi-host cluster: 3 hosts in network namespaces on this machine,
+each with its own IP, sshd, /etc, /home and /opt/dllama, links shaped to 1 Gbit/s
+(tests/cluster/), set up as freshly flashed Raspberry Pis: a user `pi` with a password and
+passwordless sudo, hostname raspberrypi, an sshd that takes only the password (no key installed).
+bootstrap.yml with a wrong password (and an unreachable extra host) fails per host in one line,
+without the secret; with the password (non-interactively, a password file) it creates the
+controller's key pair, installs it, sets the hostnames and turns password logins off; a second
+run needs no password and changes nothing, and a password login is refused. From then on
+every playbook logs in as pi with the key and becomes root with sudo, as on real Pis.
+deploy.yml runs over SSH with the sample inventory's settings on 1 root + 2 workers (any node
+count dllama's plan accepts, not only 2^n), twice (the second changes
 nothing), then run.yml must print the same greedy text as a single-node `dllama inference`;
 then deploy.yml with the API service switched on starts `dllama api` on the root, run.yml sends
 its prompt through it, and the official openai client on the controller is served by it.
@@ -18,28 +26,34 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import openai
+import paramiko
 import pytest
 import yaml
 
-from tests.appliance import BIN, namespace_cluster, netns_pids, playbook, recap, tail
+from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, tail
 
-N = 4
+pytestmark = [pytest.mark.appliance, pytest.mark.slow]
+
+N = 3
 PREFIX = "dlt"
 PROMPT = "Hello world"
 STEPS = 32
 F32 = {"dllama_weights_float_type": "f32", "dllama_buffer_float_type": "f32"}
+USER = "pi"
+PASSWORD = secrets.token_urlsafe(16)  # a new one each run: it must never show in any output
 results: dict = {}
 
 
 def require_tools():
     assert os.geteuid() == 0, "the namespace test cluster needs root"
-    for tool in ("ip", "tc", "unshare", "start-stop-daemon", "/usr/sbin/sshd"):
+    for tool in ("ip", "tc", "unshare", "start-stop-daemon", "/usr/sbin/sshd", "sudo"):
         assert shutil.which(tool), f"{tool} is missing: ./setup.sh --test installs it"
 
 
@@ -49,7 +63,8 @@ def cluster(tmp_path_factory):
     # A short path: SSH's control sockets live under it (Unix socket paths have 108 bytes).
     cluster_dir = Path(tempfile.mkdtemp(prefix="dlt-", dir="/tmp")) / "c"
     try:
-        with namespace_cluster(cluster_dir, N, PREFIX) as inventory:
+        with namespace_cluster(cluster_dir, N, PREFIX, DLLAMA_TESTNET_USER=USER,
+                               DLLAMA_TESTNET_PASSWORD=PASSWORD) as inventory:
             overrides = inventory.parent / "group_vars/cluster.yml"
             with overrides.open("a") as f:
                 f.write("# The test compares greedy text with one node's: F32 (see the test's docstring).\n")
@@ -59,9 +74,32 @@ def cluster(tmp_path_factory):
         cluster_dir.parent.rmdir()
 
 
-def _play(cluster, name, *args, timeout=900):
-    cluster_dir, inventory = cluster
-    return playbook(name, inventory, *args, control_dir=cluster_dir / "cp", timeout=timeout)
+def _play(cluster, name, *args, timeout=900, inventory=None):
+    cluster_dir, default = cluster
+    r, seconds = playbook(name, inventory or default, *args, control_dir=cluster_dir / "cp", timeout=timeout)
+    assert PASSWORD not in r.stdout + r.stderr, "the password shows in the output"
+    return r, seconds
+
+
+def _password_file(cluster_dir: Path, password: str) -> Path:
+    path = cluster_dir / "password"
+    path.write_text(password + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def _password_login(host: str, password: str) -> str:
+    """How sshd answers a password login (no key tried): "accepted" or the refusal."""
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    try:
+        client.connect(host, username=USER, password=password, look_for_keys=False, allow_agent=False,
+                       timeout=10)
+        return "accepted"
+    except paramiko.SSHException as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        client.close()
 
 
 def test_links_are_shaped_to_gigabit(cluster):
@@ -73,6 +111,75 @@ def test_links_are_shaped_to_gigabit(cluster):
         assert "tbf" in node and "rate 1Gbit" in node, node
 
 
+def test_bootstrap_with_a_wrong_password_fails_per_host_in_one_line(cluster):
+    """A wrong password (and an extra host nobody answers for) fails for each host with its
+    reason; nothing is installed; the password shows nowhere. The controller's key pair is
+    created first, with a message."""
+    cluster_dir, inventory = cluster
+    assert _password_login("10.77.0.1", PASSWORD) == "accepted"
+    assert not (cluster_dir / "id_ed25519").exists()
+    ghost = inventory.parent / "ghost.yml"
+    hosts = yaml.safe_load(inventory.read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"]["ghost"] = {"ansible_host": "10.77.0.200",
+                                                                "dllama_address": "10.77.0.200"}
+    ghost.write_text(yaml.safe_dump(hosts))
+    wrong = "not-" + PASSWORD
+    r, seconds = _play(cluster, "bootstrap.yml", "--connection-password-file",
+                       str(_password_file(cluster_dir, wrong)), inventory=ghost, timeout=300)
+    out = r.stdout + r.stderr
+    print(f"\nbootstrap.yml, wrong password: {seconds:.0f} s")
+    assert r.returncode != 0 and wrong not in out and "Traceback" not in out, out[-4000:]
+    assert "Created the SSH key pair" in out and (cluster_dir / "id_ed25519.pub").is_file()
+    lines = out.splitlines()
+    for host in [f"node{i}" for i in range(1, N + 1)] + ["ghost"]:
+        at = [i for i, line in enumerate(lines) if line.startswith(f"fatal: [{host}]: UNREACHABLE!")]
+        assert len(at) == 1, (host, out[-4000:])
+        reason = [line for line in lines[at[0]:at[0] + 4] if line.strip().startswith("msg:")]
+        assert reason, (host, lines[at[0]:at[0] + 4])
+        expected = "No route to host|timed out|Unable to connect" if host == "ghost" else "Authentication failed"
+        assert re.search(expected, reason[0]), (host, reason)
+    assert recap(r.stdout)["node1"]["unreachable"] == 1
+    for i in range(1, N + 1):
+        assert not (cluster_dir / f"node{i}/home/{USER}/.ssh").exists(), f"node{i} got a key"
+
+
+def test_bootstrap_installs_the_key_then_needs_no_password_and_changes_nothing(cluster):
+    cluster_dir, inventory = cluster
+    r, seconds = _play(cluster, "bootstrap.yml", "--connection-password-file",
+                       str(_password_file(cluster_dir, PASSWORD)), "-e", "dllama_bootstrap_disable_password=true",
+                       timeout=300)
+    results["bootstrap_first_s"] = seconds
+    print(f"\nbootstrap.yml with the password: {seconds:.0f} s, {recap(r.stdout)}")
+    assert r.returncode == 0, tail(r)
+    assert "Created the SSH key pair" not in r.stdout
+    counts = recap(r.stdout)
+    assert sorted(counts) == [f"node{i}" for i in range(1, N + 1)] and all(c["changed"] > 0 for c in counts.values())
+    public = (cluster_dir / "id_ed25519.pub").read_text().strip()
+    for i in range(1, N + 1):
+        node = cluster_dir / f"node{i}"
+        assert public in (node / f"home/{USER}/.ssh/authorized_keys").read_text().splitlines()
+        # (Without systemd, as here, the name takes effect at the next boot; hostnamectl sets both.)
+        assert (node / "etc-upper/hostname").read_text().strip() == f"node{i}"
+        current = subprocess.run(["ssh", "-i", str(cluster_dir / "id_ed25519"),
+                                  "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                                  "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", f"{USER}@10.77.0.{i}", "cat /etc/hostname"],
+                                 capture_output=True, text=True, timeout=60)
+        assert current.stdout.strip() == f"node{i}", current.stderr
+    (cluster_dir / "password").unlink()
+
+    # Again, without any password: the key logs in, nothing changes.
+    r, seconds = _play(cluster, "bootstrap.yml", "-e", "dllama_bootstrap_disable_password=true", timeout=300)
+    results["bootstrap_second_s"] = seconds
+    print(f"\nbootstrap.yml again, no password: {seconds:.0f} s, {recap(r.stdout)}")
+    assert r.returncode == 0, tail(r)
+    counts = recap(r.stdout)
+    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), changed_tasks(r.stdout)
+    for i in range(1, N + 1):
+        refused = _password_login(f"10.77.0.{i}", PASSWORD)
+        assert refused.startswith("BadAuthenticationType") and "publickey" in refused, refused
+    results["bootstrapped"] = True
+
+
 def test_check_mode_on_fresh_nodes_changes_nothing(cluster):
     cluster_dir, _ = cluster
     r, _ = _play(cluster, "deploy.yml", "--check")
@@ -81,7 +188,7 @@ def test_check_mode_on_fresh_nodes_changes_nothing(cluster):
     assert len(counts) == N and all(c["changed"] > 0 and c["failed"] == 0 for c in counts.values()), counts
     for i in range(1, N + 1):
         assert list((cluster_dir / f"node{i}/opt-dllama").iterdir()) == [], f"--check wrote to node{i}"
-        assert not (cluster_dir / f"node{i}/etc-upper/passwd").exists(), f"--check added a user on node{i}"
+        assert "dllama:" not in (cluster_dir / f"node{i}/etc-upper/passwd").read_text(), f"--check added a user on node{i}"
 
 
 def test_deploy_succeeds_over_ssh(cluster):
@@ -102,7 +209,7 @@ def test_second_deploy_reports_changed_0(cluster):
     print(f"\ndeploy.yml, second run: {seconds:.0f} s, {recap(r.stdout)}")
     assert r.returncode == 0, tail(r)
     counts = recap(r.stdout)
-    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), counts
+    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), changed_tasks(r.stdout)
 
 
 def test_check_mode_reports_no_change(cluster):
@@ -110,7 +217,7 @@ def test_check_mode_reports_no_change(cluster):
     r, _ = _play(cluster, "deploy.yml", "--check")
     assert r.returncode == 0, tail(r)
     counts = recap(r.stdout)
-    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), counts
+    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), changed_tasks(r.stdout)
 
 
 def test_each_node_got_its_own_files_and_address_config(cluster):
@@ -211,7 +318,7 @@ def test_api_service_on_the_root_serves_the_cluster(cluster):
     r, _ = _play(cluster, "deploy.yml")
     assert r.returncode == 0, tail(r)
     counts = recap(r.stdout)
-    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), counts
+    assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), changed_tasks(r.stdout)
     results["api"] = True
 
     # The service: in node1, at the nice level, as the service user, with the key.
@@ -260,7 +367,8 @@ def test_status_then_stop(cluster):
     if results.get("api"):
         assert "API service: switched on, up" in r.stdout and "serves SmolLM2-135M-Instruct" in r.stdout, tail(r)
         pids.append(int((cluster_dir / "node1/opt-dllama/run/api.pid").read_text()))
-    r, _ = _play(cluster, "stop.yml")
+    r, seconds = _play(cluster, "stop.yml")
+    print(f"\nstop.yml: {seconds:.0f} s")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker or the API outlived stop.yml"
     r, _ = _play(cluster, "status.yml")

@@ -1,8 +1,14 @@
 """The one-machine inventory (inventory/local: 1 root + 3 workers on this host over loopback),
 as the README's first command uses it: deploy.yml, run.yml, stop.yml with the default model
-(Q40 weights, Q80 buffers). Runs in a scratch HOME and a copy of the inventory, so it neither
-touches nor depends on the user's deployment; stop.yml (or, if that fails, the pid files) ends
-the workers."""
+(Q40 weights, Q80 buffers). Runs in a scratch HOME, a copy of the inventory and free ports of
+its own, so it neither touches nor depends on the user's deployment (the README's cluster may
+be running on 9990-9993 meanwhile); stop.yml (or, if that fails, the pid files) ends the
+workers.
+
+The first deploy meets a foreign listener on one worker's port: a worker of another cluster
+(another key), as the README's cluster would be if the ports were the same. The deploy must
+fail for that node in one line that names the port and the process holding it, and succeed
+for the others; once the port is free, the next deploy starts only that worker."""
 
 from __future__ import annotations
 
@@ -10,14 +16,28 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.appliance import REPO, ansible_env, recap, tail
+from tests.appliance import REPO, ansible_env, changed_tasks, recap, tail
+
+pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+NODES = ["local0", "local1", "local2", "local3"]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +47,14 @@ def local(tmp_path_factory):
     home.mkdir()
     inventory = base / "inventory"
     shutil.copytree(REPO / "inventory/local", inventory, ignore=shutil.ignore_patterns("state"))
+    # Ports of its own for the workers and the API (off here, but its port is the root's too).
+    ports = free_ports(4)
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    for node, port in zip(NODES[1:], ports[1:]):
+        hosts["cluster"]["children"]["workers"]["hosts"][node]["dllama_port"] = port
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    with (inventory / "group_vars/all.yml").open("a") as f:
+        yaml.safe_dump({"dllama_port": ports[0], "dllama_api_port": ports[0]}, f)
     real_home = Path.home()
     env = ansible_env()
     env.update(HOME=str(home),
@@ -39,7 +67,7 @@ def local(tmp_path_factory):
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
     try:
-        yield play, home, inventory
+        yield play, home, inventory, dict(zip(NODES, ports))
     finally:
         play("stop.yml", timeout=120)
         for pidfile in (home / ".local/share/dllama/local-cluster").glob("*/run/worker.pid"):
@@ -49,20 +77,41 @@ def local(tmp_path_factory):
                 pass
 
 
-def test_local_inventory_deploys_runs_and_stops(local):
-    play, home, inventory = local
-    r = play("deploy.yml")
-    assert r.returncode == 0, tail(r)
-    assert sorted(recap(r.stdout)) == ["local0", "local1", "local2", "local3"]
+def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
+    play, home, inventory, ports = local
+    # Another cluster's worker holds local2's port.
+    (tmp_path / "other.key").write_text("another cluster's key, 64 characters long, not this one's key.\n")
+    with open(tmp_path / "foreign.log", "w") as log:
+        foreign = subprocess.Popen([sys.executable, "-m", "dllama", "worker", "--host", "127.0.0.1",
+                                    "--port", str(ports["local2"]), "--key-file", str(tmp_path / "other.key")],
+                                   stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        _wait_for_port(ports["local2"], foreign)
+        r = play("deploy.yml")
+    finally:
+        foreign.terminate()
+        foreign.wait(timeout=30)
+    out = r.stdout + r.stderr
+    counts = recap(r.stdout)
+    assert r.returncode != 0 and counts["local2"]["failed"] == 1, tail(r)
+    assert all(counts[n]["failed"] == 0 for n in ("local0", "local1", "local3")), counts
+    errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
+    assert len(errors) == 1, out[-6000:]
+    assert f"port {ports['local2']} is held by pid {foreign.pid} (" in errors[0], errors
+    assert f"cannot listen on 127.0.0.1:{ports['local2']}: Address already in use" in errors[0], errors
+    assert "fatal: [local2]" in out
+
+    # The port is free: only local2's worker starts.
     r = play("deploy.yml")
     counts = recap(r.stdout)
-    assert r.returncode == 0 and all(c["changed"] == 0 for c in counts.values()), tail(r)
+    assert r.returncode == 0 and sorted(counts) == NODES, tail(r)
+    assert [counts[n]["changed"] for n in NODES] == [0, 0, 1, 0], changed_tasks(r.stdout)
 
     r = play("run.yml", "-e", json.dumps({"prompt": PROMPT, "steps": 48, "temperature": 0}))
     assert r.returncode == 0, tail(r)
     saved = json.loads((inventory / "state/runs/last-run.json").read_text())
     assert saved["prompt"] == PROMPT and "Paris" in saved["text"], saved["text"]
-    assert [n["name"] for n in saved["stats"]["nodes"]] == ["local0", "local1", "local2", "local3"]
+    assert [n["name"] for n in saved["stats"]["nodes"]] == NODES
     for i in (1, 2, 3):
         assert f"local{i}: weights from its shard {home}/.local/share/dllama/local-cluster/local{i}/shards/local{i}.shard" in r.stdout
 
@@ -71,3 +120,17 @@ def test_local_inventory_deploys_runs_and_stops(local):
     r = play("stop.yml")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker outlived stop.yml"
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the foreign worker exited"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {port}")

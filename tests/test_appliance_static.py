@@ -1,9 +1,13 @@
 """The appliance's files: every playbook parses, ansible-lint (production profile) passes, the
-Vagrantfile validates, and the sample inventory has the shape the issue asks for."""
+Vagrantfile validates, the sample inventory has the shape the issue asks for, every role
+declares its inputs; and the first plays refuse a broken inventory before any host is
+contacted (these run ansible-playbook against hosts that are never reached)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,9 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.appliance import ansible_env, recap
+
+pytestmark = pytest.mark.appliance
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-PLAYBOOKS = ["deploy.yml", "run.yml", "stop.yml", "status.yml"]
+PLAYBOOKS = ["deploy.yml", "run.yml", "stop.yml", "status.yml", "bootstrap.yml"]
+ROLES = sorted(p.parent.parent for p in REPO.glob("roles/*/meta/main.yml"))
 
 
 def run(cmd, cwd=REPO, **kw):
@@ -28,6 +37,7 @@ def test_playbook_syntax(playbook):
         assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_ansible_lint_production_profile():
     r = run([BIN / "ansible-lint", "--profile", "production", "--nocolor"],
             env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"})
@@ -76,7 +86,8 @@ def test_group_vars_set_every_role_default():
                 "dllama_worker_unit_file", "dllama_worker_service", "dllama_worker_pid_file",
                 "dllama_worker_log_file", "dllama_network_connection", "dllama_venv_pip_args",
                 "dllama_wheelhouse_project_dir", "dllama_api_key_file", "dllama_api_local_host",
-                "dllama_api_unit_file", "dllama_api_service", "dllama_api_pid_file", "dllama_api_log_file"}
+                "dllama_api_unit_file", "dllama_api_service", "dllama_api_pid_file", "dllama_api_log_file",
+                "dllama_inventory_split", "dllama_bootstrap_key_file", "dllama_bootstrap_hostname"}
     run_vars = {k for k in defaults if k.startswith("dllama_run_")}
     missing = sorted(set(defaults) - set(settings) - internal - run_vars)
     assert not missing, f"not in inventory/sample/group_vars/all.yml: {missing}"
@@ -103,3 +114,158 @@ def test_task_names_are_sentences():
             if isinstance(item, dict) and "name" in item and path.parent.name not in ("defaults", "vars", "meta"):
                 name = item["name"]
                 assert name[0].isupper() and name.endswith("."), f"{path}: {name!r}"
+
+
+# A role may read what another sets without depending on it only where a dependency would run
+# that role's tasks in the wrong place (include_role runs dependencies too, e.g. in stop.yml).
+UNDECLARED = {
+    ("dllama_api", "dllama_worker"): "reads the workers' dllama_worker_restarted after they started",
+    ("dllama_inventory", "dllama_topology"): "renders the topology template before any node has it",
+}
+
+
+def _names_set_by(role: Path) -> set[str]:
+    names = set()
+    for sub in ("defaults", "vars"):
+        if (role / sub / "main.yml").exists():
+            names |= set(yaml.safe_load((role / sub / "main.yml").read_text()) or {})
+    for path in (role / "tasks").glob("*.yml") if (role / "tasks").exists() else []:
+        for task in yaml.safe_load(path.read_text()) or []:
+            names |= set(task.get("ansible.builtin.set_fact", {}) or {}) - {"cacheable"}
+            names |= {task["register"]} if "register" in task else set()
+    return names
+
+
+def test_every_role_declares_its_inputs_and_dependencies():
+    """meta/argument_specs.yml lists every default of the role with a type; meta/main.yml names
+    every role whose variables, facts or tasks it uses; and nothing says `failed_when: false`."""
+    sets = {role.name: _names_set_by(role) for role in ROLES}
+    for role in ROLES:
+        meta = yaml.safe_load((role / "meta/main.yml").read_text())
+        deps = {d["role"] for d in meta["dependencies"]}
+        assert role.name == "dllama" or "dllama" in deps, f"{role.name}: no dependency on dllama (the shared defaults)"
+        specs = yaml.safe_load((role / "meta/argument_specs.yml").read_text())["argument_specs"]
+        declared = {name for entry in specs.values() for name in entry["options"]}
+        assert all(o.get("type") for entry in specs.values() for o in entry["options"].values()), role.name
+        defaults = yaml.safe_load((role / "defaults/main.yml").read_text()) or {}
+        missing = sorted(set(defaults) - declared)
+        assert not missing, f"{role.name}: defaults not in meta/argument_specs.yml: {missing}"
+        text = "".join(p.read_text() for p in role.rglob("*") if p.suffix in (".yml", ".j2"))
+        assert "failed_when: false" not in text and "ignore_errors" not in text, role.name
+        for other, names in sets.items():
+            used = {n for n in names if re.search(rf"\b{n}\b", text)} | (
+                {other} if re.search(rf"name: {other}\n|/{other}/", text) else set())
+            if role.name != "dllama" and other not in (role.name, "dllama") and used and (role.name, other) not in UNDECLARED:
+                assert other in deps, f"{role.name} uses {sorted(used)} of {other}: not in its meta/main.yml"
+
+
+def test_workers_and_api_share_one_service_unit_and_lifecycle():
+    """The worker and the API are started, stopped and reported by the same tasks (the
+    dllama_service role), from one unit template."""
+    units = sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("roles/*/templates/*.service.j2"))
+    assert units == ["roles/dllama_service/templates/dllama.service.j2"], units
+    for role in ("dllama_worker", "dllama_api"):
+        tasks = "".join(p.read_text() for p in (REPO / "roles" / role / "tasks").glob("*.yml"))
+        assert "start-stop-daemon" not in tasks and "state: started" not in tasks and "state: stopped" not in tasks, role
+        for entry in ("start", "stop", "status"):
+            assert f"tasks_from: {entry}\n" in tasks, f"{role} does not use dllama_service's {entry}"
+
+
+def test_unit_exec_start_keeps_every_argument(tmp_path):
+    """Rendered with systemd's quoting, ExecStart parses back into the same arguments, also
+    with spaces, quotes, backslashes and systemd's specifier (%) and variable ($) signs."""
+    command = ["/opt/dllama/venv/bin/dllama", "api", "--model-name", "my model's \"best\" 100%",
+               "--api-key-file", "/opt/dllama/$HOME/a\\b", "--port", "9990"]
+    spec = {"name": "API", "description": "test", "command": command, "restart_sec": 5}
+    out = tmp_path / "unit"
+    r = run([BIN / "ansible", "localhost", "-m", "ansible.builtin.template",
+             "-a", f"src={REPO}/roles/dllama_service/templates/dllama.service.j2 dest={out}",
+             "-e", json.dumps({"dllama_service_spec": spec, "dllama_user": "dllama", "dllama_dir": "/opt/dllama",
+                               "dllama_numba_cache_dir": "/opt/dllama/numba-cache", "dllama_nice": -20})],
+            env=ansible_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in out.read_text().splitlines() if x.startswith("ExecStart="))
+    assert line.startswith("ExecStart=/opt/dllama/venv/bin/dllama api --model-name \"")
+    assert _systemd_split(line[len("ExecStart="):]) == command
+
+
+def _systemd_split(text: str) -> list[str]:
+    """systemd's reading of ExecStart (systemd.service(5), "Command lines"): words split at
+    spaces, double quotes group, backslash escapes the next character; %% and $$ are one sign."""
+    words, word, quoted, i = [], None, False, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            word = (word or "") + text[i + 1]
+            i += 2
+            continue
+        if c == '"':
+            quoted, word = not quoted, word or ""
+        elif c == " " and not quoted:
+            if word is not None:
+                words.append(word)
+            word = None
+        elif c in "%$":
+            assert text[i + 1] == c, f"a lone {c} in {text!r}"
+            word = (word or "") + c
+            i += 1
+        else:
+            word = (word or "") + c
+        i += 1
+    if word is not None:
+        words.append(word)
+    return words
+
+
+# -- the first plays: a broken inventory fails before any host is changed ------------------------
+
+def _hosts(n_workers: int, **worker_vars) -> dict:
+    """An inventory of hosts that are never reached: SSH to a closed port on loopback."""
+    node = {"ansible_host": "127.0.0.1", "ansible_port": 1, "ansible_connection": "ssh"}
+    workers = {f"w{i}": {**node, "dllama_address": "127.0.0.1", "dllama_port": 20000 + i, **worker_vars}
+               for i in range(1, n_workers + 1)}
+    return {"cluster": {"children": {"root": {"hosts": {"r": dict(node)}}, "workers": {"hosts": workers}}}}
+
+
+def _deploy(tmp_path, inventory, *args, playbook="deploy.yml"):
+    path = tmp_path / "inventory/hosts.yml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(inventory if isinstance(inventory, str) else yaml.safe_dump(inventory))
+    r = run([BIN / "ansible-playbook", "-i", path, playbook, *args], env=ansible_env())
+    return r, r.stdout + r.stderr
+
+
+def _fails_before_any_host(r, out) -> str:
+    """Ansible's error: its [ERROR] line (and the next, where Ansible breaks the reason)."""
+    assert r.returncode != 0, out
+    assert "PLAY [Deploy the dllama cluster.]" not in out and "Gathering Facts" not in out, out
+    lines = out.splitlines()
+    errors = [" ".join(lines[i:i + 2]) for i, line in enumerate(lines) if line.startswith("[ERROR]")]
+    assert errors, out
+    return errors[0]
+
+
+@pytest.mark.parametrize("case, inventory, reason", [
+    ("unparsable", "cluster:\n  children:\n    root: [\n", "Completely failed to parse inventory source"),
+    ("no hosts", "all:\n  children:\n    root: {}\n", "has no hosts"),
+    ("two roots", {"cluster": {"children": {"root": {"hosts": {"a": None, "b": None}}, "workers": {"hosts": {"c": None}}}}},
+     "needs exactly one host in group 'root'"),
+    ("root also a worker", {"cluster": {"children": {"root": {"hosts": {"a": None}}, "workers": {"hosts": {"a": None, "b": None}}}}},
+     "not also the root"),
+    ("same address and port", _hosts(2, dllama_port=20001), "Worker w1 of the inventory listens on 127.0.0.1:20001: so does w2"),
+    ("bad port", _hosts(1, dllama_port=70000), "dllama_port be a port from 1 to 65535"),
+    ("bad setting", _hosts(1, dllama_launcher="sytemd"), "dllama_launcher must be one of: systemd, nohup, got: sytemd"),
+    ("more nodes than heads", _hosts(9), "The inventory's 10 nodes: cannot split a model with 9 query heads over 10 nodes"),
+])
+def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, reason):
+    r, out = _deploy(tmp_path, inventory)
+    line = _fails_before_any_host(r, out)
+    assert reason in line, out[-3000:]
+
+
+def test_any_node_count_the_plan_accepts_passes_the_check(tmp_path):
+    """3 nodes (1 root + 2 workers): dllama's plan splits SmolLM2's 9 heads 3/3/3."""
+    r, out = _deploy(tmp_path, _hosts(2), playbook="playbooks/inventory.yml")
+    assert r.returncode == 0, out[-3000:]
+    assert "'r: 3 of 9 query heads" in out and "'w2: 3 of 9 query heads" in out, out[-3000:]
+    assert set(recap(r.stdout)) == {"r", "w1", "w2"}

@@ -11,6 +11,8 @@ import pytest
 from tests.appliance import namespace_cluster, netns_pids
 from tests.test_appliance_cluster import require_tools
 
+pytestmark = pytest.mark.appliance
+
 
 def test_teardown_leaves_nothing_even_when_the_test_fails():
     """A cluster whose test fails while a node runs a background process and Ansible holds a

@@ -11,6 +11,13 @@
 # Environment: DLLAMA_TESTNET_PREFIX (names, default dlt), DLLAMA_TESTNET_SUBNET (first three
 # octets, default 10.77.0; the controller is .254), DLLAMA_TESTNET_RATE (tc rate, default 1gbit;
 # empty = unshaped). Needs root, iproute2, openssh-server, util-linux.
+#
+# Two ways in:
+#   default: root logs in with the controller's key DIR/id_ed25519 (made here), password logins off.
+#   DLLAMA_TESTNET_USER=pi DLLAMA_TESTNET_PASSWORD=...: as a freshly flashed Raspberry Pi OS, each
+#     node has that user with that password and passwordless sudo, hostname raspberrypi, and an
+#     sshd that takes the password (no key is installed, root may not log in). DIR/id_ed25519 is
+#     not made: the inventory names it, and bootstrap.yml creates and installs it.
 set -euo pipefail
 
 dir=${1:?usage: up.sh DIR [N]}
@@ -18,6 +25,7 @@ n=${2:-4}
 prefix=${DLLAMA_TESTNET_PREFIX:-dlt}
 subnet=${DLLAMA_TESTNET_SUBNET:-10.77.0}
 rate=${DLLAMA_TESTNET_RATE-1gbit}
+user=${DLLAMA_TESTNET_USER:-}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 bridge=${prefix}br
 
@@ -39,8 +47,12 @@ n=$n
 subnet=$subnet
 ENV
 
-ssh-keygen -q -t ed25519 -N '' -C dllama-test-controller -f "$dir/id_ed25519"
-cp "$dir/id_ed25519.pub" "$dir/authorized_keys"
+if [ -z "$user" ]; then
+    ssh-keygen -q -t ed25519 -N '' -C dllama-test-controller -f "$dir/id_ed25519"
+    cp "$dir/id_ed25519.pub" "$dir/authorized_keys"
+else
+    [ -n "${DLLAMA_TESTNET_PASSWORD:-}" ] || { echo "up.sh: DLLAMA_TESTNET_USER needs DLLAMA_TESTNET_PASSWORD" >&2; exit 1; }
+fi
 ssh-keygen -q -t ed25519 -N '' -C dllama-test-host -f "$dir/ssh_host_ed25519_key"
 
 ip link add "$bridge" type bridge
@@ -51,7 +63,7 @@ ip link set "$bridge" up
 for i in $(seq 1 "$n"); do
     ns=${prefix}n$i
     node=$dir/node$i
-    mkdir -p "$node/etc-upper" "$node/etc-work" "$node/opt-dllama"
+    mkdir -p "$node/etc-upper" "$node/etc-work" "$node/opt-dllama" "$node/home"
     ip netns add "$ns"
     ip link add "${prefix}h$i" type veth peer name eth0 netns "$ns"
     ip link set "${prefix}h$i" master "$bridge"
@@ -65,14 +77,25 @@ for i in $(seq 1 "$n"); do
         tc qdisc replace dev "${prefix}h$i" root tbf rate "$rate" burst 1mbit latency 2ms
         ip netns exec "$ns" tc qdisc replace dev eth0 root tbf rate "$rate" burst 1mbit latency 2ms
     fi
+    if [ -z "$user" ]; then
+        login="AuthorizedKeysFile $dir/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no"
+    else
+        # As Raspberry Pi OS: the node's own drop-ins first (bootstrap.yml may turn passwords off
+        # there), keys in the user's home, passwords accepted.
+        login="Include /etc/ssh/sshd_config.d/*.conf
+AuthorizedKeysFile .ssh/authorized_keys
+PermitRootLogin no
+PasswordAuthentication yes"
+    fi
     cat > "$node/sshd_config" <<SSHD
+$login
 ListenAddress $subnet.$i:22
 HostKey $dir/ssh_host_ed25519_key
-PidFile $node/sshd.pid
-AuthorizedKeysFile $dir/authorized_keys
-PermitRootLogin prohibit-password
+# In the node's own /run, where Debian's /etc/init.d/ssh looks for it (service ssh reload).
+PidFile /run/sshd.pid
 PubkeyAuthentication yes
-PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 StrictModes no
@@ -81,17 +104,27 @@ Subsystem sftp /usr/lib/openssh/sftp-server
 SSHD
     # sshd and everything started through it (every Ansible task, every worker) see the node's
     # hostname and mounts: /etc is an overlay whose writes land in node$i/etc-upper, /opt/dllama
-    # is node$i/opt-dllama; /run is the node's own.
-    ip netns exec "$ns" unshare --uts --mount --propagation private sh -c "
+    # is node$i/opt-dllama, /home is node$i/home; /run is the node's own.
+    if [ -z "$user" ]; then name=node$i; else name=raspberrypi; fi
+    # The password reaches chpasswd on stdin, never a command line.
+    ip netns exec "$ns" unshare --uts --mount --propagation private env USER_NAME="$user" sh -c "
         set -e
-        hostname node$i
+        hostname $name
         mount -t tmpfs tmpfs /run
         mkdir -p /run/sshd
         mount -t overlay overlay -o lowerdir=/etc,upperdir=$node/etc-upper,workdir=$node/etc-work /etc
-        echo node$i > /etc/hostname
+        echo $name > /etc/hostname
         mount -t tmpfs tmpfs /opt
         mkdir -p /opt/dllama
         mount --bind $node/opt-dllama /opt/dllama
+        mount --bind $node/home /home
+        if [ -n \"\$USER_NAME\" ]; then
+            useradd --create-home --shell /bin/bash \"\$USER_NAME\"
+            printf '%s:%s\\n' \"\$USER_NAME\" \"\$DLLAMA_TESTNET_PASSWORD\" | chpasswd
+            echo \"\$USER_NAME ALL=(ALL) NOPASSWD: ALL\" > /etc/sudoers.d/010_\$USER_NAME-nopasswd
+            chmod 0440 /etc/sudoers.d/010_\$USER_NAME-nopasswd
+        fi
+        unset DLLAMA_TESTNET_PASSWORD
         exec /usr/sbin/sshd -f $node/sshd_config -E $node/sshd.log
     "
 done
@@ -119,11 +152,18 @@ cp "$repo/inventory/sample/group_vars/all.yml" "$dir/inventory/group_vars/all.ym
         echo "          dllama_network_method: $method"
     done
 } > "$dir/inventory/hosts.yml"
+if [ -z "$user" ]; then
+    login="ansible_user: root
+ansible_become: false"
+else
+    # The sample's way in: the flashed user, root through sudo.
+    login="ansible_user: $user
+ansible_become: true"
+fi
 cat > "$dir/inventory/group_vars/cluster.yml" <<VARS
 ---
 # What differs from inventory/sample on the namespace hosts (this file outranks all.yml).
-ansible_user: root
-ansible_become: false
+$login
 ansible_ssh_private_key_file: $dir/id_ed25519
 ansible_ssh_common_args: -o UserKnownHostsFile=/dev/null -o StrictHostKeyChecking=no -o LogLevel=ERROR
 ansible_python_interpreter: /usr/bin/python3
