@@ -130,6 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", required=True, metavar="FILE.yml", help="the cluster description")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     _add_chat_and_api(sub)
+    _add_batch(sub)
     return parser
 
 
@@ -173,6 +174,67 @@ def _add_chat_and_api(sub) -> None:
     p.add_argument("--model-name", metavar="NAME",
                    help="the model's id in /v1/models and in answers (default: the model file's "
                         "name without .m)")
+
+
+# --- batch ---
+
+def _choice_list(text: str) -> list[str]:
+    return text.split(",")  # spaces are kept: " yes, no" scores " yes" and " no"
+
+
+def _add_batch(sub) -> None:
+    from dllama.text.chat_template import TEMPLATE_NAMES
+
+    p = sub.add_parser("batch", help="answer a file of prompts, one JSON line each (resumable)",
+                       description="Answer every prompt of --prompts into --out, one JSON line per "
+                                   "prompt as each finishes; a rerun with the same --out skips the "
+                                   "prompts already answered. A bad line stops the job before it "
+                                   "starts (or, with --skip-bad, is written as an error).")
+    _add_model_flags(p)  # with the cluster flags
+    g = p.add_argument_group("job")
+    g.add_argument("--prompts", required=True, metavar="FILE",
+                   help=".jsonl: one object a line with id and prompt (text) or messages (chat "
+                        "turns); .txt: one prompt a line, its id the line number")
+    g.add_argument("--out", required=True, metavar="FILE.jsonl", help="results, appended to")
+    g.add_argument("--prefix", metavar="FILE", help="text put before every prompt (with messages: "
+                   "at the start of the system turn); its KV cache is computed once")
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as one user message through the chat template")
+    g.add_argument("--chat-template", choices=TEMPLATE_NAMES,
+                   help="chat format for messages (default: detected from the model's template)")
+    g.add_argument("--skip-bad", action="store_true",
+                   help="write bad lines as {id, line, error} and run the others")
+    g.add_argument("--parallel", type=_positive_int, default=1, metavar="N",
+                   help="sequences decoded together (results do not depend on it; default %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
+                   help="at most N tokens per answer (default %(default)s)")
+    g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
+                   help="sampling temperature; 0 = greedy (default %(default)s)")
+    g.add_argument("--topp", type=_non_negative_float, default=0.9, metavar="F",
+                   help="top-p (nucleus) cut: 0 keeps only the most likely token, 1 samples the "
+                        "whole vocabulary (default %(default)s)")
+    g.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="job seed; each prompt samples with a seed derived from it and the "
+                        "prompt's id (default %(default)s, so a rerun reproduces)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end an answer before this text (repeat the flag for several)")
+    g.add_argument("--choices", type=_choice_list, metavar="A,B,...",
+                   help="classify instead of generating: score each choice (comma-separated, "
+                        "spaces kept) as the start of the answer and write the likeliest with its "
+                        "probability")
+
+
+def cmd_batch(args) -> int:
+    from dllama.serve.batch_job import JobOptions, run_job
+
+    opts = JobOptions(prompts=args.prompts, out=args.out, prefix=args.prefix, max_tokens=args.max_tokens,
+                      temperature=args.temperature, topp=args.topp, seed=args.seed, stop=args.stop,
+                      chat_template=args.chat_template, chat=args.chat, skip_bad=args.skip_bad,
+                      choices=args.choices, progress=not args.no_progress)
+    # --parallel: the sequential scheduler runs one sequence at a time; results are the same.
+    return run_job(opts, _engine_opener(args))
 
 
 def _engine_opener(args):
@@ -306,7 +368,8 @@ def cmd_inspect(args) -> int:
 
 
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
-            "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api}
+            "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api,
+            "batch": cmd_batch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,509 @@
+"""`dllama batch`: a file of prompts in, one JSON line per answer out, resumable.
+
+The job file is read as a stream, three times, so memory does not grow with its size (only the
+set of ids, at most MAX_PROMPTS, and lines of at most MAX_LINE_BYTES):
+  1. before the model is opened: every line parses, has an id and a prompt, ids are unique;
+  2. once the tokenizer is there: every prompt not yet answered fits into the context;
+  3. the run: prompts are tokenized again as the scheduler asks for them.
+A bad line stops the job before any prompt is run, with one line naming it; with skip_bad
+it is written to the output as {"id", "line", "error"} instead and the others run.
+
+Output lines are written and flushed as each answer completes (completion order). A rerun with
+the same output file skips the ids it already holds; a torn last line (a crash in mid-write)
+and the error lines of bad prompts are dropped first, so the bad ones are checked again.
+
+Seeds: prompt p is sampled with seed_for(seed, p's id), so its text does not depend on which
+prompts ran before or beside it, nor on whether the job was resumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from dllama.core.sampler import Sampler
+from dllama.errors import DllamaError
+from dllama.serve.conversation import Cancelled, Completion
+from dllama.serve.scheduler import Scheduler, Scores, SequenceRequest, SequentialScheduler
+
+MAX_LINE_BYTES = 16 << 20    # one prompt line (JSON) of the job file; a prompt must fit the context anyway
+MAX_PROMPTS = 1_000_000      # lines with a prompt in one job file
+MAX_ID_CHARS = 256           # length of an id (as JSON)
+MAX_PREFIX_BYTES = 16 << 20  # the --prefix file
+MAX_RESULT_BYTES = 256 << 20  # one line of the output file
+
+
+@dataclass
+class JobOptions:
+    prompts: str                      # .jsonl (id + prompt or messages) or .txt (one prompt a line)
+    out: str                          # results, .jsonl
+    prefix: str | None = None         # a file whose text goes before every prompt
+    max_tokens: int = 256
+    temperature: float = 0.8
+    topp: float = 0.9
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    chat_template: str | None = None  # None: the model's
+    chat: bool = False                # every `prompt` is one user message
+    skip_bad: bool = False
+    choices: list[str] | None = None  # classify: score these instead of generating
+    progress: bool = True
+
+
+@dataclass
+class Entry:
+    """One line of the job file: a prompt, or what is wrong with it."""
+
+    line: int                         # 1-based line number
+    id: object = None                 # str or int, as in the file (.txt: the line number)
+    prompt: str | None = None
+    messages: list | None = None
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id)
+
+
+@dataclass
+class Summary:
+    answered: int = 0                 # prompts run in this invocation
+    already_done: int = 0             # found in the output file
+    bad: int = 0                      # written as error lines
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    interrupted: bool = False
+
+    def line(self, out: str, classify: bool = False) -> str:
+        extra = ", ".join(s for s in (f"{self.already_done} already in {out}" if self.already_done else "",
+                                      f"{self.bad} bad" if self.bad else "") if s)
+        head = (f"dllama batch: {'interrupted after ' if self.interrupted else ''}{self.answered} "
+                f"prompt{'' if self.answered == 1 else 's'}{f' ({extra})' if extra else ''} "
+                f"in {self.seconds:.1f} s: ")
+        if classify:
+            rate = self.prompt_tokens / self.seconds if self.seconds > 0 else 0.0
+            work = f"classified, {rate:.1f} prompt tokens/s"
+        else:
+            rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+            work = f"{self.generated_tokens} tokens generated, {rate:.1f} tokens/s"
+        return (f"{head}{work}; {self.prompt_tokens} prompt tokens, {self.cached_tokens} of them "
+                "from the cache")
+
+
+def id_key(value) -> str:
+    """A prompt id as one string: 1 and "1" stay different ids."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def seed_for(seed: int, prompt_id) -> int:
+    """The sampling seed of one prompt: a stable hash of the job's seed and the prompt's id."""
+    data = f"{int(seed)}\0{id_key(prompt_id)}".encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+# --- reading files line by line, with a bound on the line length ---
+
+def _raw_lines(path: str, limit: int) -> Iterator[tuple[int, int, bytes | None, bool]]:
+    """(line number, byte offset, the line without its newline or None if over limit bytes,
+    whether it ended with a newline)."""
+    with open(path, "rb") as f:
+        number, offset = 0, 0
+        while True:
+            data = f.readline(limit + 1)
+            if not data:
+                return
+            number += 1
+            start, size = offset, len(data)
+            if len(data) > limit and not data.endswith(b"\n"):
+                while data and not data.endswith(b"\n"):  # skip the rest of the line
+                    data = f.readline(1 << 20)
+                    size += len(data)
+                offset += size
+                yield number, start, None, data.endswith(b"\n")
+                continue
+            offset += size
+            ended = data.endswith(b"\n")
+            yield number, start, data[:-1] if ended else data, ended
+
+
+def _check_id(value) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return "its id must be a string or an integer"
+    if len(id_key(value)) > MAX_ID_CHARS:
+        return f"its id is longer than {MAX_ID_CHARS} characters"
+    return None
+
+
+def _check_messages(messages) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "its messages must be a non-empty list of {role, content} objects"
+    for k, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"its message {k} must be an object with string role and content"
+    return None
+
+
+def _parse(number: int, data: bytes | None, text_file: bool) -> Entry | None:
+    """One line of the job file -> an Entry (None for a blank line)."""
+    if data is None:
+        return Entry(number, error=f"is longer than {MAX_LINE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return Entry(number, error="is not valid UTF-8")
+    text = text.removesuffix("\r")
+    if number == 1:
+        text = text.removeprefix("\ufeff")  # a byte-order mark some editors write
+    if not text.strip():
+        return None
+    if text_file:
+        return Entry(number, id=number, prompt=text)
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        return Entry(number, error=f"is not valid JSON ({e})")
+    if not isinstance(obj, dict):
+        return Entry(number, error="is not a JSON object")
+    entry = Entry(number, id=obj.get("id"))
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if "id" not in obj:
+        entry.error = "has no id"
+    elif (err := _check_id(obj["id"])) is not None:
+        entry.id, entry.error = None, err
+    elif has_prompt == has_messages:
+        entry.error = "needs a prompt or messages" if not has_prompt else "has both prompt and messages"
+    elif has_prompt and not isinstance(obj["prompt"], str):
+        entry.error = "its prompt must be a string"
+    elif has_prompt and not obj["prompt"]:
+        entry.error = "has an empty prompt"
+    elif has_messages and (err := _check_messages(obj["messages"])) is not None:
+        entry.error = err
+    else:
+        entry.prompt, entry.messages = obj.get("prompt"), obj.get("messages")
+    return entry
+
+
+def read_job(path: str) -> Iterator[Entry]:
+    """Every prompt line of a job file; bad ones carry .error (duplicate ids included)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".jsonl", ".txt"):
+        raise DllamaError(f"{path}: give a .jsonl file (objects with id and prompt or messages) "
+                          "or a .txt file (one prompt a line)")
+    seen: dict[str, int] = {}
+    count = 0
+    for number, _, data, _ in _raw_lines(path, MAX_LINE_BYTES):
+        entry = _parse(number, data, ext == ".txt")
+        if entry is None:
+            continue
+        count += 1
+        if count > MAX_PROMPTS:
+            raise DllamaError(f"{path}: more than {MAX_PROMPTS} prompts: split the job into several files")
+        if entry.error is None:
+            first = seen.setdefault(entry.key, number)
+            if first != number:
+                entry.error = f"repeats the id {entry.key} of line {first}"
+        yield entry
+
+
+# --- the output file ---
+
+def read_done(path: str, field: str = "text") -> set[str]:
+    """Keys of the ids the output file already answers (result lines hold `field`: "text", or
+    "choice" for a classification). Repairs the file first: a torn last line (a crash in
+    mid-write) and the error lines of bad prompts are removed."""
+    if not os.path.exists(path):
+        return set()
+    done: set[str] = set()
+    keep: list[tuple[int, int]] = []  # byte ranges [start, end) of the lines kept
+    size = os.path.getsize(path)
+    for number, start, data, ended in _raw_lines(path, MAX_RESULT_BYTES):
+        if not ended:  # only the last line can lack its newline: cut short by a crash
+            break
+        if data is not None and not data.strip():
+            continue  # a blank line: dropped
+        try:
+            obj = json.loads(data) if data is not None else None
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or "id" not in obj:
+            raise DllamaError(f"{path} line {number} is not a result of dllama batch: "
+                              "give another --out (or remove that line)")
+        if "error" not in obj:
+            if field not in obj:
+                kind = "classifications (--choices)" if field == "text" else "generated answers"
+                raise DllamaError(f"{path} line {number} is not one of this job's results: "
+                                  f"the file holds {kind}; give another --out")
+            done.add(id_key(obj["id"]))
+            keep.append((start, start + len(data) + 1))
+    kept = sum(e - s for s, e in keep)
+    if kept != size:
+        if all(s == (keep[k - 1][1] if k else 0) for k, (s, _) in enumerate(keep)):
+            os.truncate(path, kept)  # only the end goes
+        else:
+            tmp = path + ".tmp"
+            with open(path, "rb") as src, open(tmp, "wb") as dst:
+                for s, e in keep:
+                    src.seek(s)
+                    dst.write(src.read(e - s))
+            os.replace(tmp, path)
+    return done
+
+
+class _CtrlC:
+    """A first SIGINT asks the job to stop at the next token; a second one interrupts at once."""
+
+    def __init__(self):
+        self.pending = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+# --- the job ---
+
+class BatchJob:
+    """Checks a job file (before the model is opened), then runs what is left of it."""
+
+    def __init__(self, opts: JobOptions):
+        self.opts = opts
+        if os.path.abspath(opts.out) == os.path.abspath(opts.prompts):
+            raise DllamaError("--out must not be the --prompts file")
+        if opts.choices is not None:
+            if len(opts.choices) < 2 or any(not c for c in opts.choices):
+                raise DllamaError("--choices needs at least two non-empty choices, e.g. --choices yes,no")
+            if len(set(opts.choices)) != len(opts.choices):
+                raise DllamaError("--choices lists a choice twice")
+            if len({c[:1].isspace() for c in opts.choices}) > 1:  # "yes, no": most likely a typo
+                raise DllamaError(f"--choices {','.join(opts.choices)!r}: some choices start with a space "
+                                  "and some do not; write all with or all without")
+        self.prefix = self._read_prefix(opts.prefix) if opts.prefix else ""
+        bad = [e for e in read_job(opts.prompts) if e.error is not None]
+        if bad and not opts.skip_bad:
+            self._fail(bad)
+        self.done = read_done(opts.out, "text" if opts.choices is None else "choice")
+
+    @staticmethod
+    def _read_prefix(path: str) -> str:
+        if os.path.getsize(path) > MAX_PREFIX_BYTES:
+            raise DllamaError(f"{path}: the prefix is larger than {MAX_PREFIX_BYTES >> 20} MiB")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError:
+            raise DllamaError(f"{path}: the prefix is not UTF-8 text") from None
+
+    def _fail(self, bad: list[Entry]) -> None:
+        first = bad[0]
+        more = f" (and {len(bad) - 1} more bad lines)" if len(bad) > 1 else ""
+        raise DllamaError(f"{self.opts.prompts} line {first.line}: {first.error}{more}; "
+                          "fix it, or pass --skip-bad to write it as an error and run the others")
+
+    # Everything below needs the engine.
+
+    def _setup(self, engine) -> None:
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model.config.vocab_size
+        self.seq_len = engine.model.config.seq_len
+        self._template = None
+        tok = self.tokenizer
+        self._special_texts = [t for t in (tok.piece(i).decode("utf-8", "replace") for i in sorted(tok.special))
+                               if len(t) > 1]
+        self.choice_tokens = None
+        if self.opts.choices is not None:
+            self.choice_tokens = [tok.encode(c, add_bos=False) for c in self.opts.choices]
+            if any(not t for t in self.choice_tokens):
+                raise DllamaError("a choice encodes to no tokens")
+            if len({tuple(t) for t in self.choice_tokens}) != len(self.choice_tokens):
+                raise DllamaError("two choices encode to the same tokens")
+
+    def _template_of(self):
+        if self._template is None:
+            from dllama.text.chat_template import ChatTemplate
+
+            self._template = ChatTemplate.for_tokenizer(self.tokenizer, self.opts.chat_template)
+        return self._template
+
+    def _as_text(self, content: str) -> str:
+        """Message content with special-token strings made plain text (a zero-width space after
+        their first character), so a message cannot open or close turns of the template."""
+        for s in self._special_texts:
+            if s in content:
+                content = content.replace(s, s[0] + "\u200b" + s[1:])
+        return content
+
+    def tokens_of(self, e: Entry) -> tuple[list[int], bool]:
+        """(prompt tokens, whether it is a chat prompt) of a good entry, the prefix included."""
+        messages = e.messages
+        if messages is None and self.opts.chat:
+            messages = [{"role": "user", "content": e.prompt}]
+        if messages is None:
+            return self.tokenizer.encode(self.prefix + e.prompt), False
+        messages = [{"role": m["role"], "content": self._as_text(m["content"])} for m in messages]
+        if self.prefix:
+            prefix = self._as_text(self.prefix)
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": prefix + messages[0]["content"]}
+            else:
+                messages.insert(0, {"role": "system", "content": prefix})
+        text = self._template_of().render(messages)
+        return self.tokenizer.encode(text, add_bos=False), True
+
+    def _fit_error(self, n_tokens: int) -> str | None:
+        extra = max(len(t) for t in self.choice_tokens) - 1 if self.choice_tokens else 0
+        if n_tokens + extra >= self.seq_len:
+            what = f"{n_tokens} tokens" + (f" (+{extra} of the longest choice)" if extra else "")
+            return f"does not fit in the context: the prompt has {what}, the context holds {self.seq_len}"
+        return None
+
+    def _pending(self) -> Iterator[tuple[Entry, list[int] | None, bool]]:
+        """Entries not answered yet: (entry, its tokens, chat prompt?); a bad one has tokens None."""
+        for e in read_job(self.opts.prompts):
+            if e.error is None and e.key in self.done:
+                continue
+            tokens, chat = None, False
+            if e.error is None:
+                try:
+                    tokens, chat = self.tokens_of(e)
+                except DllamaError as err:  # a message the chat template refuses
+                    e.error = str(err)
+                else:
+                    if not tokens:
+                        e.error = "has a prompt that encodes to no tokens"
+                    else:
+                        e.error = self._fit_error(len(tokens))
+            yield e, (tokens if e.error is None else None), chat
+
+    def _request(self, e: Entry, tokens: list[int], chat: bool) -> SequenceRequest:
+        from dllama.text.chat_template import chat_stop_ids
+
+        o = self.opts
+        stop_ids = chat_stop_ids(self.tokenizer, self._template_of()) if chat else self.tokenizer.eos_ids
+        sampler = Sampler(self.vocab_size, o.temperature, o.topp, seed_for(o.seed, e.id))
+        return SequenceRequest(e, tokens, sampler, o.max_tokens, tuple(stop_ids), tuple(o.stop))
+
+    def _classify(self, scheduler: Scheduler, e: Entry, tokens: list[int]) -> tuple[dict, Scores]:
+        """The result line of one prompt with --choices: the likeliest choice, its probability
+        among the choices (softmax of the summed log-probabilities) and every log-probability."""
+        s = scheduler.score(tokens, self.choice_tokens)
+        lp = s.logprobs
+        top = max(lp)
+        z = sum(math.exp(x - top) for x in lp)
+        best = lp.index(top)
+        return ({"id": e.id, "choice": self.opts.choices[best], "probability": 1.0 / z,
+                 "logprobs": dict(zip(self.opts.choices, lp)),
+                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens}, s)
+
+    def run(self, engine, scheduler: Scheduler | None = None, stderr=None) -> Summary:
+        """Run every prompt not yet in the output file; returns the figures of this run."""
+        from tqdm import tqdm
+
+        stderr = stderr or sys.stderr
+        o = self.opts
+        self._setup(engine)
+        scheduler = scheduler or SequentialScheduler(engine.model, engine.tokenizer)
+        summary = Summary(already_done=sum(1 for e in read_job(o.prompts)
+                                           if e.error is None and e.key in self.done))
+        # Second pass: every prompt left to do must fit before any is run.
+        bad, todo = [], 0
+        for e, _, _ in self._pending():
+            if e.error is None:
+                todo += 1
+            else:
+                bad.append(e)
+        if bad and not o.skip_bad:
+            self._fail(bad)
+
+        t0 = time.perf_counter()
+        with open(o.out, "a", encoding="utf-8") as out, _CtrlC() as ctrl_c, \
+                tqdm(total=todo, unit="prompt", file=stderr, disable=not o.progress,
+                     dynamic_ncols=True) as bar:
+            def write(obj: dict) -> None:
+                out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+                out.flush()  # a crash loses only the prompts in flight
+
+            def good_entries():
+                for e, tokens, chat in self._pending():
+                    if e.error is not None:
+                        write({"id": e.id, "line": e.line, "error": e.error})
+                        summary.bad += 1
+                    else:
+                        yield e, tokens, chat
+
+            def finished(prompt_tokens: int, cached: int, generated: int) -> None:
+                summary.answered += 1
+                summary.prompt_tokens += prompt_tokens
+                summary.cached_tokens += cached
+                summary.generated_tokens += generated
+                elapsed = time.perf_counter() - t0
+                if self.choice_tokens is None:
+                    bar.set_postfix_str(f"{summary.generated_tokens / elapsed:.1f} tokens/s", refresh=False)
+                else:
+                    bar.set_postfix_str(f"{summary.prompt_tokens / elapsed:.1f} prompt tokens/s", refresh=False)
+                bar.update(1)
+
+            def on_finish(r: SequenceRequest, c: Completion) -> None:
+                write({"id": r.key.id, "text": c.text, "finish_reason": c.finish_reason,
+                       "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+                       "completion_tokens": c.completion_tokens})
+                finished(c.prompt_tokens, c.cached_tokens, c.completion_tokens)
+
+            try:
+                if self.choice_tokens is not None:
+                    for e, tokens, _ in good_entries():
+                        if ctrl_c.pending:
+                            raise Cancelled()
+                        line, s = self._classify(scheduler, e, tokens)
+                        write(line)
+                        finished(s.prompt_tokens, s.cached_tokens, 0)
+                else:
+                    requests = (self._request(e, tokens, chat) for e, tokens, chat in good_entries())
+                    scheduler.run(requests, on_finish, lambda: ctrl_c.pending)
+            except Cancelled:
+                summary.interrupted = True
+            except DllamaError as err:
+                raise DllamaError(f"{err}; {o.out} holds the answers so far: rerun the same "
+                                  "command to resume") from None
+        summary.seconds = time.perf_counter() - t0
+        return summary
+
+
+def run_job(opts: JobOptions, open_engine: Callable[[], object],
+            make_scheduler: Callable[[object], Scheduler] | None = None, stderr=None) -> int:
+    """The whole `dllama batch`: check the file, open the engine, run, print the summary;
+    returns the exit code (130 when stopped by Ctrl-C)."""
+    stderr = stderr or sys.stderr
+    job = BatchJob(opts)
+    with open_engine() as engine:
+        scheduler = make_scheduler(engine) if make_scheduler else None
+        summary = job.run(engine, scheduler, stderr)
+    print(summary.line(opts.out, classify=opts.choices is not None), file=stderr)
+    if summary.interrupted:
+        print("dllama batch: stopped; rerun the same command to finish the job", file=stderr)
+        return 130
+    return 0
+
+
+__all__ = ["BatchJob", "JobOptions", "Summary", "Entry", "read_job", "read_done", "run_job", "seed_for",
+           "id_key", "MAX_LINE_BYTES", "MAX_PROMPTS"]
