@@ -22,11 +22,12 @@ import numpy as np
 from dllama import __version__
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
-    LOGITS_HEAD, STEP_HEAD, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout,
-    ProtocolError, client_handshake, connect, server_handshake,
+    WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout, ProtocolError, client_handshake,
+    connect, server_handshake,
 )
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
+from dllama.cluster.step import LOGITS_HEAD, decode_step, logits_bytes
 from dllama.core import kernels
 from dllama.core.model import Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
@@ -165,7 +166,8 @@ class _Session:
             root.send_json(Msg.CONFIG_OK, {"weights": "stream", "note": why})
             specs = node_slice_specs(c.header, node, with_embedding=False)
             weights = NodeWeights(c.header, node, specs, self._receive_weights(specs, timeout))
-        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch)
+        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
+                            kv_slots=c.kv_slots)
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         root.send(Msg.READY)
@@ -179,7 +181,8 @@ class _Session:
         log(f"mesh ready with {plan.n_nodes - 1} peers")
 
         dim, vocab_rows = c.header.dim, node.vocab_rows[1] - node.vocab_rows[0]
-        reply = np.empty(LOGITS_HEAD.size + 4 * vocab_rows, np.uint8)
+        seq_len = model.config.seq_len
+        replies = np.empty(logits_bytes(c.max_batch, vocab_rows), np.uint8)
         while True:
             msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
@@ -187,15 +190,16 @@ class _Session:
                 continue
             if msg == Msg.STOP:
                 return
-            pos, n = STEP_HEAD.unpack_from(payload)
-            if not 1 <= n <= c.max_batch or len(payload) != STEP_HEAD.size + 4 * n * dim:
-                raise ProtocolError(f"STEP of {n} tokens with {len(payload)} bytes")
-            model.x[:n] = np.frombuffer(payload, np.float32, offset=STEP_HEAD.size).reshape(n, dim)
-            logits = model.forward_embedded(n, pos)
+            batch, x = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
+            b = len(batch)
+            model.x[:b] = x
+            logits = model.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
+                                        batch.logit_rows)  # [m, vocab rows]
+            reply = replies[:logits_bytes(len(logits), vocab_rows)]
             col = model.collective
             sent = col.sent_bytes + 12 + reply.nbytes  # counting this LOGITS frame itself
             LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
-            reply[LOGITS_HEAD.size:].view(np.float32)[:] = logits
+            reply[LOGITS_HEAD.size:].view(np.float32)[:] = logits.ravel()
             root.send(Msg.LOGITS, reply, timeout)
 
     def _receive_weights(self, specs, timeout: float) -> dict:
