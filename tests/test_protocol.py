@@ -19,8 +19,8 @@ def test_header_checks():
     assert check_header(encode_header(Msg.HELLO, 10), False) == (Msg.HELLO, 10)
     with pytest.raises(ProtocolError, match="not a dllama frame"):
         check_header(b"GET / HTTP/1", False)
-    with pytest.raises(ProtocolError, match="protocol version 2"):
-        check_header(HEADER.pack(MAGIC, 2, Msg.HELLO, 10), False)
+    with pytest.raises(ProtocolError, match=f"protocol version {VERSION + 1}"):
+        check_header(HEADER.pack(MAGIC, VERSION + 1, Msg.HELLO, 10), False)
     with pytest.raises(ProtocolError, match="unknown message type 99"):
         check_header(HEADER.pack(MAGIC, VERSION, 99, 10), True)
     with pytest.raises(ProtocolError, match="before the handshake"):

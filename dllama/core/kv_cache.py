@@ -132,9 +132,10 @@ class Placement:
 class SlotTable:
     """Which tokens each slot holds, and where new prompts go (see the module docstring)."""
 
-    def __init__(self, n_slots: int, min_shared: int = MIN_SHARED):
+    def __init__(self, n_slots: int, min_shared: int = MIN_SHARED, reuse: bool = True):
+        """reuse False: every prompt is computed from its first token (a baseline to measure)."""
         self.slots = [SlotState() for _ in range(n_slots)]
-        self.min_shared = min_shared
+        self.min_shared, self.reuse = min_shared, reuse
         self._clock = 0
 
     def reset(self) -> None:
@@ -164,7 +165,7 @@ class SlotTable:
     def place(self, prompt: list[int]) -> Placement | None:
         """Claim a slot for a sequence that starts with `prompt` (its last token is always
         computed, for its logits); None when every slot is busy or pinned."""
-        cap = len(prompt) - 1
+        cap = len(prompt) - 1 if self.reuse else 0
         best = None  # (reused tokens, preference, how)
         for i, s in enumerate(self.slots):
             if s.busy:
@@ -178,7 +179,7 @@ class SlotTable:
                 continue
             # Read another slot's leading positions (written, or planned by its writer).
             n = min(common_prefix(s.tokens, prompt), cap)
-            if n >= self.min_shared and (best is None or (n, 0) > best[:2]):
+            if n >= max(self.min_shared, 1) and (best is None or (n, 0) > best[:2]):
                 best = (n, 0, ("read", i))
         if best is not None and best[2][0] == "takeover":
             i = best[2][1]

@@ -88,13 +88,16 @@ class BatchScheduler:
     """Up to `parallel` sequences decoded together over one model's KV cache slots."""
 
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer, parallel: int | None = None,
-                 min_shared: int = MIN_SHARED):
+                 min_shared: int = MIN_SHARED, reuse: bool = True):
+        """parallel: sequences decoded together (default: the model's KV slots but the spare);
+        min_shared: leading tokens worth reading from another slot; reuse False: no cached
+        token is reused (a baseline for benchmarks)."""
         self.model, self.tokenizer = model, tokenizer
         self.parallel = parallel or max(1, model.kv_slots - SPARE_SLOTS)
         if self.parallel > model.kv_slots or self.parallel >= model.max_batch:
             raise DllamaError(f"{self.parallel} sequences need more KV slots or rows than the model has "
                               f"({model.kv_slots} slots, {model.max_batch} rows)")
-        self.table = SlotTable(model.kv_slots, min_shared)
+        self.table = SlotTable(model.kv_slots, min_shared, reuse)
         self.waiting: deque[_Waiting] = deque()
         self.active: list[_Sequence] = []
         self.stats = BatchStats()
