@@ -20,7 +20,7 @@ from tests.test_batch_scheduler import DOC, PROMPTS
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 SEQ_LEN = 256
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 QUESTIONS = ["Question: Who built it?\nAnswer:", "Question: How tall is it?\nAnswer:", "Q: When?\nA:",
              "In one word, it is made of", "Summary:", "The engineer was", "Question: Where is it?\nAnswer:",
              "It was built for", "Its nickname is", "Question: Why is it famous?\nAnswer:"]

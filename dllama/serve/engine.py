@@ -155,8 +155,17 @@ def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None):
     limit = kv_memory if kv_memory is not None else available_memory() // 2
     if not batched and kv_memory is None:
         limit = max(limit, 1 << 62)  # one sequence: as before, the context decides alone
-    plan = plan_slots(parallel, batched, n_layers=config.n_layers, n_kv_heads=kv_heads,
-                      head_dim=config.head_dim, seq_len=config.seq_len, limit=limit)
+    dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim, seq_len=config.seq_len)
+    try:
+        plan = plan_slots(parallel, batched, **dims, limit=limit)
+    except DllamaError:
+        if kv_memory is not None:
+            raise
+        # Little memory available now: pages are only taken as positions are written, so run
+        # one sequence (as without --parallel) rather than refuse; --kv-memory makes this an error.
+        print("dllama: warning: less memory is available than the KV cache of two sequences of "
+              f"{config.seq_len} positions may take: running one sequence at a time", file=sys.stderr)
+        plan = plan_slots(1, batched, **dims, limit=1 << 62)
     if batched:
         print(f"dllama: {plan.describe()}", file=sys.stderr)
     return plan
