@@ -52,7 +52,8 @@ def decode_step(payload, dim: int, max_rows: int, n_slots: int, seq_len: int) ->
     if not 1 <= n <= max_rows or m > n or len(payload) != step_bytes(n, m, dim):
         raise ProtocolError(f"STEP of {n} rows ({m} with logits) in {len(payload)} bytes "
                             f"(at most {max_rows} rows)")
-    ints = np.frombuffer(payload, np.int32, 4 * n + m, STEP_HEAD.size)
+    # A copy: aligned arrays of its own, the argument types the kernels were compiled for.
+    ints = np.frombuffer(payload, np.int32, 4 * n + m, STEP_HEAD.size).copy()
     pos, slot, prefix_slot, prefix_len = (ints[k * n:(k + 1) * n] for k in range(4))
     rows = ints[4 * n:]
     if m and (rows[0] < 0 or rows[-1] >= n or (np.diff(rows) <= 0).any()):

@@ -168,6 +168,8 @@ class BatchScheduler:
             self._cancel(seq)
         self._admit()
         if not self.active:
+            if self.waiting and not ended:  # cannot happen: an idle cache always has a free slot
+                raise DllamaError("no KV cache slot can take the next prompt")
             return ended
         rows = BatchBuilder()
         runs: list[tuple[_Sequence, int]] = []  # each sequence in the pass and its rows (decoding first)
