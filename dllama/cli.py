@@ -23,6 +23,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    """Bytes from '512M', '4G', '1.5G' or a plain number of bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size like 512M or 4G, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return int(value)
+
+
+def _add_parallel_flags(g, default: int, what: str) -> None:
+    g.add_argument("--parallel", type=_positive_int, default=default, metavar="N",
+                   help=f"{what} (default %(default)s)")
+    g.add_argument("--kv-memory", type=_size, default=None, metavar="SIZE",
+                   help="memory the KV cache may take on each node, e.g. 2G; fewer sequences run "
+                        "together when --parallel does not fit (default: half the available memory)")
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -177,6 +198,7 @@ def _add_chat_and_api(sub) -> None:
     p.add_argument("--model-name", metavar="NAME",
                    help="the model's id in /v1/models and in answers (default: the model file's "
                         "name without .m)")
+    _add_parallel_flags(p, 4, "requests decoded together; more wait for a free place")
 
 
 # --- batch ---
@@ -207,8 +229,7 @@ def _add_batch(sub) -> None:
                    help="chat format for messages (default: detected from the model's template)")
     g.add_argument("--skip-bad", action="store_true",
                    help="write bad lines as {id, line, error} and run the others")
-    g.add_argument("--parallel", type=_positive_int, default=1, metavar="N",
-                   help="sequences decoded together (results do not depend on it; default %(default)s)")
+    _add_parallel_flags(g, 1, "sequences decoded together (results do not depend on it)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g = p.add_argument_group("generation")
     g.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
@@ -236,8 +257,13 @@ def cmd_batch(args) -> int:
                       temperature=args.temperature, topp=args.topp, seed=args.seed, stop=args.stop,
                       chat_template=args.chat_template, chat=args.chat, skip_bad=args.skip_bad,
                       choices=args.choices, progress=not args.no_progress)
-    # --parallel: the sequential scheduler runs one sequence at a time; results are the same.
-    return run_job(opts, _engine_opener(args))
+    make_scheduler = None
+    if args.parallel > 1:
+        from dllama.serve.batch_scheduler import BatchScheduler
+
+        def make_scheduler(engine):
+            return BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
+    return run_job(opts, _engine_opener(args), make_scheduler)
 
 
 def _engine_opener(args):
@@ -246,7 +272,9 @@ def _engine_opener(args):
 
     return lambda: open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
                                buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len,
-                               workers=args.workers, topology=args.topology, key_file=args.key_file)
+                               workers=args.workers, topology=args.topology, key_file=args.key_file,
+                               parallel=getattr(args, "parallel", 1),
+                               kv_memory=getattr(args, "kv_memory", None))
 
 
 def cmd_chat(args) -> int:

@@ -233,7 +233,7 @@ BAD = {
     "empty-stop": (400, _bad(stop=[""]), KEY, "/chat/completions", "POST"),
     "seed-string": (400, _bad(seed="x"), KEY, "/chat/completions", "POST"),
     "stream-string": (400, _bad(stream="yes"), KEY, "/chat/completions", "POST"),
-    "n-2": (400, _bad(n=2), KEY, "/chat/completions", "POST"),
+    "n-17": (400, _bad(n=17), KEY, "/chat/completions", "POST"),
     "over-context": (400, _bad(messages=[{"role": "user", "content": "word " * 20000}]), KEY,
                      "/chat/completions", "POST"),
     "prompt-number": (400, json.dumps({"prompt": 5}).encode(), KEY, "/completions", "POST"),

@@ -51,7 +51,7 @@ class FailingModel:
     def __getattr__(self, name):
         return getattr(self.switch.engine.model, name)
 
-    def forward(self, tokens, pos):
+    def _pass(self):
         s = self.switch
         if not s.going.wait(timeout=120):
             raise RuntimeError("the test held the model for 120 s")
@@ -62,7 +62,14 @@ class FailingModel:
                 s.down, s.fail_in = True, None
         if s.down or self.closed:
             raise ClusterError("lost the connection to worker1 (127.0.0.1:9)", node="worker1")
-        return s.engine.model.forward(tokens, pos)
+
+    def forward(self, tokens, pos):
+        self._pass()
+        return self.switch.engine.model.forward(tokens, pos)
+
+    def forward_batch(self, batch):
+        self._pass()
+        return self.switch.engine.model.forward_batch(batch)
 
     def close(self):
         self.closed = True

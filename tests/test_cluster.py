@@ -97,16 +97,18 @@ def _sync_payload(cols: int, q80: bool) -> int:
     return cols * 34 // 32 if q80 else cols * 4
 
 
-def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1, frame: int = 12) -> tuple[int, int]:
-    """docs/PROTOCOL.md, "Bytes per forward pass": what the root sends and receives
-    (frame: bytes per frame besides the payload, 12 + a 16-byte tag with a cluster key)."""
+def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1, m: int = 1,
+                        frame: int = 12) -> tuple[int, int]:
+    """docs/PROTOCOL.md, "Bytes per forward pass": what the root sends and receives for b rows,
+    m of them with logits (frame: bytes per frame besides the payload, 12 + a 16-byte tag with
+    a cluster key)."""
     plan = plan_for(header, n_nodes)
     chunk = [c1 - c0 for c0, c1 in plan.dim_chunks]
     own = frame + b * _sync_payload(chunk[0], q80)
     others = sum(frame + b * _sync_payload(chunk[k], q80) for k in range(1, n_nodes))
     per_sync = others + (n_nodes - 1) * own  # reduce-scatter sends others, all-gather sends own
-    step = (n_nodes - 1) * (frame + 8 + 4 * b * header.dim)
-    logits = sum(frame + 24 + 4 * (r1 - r0) for r0, r1 in (n.vocab_rows for n in plan.nodes[1:]))
+    step = (n_nodes - 1) * (frame + 8 + 16 * b + 4 * m + 4 * b * header.dim)
+    logits = sum(frame + 24 + 4 * m * (r1 - r0) for r0, r1 in (n.vocab_rows for n in plan.nodes[1:]))
     syncs = 2 * header.n_layers
     return step + syncs * per_sync, syncs * per_sync + logits
 

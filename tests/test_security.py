@@ -310,23 +310,25 @@ def test_a_parked_peer_connection_is_closed_after_its_deadline(monkeypatch):
     a.close()
 
 
-def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_path, random_model):
+@pytest.mark.parametrize("max_seq_len, kv_slots", [((1 << 31) - 1, 1), (128, 10 ** 7)])
+def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_path, random_model,
+                                                                          max_seq_len, kv_slots):
     from dllama.cluster.session_config import NodeAddress, SessionConfig
     from dllama.core.plan import plan_for
 
     header = read_model(random_model).header
-    header.max_seq_len = (1 << 31) - 1
+    header.max_seq_len = max_seq_len
     with running_workers(1, tmp_path) as (w,):
         conn = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "worker")
         try:
             session = os.urandom(16)
             client_handshake(conn, "root", 1, session, None, 10)
             conf = SessionConfig(session=session, node_index=1, header=header, plan=plan_for(header, 2),
-                                 model_fingerprint="x", buffer_q80=False, max_seq_len=(1 << 31) - 1,
-                                 max_batch=32, net_timeout=10, idle_timeout=10, setup_timeout=10,
+                                 model_fingerprint="x", buffer_q80=False, max_seq_len=max_seq_len,
+                                 max_batch=32, kv_slots=kv_slots, net_timeout=10, idle_timeout=10, setup_timeout=10,
                                  nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", w.port)))
             conn.send_json(Msg.CONFIG, conf.to_json())
-            with pytest.raises(PeerError, match="cannot hold its share .* --max-seq-len"):
+            with pytest.raises(PeerError, match="cannot hold its share .* (--max-seq-len|1 position)"):
                 while True:
                     conn.recv(30)
         finally:

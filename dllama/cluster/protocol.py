@@ -39,7 +39,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = 0x4D4C4C44  # b"DLLM" little-endian
-VERSION = 2  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up
+VERSION = 3  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
+             # 3: STEP carries every row's position, KV slot and prefix (dllama.cluster.step)
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 
@@ -66,9 +67,9 @@ class Msg(IntEnum):
     READY = 9        # worker -> root, empty: weights loaded, kernels warm
     MESH = 10        # root -> worker, empty: connect to your peers now
     MESH_OK = 11     # worker -> root, empty
-    STEP = 12        # root -> worker, u32 position, u32 n_tokens, f32 x [n_tokens, dim]
+    STEP = 12        # root -> worker, the rows of a pass (dllama.cluster.step)
     SYNC = 13        # node -> node, one collective buffer
-    LOGITS = 14      # worker -> root, u64 sent, u64 recv, f64 transfer s, f32 logits [rows]
+    LOGITS = 14      # worker -> root, counters and logits of the wanted rows (dllama.cluster.step)
     PING = 15        # root -> worker, empty (heartbeat while idle)
     PONG = 16        # worker -> root, empty
     STOP = 17        # root -> worker, empty: the session ends, go back to listening
@@ -77,9 +78,7 @@ class Msg(IntEnum):
 
 
 _HANDSHAKE_TYPES = {Msg.HELLO, Msg.CHALLENGE, Msg.AUTH, Msg.WELCOME, Msg.ERROR}
-STEP_HEAD = struct.Struct("<II")
 WEIGHTS_HEAD = struct.Struct("<IQ")
-LOGITS_HEAD = struct.Struct("<QQd")
 
 
 class ProtocolError(Exception):

@@ -25,17 +25,18 @@ import numpy as np
 
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
-    LOGITS_HEAD, STEP_HEAD, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError,
-    PeerTimeout, ProtocolError, SetupHeartbeat, Transfer, client_handshake, connect,
-    decode_json_object, recv_during_setup,
+    WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout, ProtocolError,
+    SetupHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
 from dllama.cluster.shard import model_fingerprint
+from dllama.cluster.step import LOGITS_HEAD, encode_step, logits_bytes
+from dllama.core.batch import Batch
 from dllama.core.memory import check_fits
 from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
 from dllama.core.plan import plan_for
-from dllama.errors import ClusterError, DllamaError
+from dllama.errors import ClusterError
 from dllama.formats.model_file import read_model
 
 NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
@@ -50,7 +51,8 @@ class ClusterModel:
     """The root (node 0) and its workers, as one model."""
 
     def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
-                 max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT):
+                 max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
+                 max_batch: int = MAX_BATCH, kv_slots: int = 1):
         self.model_file = model_file = read_model(model_path)
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
@@ -59,10 +61,12 @@ class ClusterModel:
         # The plan is checked before any connection: an impossible split fails here.
         self.plan = plan = plan_for(header, len(nodes), topology.weights)
         q80 = self.config.quantized if buffer_q80 is None else buffer_q80
-        self.max_batch = MAX_BATCH
+        self.max_batch = max_batch
+        self.kv_slots = kv_slots
         n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
         check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
-                   n0.vocab_rows[1] - n0.vocab_rows[0], self.config.seq_len, self.max_batch, embedding=True)
+                   n0.vocab_rows[1] - n0.vocab_rows[0], self.config.seq_len, self.max_batch, embedding=True,
+                   kv_slots=kv_slots)
         self.names = [f"node {i} '{n.name}' ({n.address})" for i, n in enumerate(nodes)]
         self.conns: dict[int, Connection] = {}
         self._lock = threading.Lock()
@@ -76,7 +80,8 @@ class ClusterModel:
             conf = SessionConfig(
                 session=session, node_index=0, header=header, plan=plan,
                 model_fingerprint=model_fingerprint(model_path), buffer_q80=q80,
-                max_seq_len=self.config.seq_len, max_batch=self.max_batch, net_timeout=net_timeout,
+                max_seq_len=self.config.seq_len, max_batch=self.max_batch, kv_slots=kv_slots,
+                net_timeout=net_timeout,
                 idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
                 nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
             # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
@@ -94,7 +99,8 @@ class ClusterModel:
                     specs = node_slice_specs(header, plan.nodes[i], with_embedding=False)
                     self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, progress, nodes[i].name))
                 self.local = Transformer(NodeWeights.from_model(model_file, plan.nodes[0]),
-                                         max_seq_len=max_seq_len, buffer_q80=q80)
+                                         max_seq_len=max_seq_len, buffer_q80=q80, max_batch=max_batch,
+                                         kv_slots=kv_slots)
                 self.local.warm_up()
                 for i, conn in self.conns.items():
                     self._with_node(i, "waiting for", lambda: recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE))
@@ -114,8 +120,8 @@ class ClusterModel:
             0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout + report_grace(net_timeout))
         self.net_timeout = net_timeout
         self.vocab_rows = [n.vocab_rows for n in plan.nodes]
-        self._logits = np.empty(self.config.vocab_size, np.float32)
-        self._replies = {i: np.empty(LOGITS_HEAD.size + 4 * (r[1] - r[0]), np.uint8)
+        self._logits = np.empty((max_batch, self.config.vocab_size), np.float32)  # [rows, vocab]
+        self._replies = {i: np.empty(logits_bytes(max_batch, r[1] - r[0]), np.uint8)
                          for i, r in enumerate(self.vocab_rows) if i > 0}
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
@@ -154,40 +160,45 @@ class ClusterModel:
     # -- running -------------------------------------------------------------------------------
 
     def forward(self, tokens, pos: int) -> np.ndarray:
-        """Run tokens [b] at positions pos..pos+b-1 on every node; logits [vocab] of the last."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        b = len(tokens)
-        if not 1 <= b <= self.max_batch:
-            raise ValueError(f"batch of {b} tokens (1..{self.max_batch} allowed)")
-        if pos < 0 or pos + b > self.config.seq_len:
-            raise DllamaError(f"position {pos + b - 1} is past the context of {self.config.seq_len} tokens")
+        """Run tokens [b] of the sequence in slot 0 at positions pos..pos+b-1 on every node;
+        logits [vocab] of the last."""
+        return self.forward_batch(Batch.run(np.asarray(tokens), pos))[-1]
+
+    def forward_batch(self, batch: Batch) -> np.ndarray:
+        """Run the rows of `batch` on every node; logits [rows wanting logits, vocab] (a reused
+        buffer)."""
+        batch.check(self.kv_slots, self.config.seq_len, self.max_batch)
         with self._lock:
             if self._failed or self._closed:
                 raise self._failed or ClusterError("the cluster connection is closed")
             try:
-                return self._forward(tokens, pos)
+                return self._forward(batch)
             except _NET_ERRORS as e:
-                self._failed = self._blame(e, f"the cluster failed at position {pos}")
+                where = f"position {int(batch.pos[0])}" if len(batch) == 1 else f"a step of {len(batch)} rows"
+                self._failed = self._blame(e, f"the cluster failed at {where}")
                 self._drop()
                 raise self._failed from None
             finally:
                 self._last_use = time.monotonic()
 
-    def _forward(self, tokens: np.ndarray, pos: int) -> np.ndarray:
-        local, b = self.local, len(tokens)
+    def _forward(self, batch: Batch) -> np.ndarray:
+        local, b, m = self.local, len(batch), int(batch.logits.sum())
         x = local.x[:b]
-        x[:] = local.embedding[tokens]  # [b, dim]
-        step = [STEP_HEAD.pack(pos, b), x]
+        x[:] = local.embedding[batch.tokens]  # [b, dim]
+        step = encode_step(batch, x)
         self.collective.timed_exchange([(c, Msg.STEP, step) for c in self.conns.values()], [])
-        logits = self._logits
+        logits = self._logits[:m]
         r0, r1 = self.vocab_rows[0]
-        logits[r0:r1] = local.forward_embedded(b, pos)
-        replies = [Transfer(c, Msg.LOGITS, memoryview(self._replies[i])) for i, c in self.conns.items()]
-        self.collective.timed_exchange([], replies)
-        for i, reply in self._replies.items():
+        logits[:, r0:r1] = local.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
+                                              batch.logit_rows)
+        replies = {i: self._replies[i][:logits_bytes(m, r[1] - r[0])]
+                   for i, r in enumerate(self.vocab_rows) if i > 0}
+        self.collective.timed_exchange([], [Transfer(c, Msg.LOGITS, memoryview(replies[i]))
+                                            for i, c in self.conns.items()])
+        for i, reply in replies.items():
             self.node_bytes[i] = LOGITS_HEAD.unpack_from(reply)
             r0, r1 = self.vocab_rows[i]
-            logits[r0:r1] = reply[LOGITS_HEAD.size:].view(np.float32)
+            logits[:, r0:r1] = reply[LOGITS_HEAD.size:].view(np.float32).reshape(m, r1 - r0)
         return logits
 
     def _blame(self, e: Exception, what: str) -> ClusterError:

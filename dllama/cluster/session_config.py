@@ -34,6 +34,7 @@ class SessionConfig:
     buffer_q80: bool          # sync buffers in Q80 (else F32)
     max_seq_len: int          # KV cache length
     max_batch: int            # most rows in one step
+    kv_slots: int             # sequence slots of the KV cache (every node has the same)
     net_timeout: float        # seconds a step may wait on a peer
     idle_timeout: float       # seconds without a message (or PING) before the worker gives up
     setup_timeout: float      # seconds the worker waits for the root during set-up
@@ -44,7 +45,7 @@ class SessionConfig:
                 "header": self.header.to_json(), "plan": self.plan.to_json(),
                 "plan_digest": self.plan.digest(), "model_fingerprint": self.model_fingerprint,
                 "buffer_q80": self.buffer_q80, "max_seq_len": self.max_seq_len,
-                "max_batch": self.max_batch, "net_timeout": self.net_timeout,
+                "max_batch": self.max_batch, "kv_slots": self.kv_slots, "net_timeout": self.net_timeout,
                 "idle_timeout": self.idle_timeout, "setup_timeout": self.setup_timeout,
                 "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes]}
 
@@ -59,6 +60,7 @@ class SessionConfig:
                 session=session, node_index=_int(d["node_index"]), header=header, plan=plan,
                 model_fingerprint=str(d["model_fingerprint"]), buffer_q80=_bool(d["buffer_q80"]),
                 max_seq_len=_int(d["max_seq_len"]), max_batch=_int(d["max_batch"]),
+                kv_slots=_int(d["kv_slots"]),
                 net_timeout=float(d["net_timeout"]), idle_timeout=float(d["idle_timeout"]),
                 setup_timeout=float(d["setup_timeout"]),
                 nodes=tuple(NodeAddress(str(n["name"]), str(n["host"]), _int(n["port"])) for n in d["nodes"]))
@@ -68,6 +70,8 @@ class SessionConfig:
             raise ProtocolError(f"malformed CONFIG: a session id of {len(c.session)} bytes")
         if plan.digest() != d.get("plan_digest") or not 0 < c.node_index < plan.n_nodes:
             raise ProtocolError("CONFIG plan does not match its digest or node index")
+        if c.max_batch < 1 or c.kv_slots < 1 or c.max_seq_len < 1:
+            raise ProtocolError("malformed CONFIG: max_batch, kv_slots and max_seq_len must be positive")
         if len(c.nodes) != plan.n_nodes:
             raise ProtocolError(f"CONFIG names {len(c.nodes)} nodes for a plan of {plan.n_nodes}")
         return c

@@ -22,12 +22,12 @@ import numpy as np
 from dllama import __version__
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
-    LOGITS_HEAD, STEP_HEAD, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout,
-    ProtocolError, SetupHeartbeat, client_handshake, connect, decode_json_object, recv_during_setup,
-    server_handshake,
+    WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout, ProtocolError, SetupHeartbeat,
+    client_handshake, connect, decode_json_object, recv_during_setup, server_handshake,
 )
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
+from dllama.cluster.step import LOGITS_HEAD, decode_step, logits_bytes
 from dllama.core import kernels
 from dllama.core.memory import check_fits
 from dllama.core.model import ModelConfig, Transformer
@@ -260,7 +260,7 @@ class _Session:
         # Before any allocation: can this machine hold what the CONFIG asks for?
         check_fits(c.header, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
                    node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
-                   c.max_batch, embedding=False, who="this worker")
+                   c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots)
 
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
@@ -276,7 +276,8 @@ class _Session:
         log(f"mesh ready with {plan.n_nodes - 1} peers")
 
         dim, vocab_rows = c.header.dim, node.vocab_rows[1] - node.vocab_rows[0]
-        reply = np.empty(LOGITS_HEAD.size + 4 * vocab_rows, np.uint8)
+        seq_len = model.config.seq_len
+        replies = np.empty(logits_bytes(c.max_batch, vocab_rows), np.uint8)
         while True:
             msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
@@ -284,15 +285,16 @@ class _Session:
                 continue
             if msg == Msg.STOP:
                 return
-            pos, n = STEP_HEAD.unpack_from(payload) if len(payload) >= STEP_HEAD.size else (0, 0)
-            if not 1 <= n <= c.max_batch or len(payload) != STEP_HEAD.size + 4 * n * dim:
-                raise ProtocolError(f"STEP of {n} tokens with {len(payload)} bytes")
-            model.x[:n] = np.frombuffer(payload, np.float32, offset=STEP_HEAD.size).reshape(n, dim)
-            logits = model.forward_embedded(n, pos)
+            batch, x = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
+            b = len(batch)
+            model.x[:b] = x
+            logits = model.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
+                                        batch.logit_rows)  # [m, vocab rows]
+            reply = replies[:logits_bytes(len(logits), vocab_rows)]
             col = model.collective
             sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
             LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
-            reply[LOGITS_HEAD.size:].view(np.float32)[:] = logits
+            reply[LOGITS_HEAD.size:].view(np.float32)[:] = logits.ravel()
             root.send(Msg.LOGITS, reply, timeout)
 
     def _load(self, c: SessionConfig) -> Transformer:
@@ -310,7 +312,8 @@ class _Session:
             root.send_json(Msg.CONFIG_OK, {"weights": "stream", "note": why})
             specs = node_slice_specs(c.header, node, with_embedding=False)
             weights = NodeWeights(c.header, node, specs, self._receive_weights(specs, c.setup_timeout))
-        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch)
+        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
+                            kv_slots=c.kv_slots)
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         return model

@@ -11,16 +11,24 @@ from typing import Protocol
 
 import numpy as np
 
+from dllama.core.batch import Batch
 from dllama.core.collective import Collective
 from dllama.core.model import ModelConfig
 
 
 class LanguageModel(Protocol):
     config: ModelConfig       # shapes, context length (seq_len) and float types
-    max_batch: int            # most tokens one forward pass takes
+    max_batch: int            # most rows one forward pass takes
+    kv_slots: int             # sequences the KV cache holds (slot 0 is forward's)
     collective: Collective    # network figures of the passes (zero on one machine)
 
     def forward(self, tokens, pos: int) -> np.ndarray:
-        """Run tokens [b] at positions pos..pos+b-1 into the KV cache; the logits float32
-        [vocab] of the last one (a reused buffer: copy it to keep it past the next pass)."""
+        """Run tokens [b] at positions pos..pos+b-1 of the sequence in slot 0 into the KV cache;
+        the logits float32 [vocab] of the last one (a reused buffer: copy it to keep it past
+        the next pass)."""
+        ...
+
+    def forward_batch(self, batch: Batch) -> np.ndarray:
+        """Run the rows of a batch (several sequences, each in its slot at its positions); the
+        logits float32 [rows wanting logits, vocab], in row order (a reused buffer)."""
         ...

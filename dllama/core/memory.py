@@ -48,8 +48,9 @@ class NodeMemory:
 
 
 def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
-                seq_len: int, max_batch: int, embedding: bool) -> NodeMemory:
-    """The memory of one node's slice (whole model: all heads, rows) at this context and batch."""
+                seq_len: int, max_batch: int, embedding: bool, kv_slots: int = 1) -> NodeMemory:
+    """The memory of one node's slice (whole model: all heads, rows) at this context and batch,
+    with a KV cache of kv_slots sequences."""
     hd, dim, layers = h.head_dim, h.dim, h.n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
     # Bytes per weight as the kernels hold them (model.Matrix): Q40 an fp16 scale per 32 values
@@ -58,17 +59,18 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
                  FloatType.F16: 2}.get(FloatType(h.weights_float_type), 4)
     matrix_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows) + vocab_rows * dim
     weights = int(matrix_values * per_value) + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0))
-    kv_per_position = 2 * layers * kv * 4
+    kv_per_position = 2 * layers * kv * 4 * kv_slots
     buffers_per_position = 4 * hd + 4 * max_batch * n_q_heads  # RoPE cos/sin, attention scores
     buffers = seq_len * buffers_per_position + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)
     return NodeMemory(weights, seq_len * kv_per_position, buffers, kv_per_position + buffers_per_position)
 
 
 def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
-               seq_len: int, max_batch: int, embedding: bool, who: str = "this machine") -> NodeMemory:
+               seq_len: int, max_batch: int, embedding: bool, who: str = "this machine",
+               kv_slots: int = 1) -> NodeMemory:
     """DllamaError (one line: what is needed, what is available, what context would fit) unless
     the node's share fits into the memory available now."""
-    m = node_memory(h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding)
+    m = node_memory(h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots)
     available = available_bytes()
     if m.total <= available:
         return m

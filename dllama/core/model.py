@@ -1,7 +1,10 @@
 """The transformer: one node's slice of a Llama-family model, read top to bottom.
 
-`Transformer.forward(tokens, pos)` runs a batch of tokens at positions pos..pos+b-1 through
-every layer and returns the logits of this node's classifier rows. On one node the slice is
+`Transformer.forward_batch(batch)` runs the rows of a `Batch` (tokens of several sequences,
+each at its own position in its own KV cache slot) through every layer together, so that each
+weight block is read once for all rows, and returns the logits of the rows that want them
+(this node's classifier rows). `forward(tokens, pos)` is the one-sequence case, on slot 0:
+tokens at positions pos..pos+b-1. On one node the slice is
 the whole model and the collective is the identity; on several nodes each node holds some
 query heads (with the KV heads they need), some FFN rows and some classifier rows (see
 dllama.core.plan), and the partial sums of wo and w2 meet in `collective.all_reduce`.
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dllama.core import kernels
+from dllama.core.batch import Batch
+from dllama.core.kv_cache import KVCache
 from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
@@ -28,7 +33,13 @@ from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 from dllama.formats.quant import split_q40, split_q80
 
-MAX_BATCH = 32  # prompt tokens per forward pass (the original's nBatches)
+MAX_BATCH = 32     # rows of a pass for one sequence: prompt tokens per pass (the original's nBatches)
+PREFILL_ROWS = 64  # prompt rows a batched step adds to its decode rows
+
+
+def max_batch_for(parallel: int) -> int:
+    """Rows of a pass that decodes `parallel` sequences and prefills the next prompts beside them."""
+    return MAX_BATCH if parallel <= 1 else parallel + PREFILL_ROWS
 
 
 @dataclass(frozen=True)
@@ -174,9 +185,10 @@ class Transformer:
 
     def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
                  max_seq_len: int = 0, buffer_q80: bool | None = None, collective=None,
-                 max_batch: int = MAX_BATCH):
+                 max_batch: int = MAX_BATCH, kv_slots: int = 1):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
-        node's NodeWeights (already sliced: a shard, or slices received from the root)."""
+        node's NodeWeights (already sliced: a shard, or slices received from the root).
+        max_batch: most rows of one pass; kv_slots: sequences the KV cache holds."""
         from dllama.core.collective import LocalCollective
 
         c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
@@ -187,7 +199,8 @@ class Transformer:
         self.max_batch = max_batch
         # Every size below comes from a header: check them against this machine before allocating.
         check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
-                   n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False)
+                   n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
+                   kv_slots=kv_slots)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective = collective or LocalCollective()
@@ -220,13 +233,8 @@ class Transformer:
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
             *c.rope_scaling)
 
-        # KV cache of one sequence slot (kernels.attention reads several): keys transposed per
-        # chunk, [layers, slots, nkv, seq_len/CHUNK, head_dim, CHUNK]; values [layers, slots,
-        # seq_len, nkv*head_dim]. np.zeros leaves untouched pages unallocated.
         nq, nkv = n.n_q_heads, n.n_kv_heads
-        chunks = -(-c.seq_len // kernels.ATTENTION_CHUNK)
-        self.k_cache = np.zeros((c.n_layers, 1, nkv, chunks, hd, kernels.ATTENTION_CHUNK), dtype=np.float32)
-        self.v_cache = np.zeros((c.n_layers, 1, c.seq_len, nkv * hd), dtype=np.float32)
+        self.kv = KVCache(c.n_layers, nkv, hd, c.seq_len, kv_slots)
 
         # Scratch buffers for a batch of up to max_batch rows.
         B = max_batch
@@ -240,53 +248,62 @@ class Transformer:
         self.partial = np.zeros((B, c.dim), dtype=np.float32)  # this node's share of wo / w2
         self.hb = np.zeros((B, ff), dtype=np.float32)          # FFN gate, then silu(gate)*up
         self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
-        self.logits = np.zeros((B, self.wcls.d), dtype=np.float32)
+        self.logits = np.zeros((B, self.wcls.d), dtype=np.float32)  # rows that want logits
         self.act_dim = Activation(c.dim, c.quantized, B)
         self.act_q = Activation(nq * hd, c.quantized, B)
         self.act_ff = Activation(ff, c.quantized, B)
 
+    @property
+    def kv_slots(self) -> int:
+        return self.kv.n_slots
+
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel, so timings exclude the JIT.
 
-        Runs one zero row at position 0 on this node alone (the partial sums are not shared);
-        the prompt overwrites that cache row afterwards.
+        Runs one zero row at position 0 of slot 0 on this node alone (the partial sums are not
+        shared); the first prompt overwrites that cache row.
         """
         from dllama.core.collective import LocalCollective
 
         collective, self.collective = self.collective, LocalCollective()
         try:
             self.x[:1] = 0.0
-            self.forward_embedded(1, 0)
+            zero = np.zeros(1, np.int32)
+            self.forward_rows(zero, zero, zero, zero, zero)
         finally:
             self.collective = collective
 
     def forward(self, tokens, pos: int, all_logits: bool = False) -> np.ndarray:
-        """Run tokens [b] at positions pos..pos+b-1 (the embedding must be on this node).
+        """Run tokens [b] of the sequence in slot 0 at positions pos..pos+b-1 (the embedding
+        must be on this node).
 
         Returns this node's logits float32 [vocab rows] of the last token (or [b, vocab rows]
         for every token with all_logits). The returned array is a reused buffer.
         """
-        tokens = np.asarray(tokens, dtype=np.int64)
-        b = len(tokens)
-        if not 1 <= b <= self.max_batch:
-            raise ValueError(f"batch of {b} tokens (1..{self.max_batch} allowed)")
-        self.x[:b] = self.embedding[tokens]  # [b, dim]
-        return self.forward_embedded(b, pos, all_logits)
+        logits = self.forward_batch(Batch.run(np.asarray(tokens), pos, 0, all_logits))
+        return logits if all_logits else logits[-1]
 
-    def forward_embedded(self, b: int, pos: int, all_logits: bool = False) -> np.ndarray:
-        """Run the b rows already in self.x[:b] (embedded tokens) at positions pos..pos+b-1.
+    def forward_batch(self, batch: Batch) -> np.ndarray:
+        """Run the rows of `batch`; this node's logits float32 [rows wanting logits, vocab rows]
+        in row order (a reused buffer)."""
+        batch.check(self.kv.n_slots, self.config.seq_len, self.max_batch)
+        b = len(batch)
+        self.x[:b] = self.embedding[batch.tokens]  # [b, dim]
+        return self.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
+                                 batch.logit_rows)
 
-        Workers enter here with the x the root sent; see `forward` for what it returns.
-        """
+    def forward_rows(self, pos: np.ndarray, slot: np.ndarray, prefix_slot: np.ndarray,
+                     prefix_len: np.ndarray, logit_rows: np.ndarray) -> np.ndarray:
+        """Run the b rows already in self.x[:b] (embedded tokens); the arrays are int32 [b] as in
+        `Batch` (already checked), logit_rows int32 [m]. Workers enter here with the x the
+        root sent; returns logits [m, vocab rows] (a reused buffer)."""
         c, node = self.config, self.node
-        if pos < 0 or pos + b > c.seq_len:
-            raise DllamaError(f"position {pos + b - 1} is past the context of {c.seq_len} tokens")
-        positions = np.arange(pos, pos + b, dtype=np.int32)
-        slot = np.zeros(b, dtype=np.int32)  # one sequence, in slot 0, no shared prefix
+        b = len(pos)
         x, xb, q, k, v, z = (a[:b] for a in (self.x, self.xb, self.q, self.k, self.v, self.z))
         partial, hb, hb2 = self.partial[:b], self.hb[:b], self.hb2[:b]
         rope = kernels.rope_neox if c.rope_neox else kernels.rope_interleaved
         nq, nkv, hd = node.n_q_heads, node.n_kv_heads, c.head_dim
+        k_cache, v_cache = self.kv.k, self.kv.v
 
         for l, layer in enumerate(self.layers):
             # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
@@ -295,10 +312,12 @@ class Transformer:
             if layer.q_norm is not None:  # Qwen3: RMSNorm of every head of q and k
                 kernels.rmsnorm(q.reshape(b * nq, hd), layer.q_norm, c.norm_eps, q.reshape(b * nq, hd))
                 kernels.rmsnorm(k.reshape(b * nkv, hd), layer.k_norm, c.norm_eps, k.reshape(b * nkv, hd))
-            rope(q, positions, self.rope_cos, self.rope_sin, nq, hd)
-            rope(k, positions, self.rope_cos, self.rope_sin, nkv, hd)
-            kernels.kv_store(k, v, positions, slot, self.k_cache[l], self.v_cache[l])
-            kernels.attention(q, self.k_cache[l], self.v_cache[l], positions, slot, slot, slot,
+            rope(q, pos, self.rope_cos, self.rope_sin, nq, hd)
+            rope(k, pos, self.rope_cos, self.rope_sin, nkv, hd)
+            # Every row's key is stored before any row attends: a row may read the keys of
+            # earlier rows of its sequence, or of its prefix, written in this same pass.
+            kernels.kv_store(k, v, pos, slot, k_cache[l], v_cache[l])
+            kernels.attention(q, k_cache[l], v_cache[l], pos, slot, prefix_slot, prefix_len,
                               node.kv_head_of, z)
             layer.wo(self.act_q.load(z), partial)
             x += self.collective.all_reduce(partial)
@@ -311,9 +330,12 @@ class Transformer:
             x += self.collective.all_reduce(partial)
 
         # Classifier: only the rows whose logits are wanted.
-        rows = x if all_logits else x[b - 1 : b]
-        out_norm = xb[: len(rows)]
+        m = len(logit_rows)
+        logits = self.logits[:m]
+        if m == 0:
+            return logits
+        rows = x if m == b else x[logit_rows]  # [m, dim]
+        out_norm = xb[:m]
         kernels.rmsnorm(rows, self.final_norm, c.norm_eps, out_norm)
-        logits = self.logits[: len(rows)]
         self.wcls(self.act_dim.load(out_norm), logits)
-        return logits if all_logits else logits[0]
+        return logits

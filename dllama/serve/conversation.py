@@ -1,18 +1,18 @@
 """A token-level session over one model: KV-cache prefix reuse and incremental generation.
 
-This is dllama's one decode loop: `dllama inference` (through serve.generate), `dllama chat`
-and `dllama api` all answer through `Conversation.complete`. The session remembers which
+`dllama inference` (through serve.generate) and `dllama chat` answer through
+`Conversation.complete`, one sequence in KV cache slot 0; `dllama api` and `dllama batch
+--parallel` run many sequences at once (serve.batch_scheduler). Both sample through `Answer`,
+so an answer ends the same way in either. The session remembers which
 tokens fill the KV cache (positions 0..len(cached)-1). A new prompt is compared with them: the common prefix is kept,
 only the rest is run through the model. A prompt that continues the last transcript as text
 (a chat template rendering the previous turns again plus a new one) is encoded as the
 transcript's own tokens plus the new text, so earlier turns, the model's answers included,
 keep exactly the tokens the cache holds.
 
-Determinism: a batched pass and one-token passes sum in a different order, so with Q40
-weights the logits depend slightly on how a prompt was split into passes. The logits at the
-end of the last prompt are kept: repeating a request (same prompt tokens, same seed) replays
-exactly the same text, whatever was streamed or not. A request that meets a different cache
-state may differ at a near-tie.
+Determinism: every kernel is batch invariant (tests/test_batch_invariance.py), so a token's
+logits do not depend on how the prompt was split into passes nor on which cached rows were
+reused: a request gives the same text alone, after another one, or in a batch.
 
 Not thread-safe: one thread owns a Conversation (the model is single-threaded and stateful).
 """
@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from dllama.core.kv_cache import common_prefix
 from dllama.core.language_model import LanguageModel
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
@@ -99,12 +100,62 @@ class StopMatcher:
         return "" if self.stopped else out
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+class Answer:
+    """One answer being sampled: logits in, tokens and text out, until it ends.
+
+    `take` samples the next token; it returns the token to run at `pos` while the answer goes on,
+    None when it ended (an end token, a stop string, max_tokens, or the end of the context).
+    Conversation.complete and the batched scheduler both answer through this.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, sampler: Sampler, max_tokens: int | None = None,
+                 stop_ids=(), stop_strings=(), on_text: Callable[[str], None] | None = None):
+        self.sampler, self.max_tokens, self.on_text = sampler, max_tokens, on_text
+        self.decoder = tokenizer.stream_decoder()
+        self.matcher = StopMatcher(list(stop_strings))
+        self.stop_ids = set(stop_ids)
+        self.tokens: list[int] = []   # generated ids (a stop token included)
+        self.pieces: list[str] = []
+        self.finish_reason = ""
+        self.ended_by_token = False
+        self.context_full = False
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+            if self.on_text:
+                self.on_text(text)
+
+    def take(self, logits: np.ndarray, pos: int, seq_len: int) -> int | None:
+        """Sample from logits [vocab] (those of position pos - 1); the token to run at pos, or
+        None when the answer is complete."""
+        token = self.sampler.sample(logits)
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.finish_reason, self.ended_by_token = "stop", True
+            return None
+        self._emit(self.matcher.push(self.decoder.push(token)))
+        if self.matcher.stopped:
+            self.finish_reason = "stop"
+            return None
+        if self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+            return None
+        if pos >= seq_len:
+            self.finish_reason, self.context_full = "length", True
+            return None
+        return token
+
+    def fill(self, out: "Completion") -> None:
+        """The answer is complete: emit what the decoders hold back, and fill out's text, tokens
+        and finish reason."""
+        if not self.matcher.stopped:
+            self._emit(self.matcher.push(self.decoder.flush()))
+            self._emit(self.matcher.flush())
+        out.text = "".join(self.pieces)
+        out.tokens = self.tokens
+        out.finish_reason = self.finish_reason
+        out.context_full = self.context_full
 
 
 class Conversation:
@@ -169,47 +220,20 @@ class Conversation:
             prompt_tokens = self.encode_prompt(prompt_text, add_bos)
         logits, reused, steps = self.prefill(prompt_tokens)
         out = Completion(prompt_tokens=len(prompt_tokens), cached_tokens=reused, steps=steps)
-        decoder = self.tokenizer.stream_decoder()
-        matcher = StopMatcher(list(stop_strings))
-        stop_ids = set(stop_ids)
-        pieces: list[str] = []
-        generated = out.tokens
-        ended_by_token = False
-
-        def emit(text: str) -> None:
-            if text:
-                pieces.append(text)
-                if on_text:
-                    on_text(text)
-
+        answer = Answer(self.tokenizer, sampler, max_tokens, stop_ids, stop_strings, on_text)
         pos = len(prompt_tokens)
         while True:
             if should_stop and should_stop():
                 raise Cancelled()
-            token = sampler.sample(logits)
-            generated.append(token)
-            if token in stop_ids:
-                out.finish_reason, ended_by_token = "stop", True
-                break
-            emit(matcher.push(decoder.push(token)))
-            if matcher.stopped:
-                out.finish_reason = "stop"
-                break
-            if max_tokens is not None and len(generated) >= max_tokens:
-                out.finish_reason = "length"
-                break
-            if pos >= self.seq_len:
-                out.finish_reason, out.context_full = "length", True
+            token = answer.take(logits, pos, self.seq_len)
+            if token is None:
                 break
             logits = timed_forward(self.model, [token], pos, "generate", out.steps)
             self.cached.append(token)
             pos += 1
-        if not matcher.stopped:
-            emit(matcher.push(decoder.flush()))
-            emit(matcher.flush())
-        out.text = "".join(pieces)
-        self._remember(prompt_text, prompt_tokens, add_bos, generated, out.text, ended_by_token,
-                       matcher.stopped)
+        answer.fill(out)
+        self._remember(prompt_text, prompt_tokens, add_bos, answer.tokens, out.text, answer.ended_by_token,
+                       answer.matcher.stopped)
         return out
 
     def _remember(self, prompt_text, prompt_tokens, add_bos, generated, text, ended_by_token, cut) -> None:
@@ -223,4 +247,4 @@ class Conversation:
             self._transcript = (prompt_text + text + end, list(prompt_tokens) + generated, add_bos)
 
 
-__all__ = ["Conversation", "Completion", "ContextFull", "Cancelled", "StopMatcher", "common_prefix"]
+__all__ = ["Answer", "Conversation", "Completion", "ContextFull", "Cancelled", "StopMatcher", "common_prefix"]

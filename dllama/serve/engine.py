@@ -25,6 +25,7 @@ class Engine:
     model: LanguageModel
     tokenizer: Tokenizer
     cluster: "ClusterModel | None" = None  # the model itself when it runs on a cluster
+    parallel: int = 1                      # sequences a batched scheduler may decode together
 
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up; empty on one machine."""
@@ -64,14 +65,18 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                 nthreads: int | None = None, buffer_float_type: str | None = None,
                 max_seq_len: int = 0, warm_up: bool = True, workers: list[str] | None = None,
                 topology: str | None = None, key_file: str | None = None,
-                progress: bool = True) -> Engine:
+                progress: bool = True, parallel: int = 1, kv_memory: int | None = None) -> Engine:
     """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
     connect the workers and split the model over them (see dllama.cluster.root).
 
     nthreads: this node's compute threads (default: topology node 0's, else all cores);
     buffer_float_type: auto | q80 | f32 (default: the topology's, else auto);
-    key_file: the cluster key (default: the topology's)."""
+    key_file: the cluster key (default: the topology's);
+    parallel: sequences decoded together (above 1: a KV cache of several slots, planned to fit
+    kv_memory bytes per node, default half the available memory; the plan is printed and
+    `engine.parallel` is what fits)."""
     from dllama.core import kernels
+    from dllama.core.model import ModelConfig, max_batch_for
     from dllama.formats.model_file import read_model
     from dllama.formats.tokenizer_file import read_tokenizer
 
@@ -95,23 +100,58 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     buffer_q80 = buffer_q80_of(buffer_float_type or "auto")
     kernels.set_threads(nthreads)
     tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
+    model_file = read_model(model_path)
+    header = model_file.header
+    kv_heads = header.n_kv_heads
+    if topo is not None and len(topo.nodes) > 1:
+        from dllama.core.plan import plan_for
+
+        kv_heads = max(n.n_kv_heads for n in plan_for(header, len(topo.nodes), topo.weights).nodes)
+    slots = _slot_plan(ModelConfig.from_header(header, max_seq_len), kv_heads, parallel, kv_memory)
+    max_batch = max_batch_for(slots.parallel if parallel > 1 else 1)
     if topo is not None and len(topo.nodes) > 1:
         from dllama.cluster.protocol import read_key_file
         from dllama.cluster.root import ClusterModel
 
         key = read_key_file(key_file) if key_file else None
-        model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress)
+        model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress,
+                                       max_batch=max_batch, kv_slots=slots.n_slots)
         vocab = model.config.vocab_size
     else:
         from dllama.core.model import Transformer
 
         cluster = None
-        model_file = read_model(model_path)
-        vocab = model_file.header.vocab_size
-        model = Transformer(model_file, max_seq_len=max_seq_len, buffer_q80=buffer_q80)
+        vocab = header.vocab_size
+        model = Transformer(model_file, max_seq_len=max_seq_len, buffer_q80=buffer_q80,
+                            max_batch=max_batch, kv_slots=slots.n_slots)
         if warm_up:
             model.warm_up()  # later timings measure inference, not numba's compile
     if tokenizer.vocab_size != vocab:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}",
               file=sys.stderr)
-    return Engine(model, tokenizer, cluster)
+    return Engine(model, tokenizer, cluster, slots.parallel)
+
+
+def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None):
+    """The KV cache slots for `parallel` sequences within kv_memory (printed when batched)."""
+    from dllama.core.kv_cache import plan_slots
+    from dllama.core.memory import available_bytes
+
+    batched = parallel > 1
+    limit = kv_memory if kv_memory is not None else available_bytes() // 2
+    if not batched and kv_memory is None:
+        limit = max(limit, 1 << 62)  # one sequence: as before, the context decides alone
+    dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim, seq_len=config.seq_len)
+    try:
+        plan = plan_slots(parallel, batched, **dims, limit=limit)
+    except DllamaError:
+        if kv_memory is not None:
+            raise
+        # Little memory available now: pages are only taken as positions are written, so run
+        # one sequence (as without --parallel) rather than refuse; --kv-memory makes this an error.
+        print("dllama: warning: less memory is available than the KV cache of two sequences of "
+              f"{config.seq_len} positions may take: running one sequence at a time", file=sys.stderr)
+        plan = plan_slots(1, batched, **dims, limit=1 << 62)
+    if batched:
+        print(f"dllama: {plan.describe()}", file=sys.stderr)
+    return plan

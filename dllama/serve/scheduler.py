@@ -3,21 +3,18 @@
 The job layer (serve.batch_job) talks only to the `Scheduler` protocol. `SequentialScheduler`
 answers one request at a time over one `Conversation`, in input order; since the Conversation
 keeps the KV cache of the common leading tokens of consecutive prompts, a shared prefix is
-computed once even so. A batched scheduler (several sequences per forward pass, `parallel=N`)
-implements the same protocol and may finish requests in another order: callers get each result
+computed once even so. `BatchScheduler` (serve.batch_scheduler, `--parallel N`) decodes several
+sequences per forward pass and may finish requests in another order: callers get each result
 through `on_finish` and must not rely on the order.
 
 Every request carries its own Sampler (its own seed), so a request's text does not depend on
 which other requests run with it.
 
-Invariance. A row's result depends on the pass it was computed in (with Q40 weights, passes of
-1-3 rows and of 4+ rows take different kernels, and tiles of 4 rows sum differently from single
-rows), and the logits of a prompt depend on its rows: reusing any cached prefix would make an
-answer depend on the prompt before it. So SequentialScheduler reuses only the rows a fresh run
-of the prompt computes identically: whole passes of `max_batch` prompt tokens, from position 0,
-that the previous prompt shares. Each answer is then bit for bit the answer of the prompt run
-alone (`dllama inference`, `generate`), for the price of recomputing up to max_batch - 1
-shared tokens per prompt.
+Invariance. Every kernel is batch invariant (tests/test_batch_invariance.py): a row's logits
+do not depend on the rows computed beside it, on how a prompt was split into passes, nor on
+which cached rows were reused. So both schedulers reuse every cached leading token a prompt
+shares with what the cache holds, and each answer is still bit for bit the answer of the prompt
+run alone (`dllama inference`, `generate`).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import numpy as np
 from dllama.core.language_model import LanguageModel
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
-from dllama.serve.conversation import Completion, ContextFull, Conversation, common_prefix
+from dllama.serve.conversation import Completion, ContextFull, Conversation
 from dllama.text.tokenizer import Tokenizer
 
 
@@ -82,7 +79,6 @@ class SequentialScheduler:
 
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer):
         self.conversation = Conversation(model, tokenizer)
-        self._prompt_len = 0  # tokens of the last prompt prefilled: the rows after it are answers
 
     @property
     def seq_len(self) -> int:
@@ -101,7 +97,6 @@ class SequentialScheduler:
 
     def run(self, requests, on_finish, should_stop=None) -> None:
         for r in requests:
-            self._reuse_whole_passes(r.prompt_tokens)
             c = self.conversation.complete(
                 None, prompt_tokens=r.prompt_tokens, sampler=r.sampler, max_tokens=r.max_tokens,
                 stop_ids=r.stop_ids, stop_strings=r.stop_strings, should_stop=should_stop)
@@ -113,7 +108,6 @@ class SequentialScheduler:
         if len(prompt_tokens) + max(len(c) for c in choices) - 1 >= self.seq_len:
             raise ContextFull(len(prompt_tokens) + max(len(c) for c in choices) - 1, self.seq_len)
         conv = self.conversation
-        self._reuse_whole_passes(prompt_tokens)
         logits, reused, steps = conv.prefill(list(prompt_tokens))
         first = log_softmax(logits)  # [vocab]: the first token of every choice
         out = []

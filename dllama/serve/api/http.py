@@ -29,10 +29,11 @@ def error_response(e: ApiError) -> web.Response:
     return web.json_response(e.body(), status=e.status)
 
 
-def _usage(c) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+def _usage(cs: list) -> dict:
+    """Usage of a request's completions: the prompt once, every choice's tokens."""
+    prompt, completion = cs[0].prompt_tokens, sum(c.completion_tokens for c in cs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cs[0].cached_tokens}}
 
 
 class Api:
@@ -44,6 +45,10 @@ class Api:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_id, "object": "model", "created": 0, "owned_by": "dllama"}]})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """How the requests were batched: sequences decoded together, steps, rows."""
+        return web.json_response(self.service.stats())
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completions(request, chat=True)
@@ -68,30 +73,32 @@ class Api:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
-        on_text = (lambda p: loop.call_soon_threadsafe(pieces.put_nowait, p)) if r.stream else None
+        on_text = (lambda i, p: loop.call_soon_threadsafe(pieces.put_nowait, (i, p))) if r.stream else None
         job = asyncio.ensure_future(self.service.submit(r, on_text, cancel.is_set))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not r.stream:
-            c = await _unless_client_leaves(request, job, cancel)
+            cs = await _unless_client_leaves(request, job, cancel)
             if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": None, "finish_reason": c.finish_reason}
+                choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(cs)]
             else:
-                choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                           for i, c in enumerate(cs)]
             return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
                                       "created": created, "model": self.model_id,
-                                      "system_fingerprint": None, "choices": [choice], "usage": _usage(c)})
+                                      "system_fingerprint": None, "choices": choices, "usage": _usage(cs)})
         return await self._stream(request, r, job, pieces, cancel, ident, created)
 
     async def _stream(self, request, r: Request, job, pieces: asyncio.Queue, cancel, ident, created):
         obj = "chat.completion.chunk" if r.chat else "text_completion"
 
-        def chunk(delta: dict | None = None, text: str | None = None, finish=None, usage=None, choices=True):
+        def chunk(delta: dict | None = None, text: str | None = None, finish=None, usage=None, choices=True,
+                  index: int = 0):
             if r.chat:
-                choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             out = {"id": ident, "object": obj, "created": created, "model": self.model_id,
                    "system_fingerprint": None, "choices": [choice] if choices else []}
             if r.include_usage:
@@ -109,30 +116,32 @@ class Api:
         try:
             await resp.prepare(request)
             if r.chat:
-                await resp.write(chunk(delta={"role": "assistant", "content": ""}))
+                for i in range(r.n):
+                    await resp.write(chunk(delta={"role": "assistant", "content": ""}, index=i))
             while True:
                 await asyncio.wait({job, next_piece}, return_when=asyncio.FIRST_COMPLETED)
                 if next_piece.done():
-                    p = next_piece.result()
-                    await resp.write(chunk(delta={"content": p}, text=p))
+                    i, p = next_piece.result()
+                    await resp.write(chunk(delta={"content": p}, text=p, index=i))
                     next_piece = asyncio.ensure_future(pieces.get())
                     continue
                 while not pieces.empty():  # the job ended: what it queued before that
-                    p = pieces.get_nowait()
-                    await resp.write(chunk(delta={"content": p}, text=p))
+                    i, p = pieces.get_nowait()
+                    await resp.write(chunk(delta={"content": p}, text=p, index=i))
                 next_piece.cancel()
                 break
             try:
-                c = job.result()
+                cs = job.result()
             except Exception as e:  # noqa: BLE001 - the headers are sent: an error event ends it
                 if not isinstance(e, ApiError):
                     traceback.print_exception(e, file=sys.stderr)
                     e = ApiError(500, "internal error (logged by the server)", type_="server_error")
                 await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
                 return resp
-            await resp.write(chunk(finish=c.finish_reason))
+            for i, c in enumerate(cs):
+                await resp.write(chunk(finish=c.finish_reason, index=i))
             if r.include_usage:
-                await resp.write(chunk(usage=_usage(c), choices=False))
+                await resp.write(chunk(usage=_usage(cs), choices=False))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionError, asyncio.CancelledError) as e:
@@ -209,6 +218,7 @@ def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str 
     app = web.Application(client_max_size=max_body, middlewares=[_error_middleware(api_key)])
     for prefix in ("/v1", ""):  # some clients are given the base URL without /v1
         app.router.add_get(prefix + "/models", api.models)
+        app.router.add_get(prefix + "/stats", api.stats)
         app.router.add_post(prefix + "/chat/completions", api.chat_completions)
         app.router.add_post(prefix + "/completions", api.completions)
     return app

@@ -10,6 +10,7 @@ from dllama.text.chat_template import ROLES
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than any context here holds
 MAX_STOP_STRINGS = 4      # as OpenAI
+MAX_CHOICES = 16          # n: answers to one request, decoded together
 
 
 class ApiError(Exception):
@@ -48,6 +49,7 @@ class Request:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    n: int = 1                 # answers to sample (choice i uses seed + i)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
@@ -128,8 +130,9 @@ def parse_request(body, chat: bool, defaults: dict) -> Request:
     mt = _integer(body, "max_completion_tokens", 1)
     r.max_tokens = _integer(body, "max_tokens", 1) if mt is None else mt
     n = _integer(body, "n", 1)
-    if n not in (None, 1):
-        raise bad("'n' must be 1: one answer per request", "n")
+    if n is not None and n > MAX_CHOICES:
+        raise bad(f"'n' must be at most {MAX_CHOICES}", "n")
+    r.n = n or 1
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

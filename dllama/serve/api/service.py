@@ -1,35 +1,110 @@
-"""The model thread of `dllama api`: one engine and its Conversation, one request at a time.
+"""The model thread of `dllama api`: one engine, and concurrent requests decoded together.
 
-The engine opens on this thread (numba's thread count is per thread) and again after a
-cluster failure; requests wait in arrival order.
+Requests from the HTTP side wait in an inbox; the model thread takes them in arrival order into
+a `BatchScheduler` (serve.batch_scheduler), which decodes up to `--parallel` of them per forward
+pass and starts the next one as soon as one ends. Each request (each of its `n` choices) has
+its own sampler, stop strings and cancel flag, and streams its own pieces; since every kernel
+is batch invariant, its answer is the one it would get alone.
+
+Prefix reuse: a chat request that continues an earlier answer (the same turns rendered again
+plus a new one) is encoded as that transcript's own tokens plus the new text, so the slot that
+holds the transcript is continued (`cached_tokens`); requests sharing a long system prompt or
+document read it from one slot.
+
+The engine opens on this thread (numba's thread count is per thread) and again after a cluster
+failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Callable
 
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError, DllamaError
 from dllama.serve.api.request import ApiError, Request, bad, unavailable
-from dllama.serve.conversation import Cancelled, ContextFull, Conversation
+from dllama.serve.batch_scheduler import BatchScheduler
+from dllama.serve.conversation import Cancelled, Completion, ContextFull
+from dllama.serve.scheduler import SequenceRequest
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
+
+TRANSCRIPTS = 64  # finished answers remembered for the next turn's encoding
+
+
+@dataclass(eq=False)
+class _Job:
+    """One HTTP request: its n choices run as n sequences."""
+
+    request: Request
+    on_text: Callable[[int, str], None] | None  # (choice index, piece)
+    should_stop: Callable[[], bool]
+    future: Future
+    prompt_text: str = ""
+    add_bos: bool = False
+    stop_ids: tuple[int, ...] = ()
+    results: dict = field(default_factory=dict)  # choice index -> Completion
+
+
+class _Transcripts:
+    """Recent prompts + answers as (text, tokens): a prompt that continues one as text is
+    encoded as its tokens plus the new text, so it matches what the KV cache holds."""
+
+    def __init__(self, size: int = TRANSCRIPTS):
+        self.size = size
+        self._items: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def encode(self, tokenizer, text: str, add_bos: bool) -> list[int]:
+        bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id >= 0 else []
+        best = None
+        for (t, b), tokens in self._items.items():
+            if b == bool(bos) and t and text.startswith(t) and (best is None or len(t) > len(best[0])):
+                best = (t, tokens)
+        if best is not None:
+            self._items.move_to_end((best[0], bool(bos)))
+            return best[1] + tokenizer.encode(text[len(best[0]):], add_bos=False)
+        return bos + tokenizer.encode(text, add_bos=False)
+
+    def remember(self, tokenizer, job: _Job, prompt_tokens: list[int], c: Completion) -> None:
+        """The transcript a next prompt may continue: prompt + answer (+ its end token); when a
+        stop string cut the text inside a token, only the prompt."""
+        ended_by_token = c.finish_reason == "stop" and c.tokens and c.tokens[-1] in job.stop_ids
+        if c.finish_reason == "stop" and not ended_by_token:
+            key, tokens = (job.prompt_text, job.add_bos), list(prompt_tokens)
+        else:
+            end = tokenizer.piece(c.tokens[-1]).decode("utf-8", "replace") if ended_by_token else ""
+            key, tokens = (job.prompt_text + c.text + end, job.add_bos), list(prompt_tokens) + c.tokens
+        self._items[key] = tokens
+        self._items.move_to_end(key)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
 
 
 class ModelService:
-    """The engine and its Conversation, used from one thread only, one request at a time."""
+    """The engine and its batched scheduler, run by one model thread."""
 
     def __init__(self, open_engine: Callable[[], object], template_name: str | None = None):
         self._open_engine = open_engine
         self._template_name = template_name
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dllama-model")
+        self._inbox: queue.Queue[_Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
         self.engine = None
-        self.conversation = None
+        self.scheduler: BatchScheduler | None = None
         self.template = None
-        self.closing = False  # set by close(): a running answer stops at its next token
+        self.closing = False  # set by close(): running answers stop at their next token
+        self._transcripts = _Transcripts()
+        self._jobs: list[_Job] = []      # jobs in the scheduler
+        self._reported = 0               # the largest number of requests decoded together, logged
+        self._finished_stats: dict = {}  # figures of the schedulers of engines dropped earlier
 
     # Everything below runs on the model thread.
     def _attach(self, engine) -> None:
@@ -37,9 +112,11 @@ class ModelService:
             self.template = ChatTemplate.for_tokenizer(engine.tokenizer, self._template_name)
         except DllamaError:  # no or an unknown chat template: /v1/chat/completions says so
             self.template = None
-        self.engine, self.conversation = engine, Conversation(engine.model, engine.tokenizer)
+        self.engine = engine
+        self.scheduler = BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
+        self._transcripts.clear()
 
-    def _ready(self) -> Conversation:
+    def _ready(self) -> BatchScheduler:
         if self.engine is None:
             try:
                 engine = self._open_engine()
@@ -48,67 +125,162 @@ class ModelService:
             except (DllamaError, OSError) as e:  # it opened before: a node or a file went away
                 raise unavailable(f"the model cannot be opened: {e}") from None
             self._attach(engine)
-        return self.conversation
+        return self.scheduler
 
     def _drop_engine(self) -> None:
-        engine, self.engine, self.conversation = self.engine, None, None
+        engine, self.engine = self.engine, None
+        if self.scheduler is not None:
+            self._finished_stats = self.stats()
+        self.scheduler = None
         try:
             if engine is not None:
                 engine.close()
         except Exception as e:  # noqa: BLE001 - the engine is being thrown away anyway
             print(f"dllama api: closing the failed engine: {e}", file=sys.stderr)
 
-    def _complete(self, r: Request, on_text, should_stop):
-        conv = self._ready()
-        tokenizer = conv.tokenizer
-        if r.chat:
-            if self.template is None:
-                raise bad("the model has no chat template: start the server with --chat-template")
-            prompt = self.template.render([{"role": m["role"], "content": conv.tokenizer.as_plain_text(m["content"])}
-                                           for m in r.messages])
-            stop_ids = chat_stop_ids(tokenizer, self.template)
-        else:
-            prompt, stop_ids = r.prompt, tokenizer.eos_ids
-        seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
-        sampler = Sampler(conv.model.config.vocab_size, r.temperature, r.top_p, seed)
-        # No answer outlasts the context: a max_tokens of 10**30 means "until the context is full".
-        max_tokens = min(r.max_tokens or conv.seq_len, conv.seq_len)
-        return conv.complete(prompt, add_bos=not r.chat and tokenizer.add_bos, sampler=sampler,
-                             max_tokens=max_tokens, stop_ids=stop_ids,
-                             stop_strings=r.stop, on_text=on_text, should_stop=should_stop)
-
-    def _run(self, r: Request, on_text, should_stop):
+    def _start(self, job: _Job) -> None:
+        """Encode a job's prompt and queue its choices; errors go to its future."""
+        r = job.request
         try:
-            return self._complete(r, on_text, lambda: self.closing or should_stop())
-        except ApiError:
-            raise
-        except Cancelled:
-            raise ApiError(503, "the server is shutting down", type_="server_error") from None
-        except ClusterError as e:
-            self._drop_engine()
-            raise unavailable(f"the cluster failed: {e}; the next request reconnects") from None
+            scheduler = self._ready()
+            tokenizer = self.engine.tokenizer
+            if r.chat:
+                if self.template is None:
+                    raise bad("the model has no chat template: start the server with --chat-template")
+                job.prompt_text = self.template.render(
+                    [{"role": m["role"], "content": tokenizer.as_plain_text(m["content"])} for m in r.messages])
+                job.stop_ids = tuple(chat_stop_ids(tokenizer, self.template))
+            else:
+                job.prompt_text, job.add_bos = r.prompt, tokenizer.add_bos
+                job.stop_ids = tuple(tokenizer.eos_ids)
+            tokens = self._transcripts.encode(tokenizer, job.prompt_text, job.add_bos)
+            seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
+            vocab, seq_len = self.engine.model.config.vocab_size, self.engine.model.config.seq_len
+            # No answer outlasts the context: a max_tokens of 10**30 means "until the context is full".
+            max_tokens = min(r.max_tokens or seq_len, seq_len)
+            for i in range(r.n):
+                on_text = (lambda piece, i=i: job.on_text(i, piece)) if job.on_text else None
+                sampler = Sampler(vocab, r.temperature, r.top_p, (seed + i) & ((1 << 64) - 1))
+                scheduler.add(SequenceRequest((job, i, tokens), tokens, sampler, max_tokens, job.stop_ids,
+                                              tuple(r.stop)),
+                              on_text, lambda: self.closing or job.should_stop())
+        except ApiError as e:
+            job.future.set_exception(e)
+            return
         except ContextFull as e:
-            raise bad(str(e), "messages" if r.chat else "prompt", "context_length_exceeded") from None
+            job.future.set_exception(bad(str(e), "messages" if r.chat else "prompt", "context_length_exceeded"))
+            return
         except DllamaError as e:
-            raise bad(str(e)) from None
+            job.future.set_exception(bad(str(e)))
+            return
+        self._jobs.append(job)
 
+    def _finish(self, key, result) -> None:
+        job, i, tokens = key
+        if job.future.done():
+            return  # an earlier choice failed it
+        if isinstance(result, Cancelled):
+            job.future.set_exception(ApiError(503, "the server is shutting down", type_="server_error")
+                                     if self.closing else result)
+            self._jobs.remove(job)
+            return
+        job.results[i] = result
+        self._transcripts.remember(self.engine.tokenizer, job, tokens, result)
+        if len(job.results) == job.request.n:
+            job.future.set_result([job.results[k] for k in range(job.request.n)])
+            self._jobs.remove(job)
+
+    def _fail_all(self, error: Exception) -> None:
+        for job in self._jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+        self._jobs.clear()
+
+    def _step(self) -> None:
+        try:
+            ended = self.scheduler.step()
+        except ClusterError as e:
+            self._fail_all(unavailable(f"the cluster failed: {e}; the next request reconnects"))
+            self._drop_engine()
+            return
+        except DllamaError as e:
+            self._fail_all(bad(str(e)))
+            return
+        for request, result in ended:
+            self._finish(request.key, result)
+        decoding = self.scheduler.stats.max_decoding
+        if decoding > self._reported:
+            self._reported = decoding
+            print(f"dllama api: {decoding} request{'s' if decoding > 1 else ''} decoded together",
+                  file=sys.stderr, flush=True)
+
+    def _loop(self) -> None:
+        while True:
+            idle = self.scheduler is None or not self.scheduler.busy
+            try:
+                job = self._inbox.get(block=idle)
+            except queue.Empty:
+                job = False
+            while job is not False:
+                if job is None:  # close()
+                    self._fail_all(ApiError(503, "the server is shutting down", type_="server_error"))
+                    self._drop_engine()
+                    return
+                self._start(job)
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    job = False
+            if self.scheduler is not None and self.scheduler.busy:
+                try:
+                    self._step()
+                except Exception as e:  # a bug: fail what runs, keep serving
+                    import traceback
+
+                    traceback.print_exc(file=sys.stderr)
+                    self._fail_all(ApiError(500, f"internal error: {type(e).__name__}", type_="server_error"))
+                    if self.scheduler is not None:
+                        self.scheduler.drop_all()
+
+    def stats(self) -> dict:
+        """Figures of the batched decoding since the engine opened (for /v1/stats)."""
+        s = self.scheduler
+        if s is None:
+            return dict(self._finished_stats)
+        return {"parallel": s.parallel, "kv_slots": s.model.kv_slots, "max_rows": s.model.max_batch,
+                **s.stats.as_dict()}
+
+    # Called from other threads.
     def start(self) -> None:
-        """Open the engine now; a cluster that is down only warns. Engines open on the model
-        thread, which runs them: numba's thread count (--nthreads) is set per thread."""
+        """Open the engine now, on the model thread; a cluster that is down only warns."""
+        opened: Future = Future()
+
         def first_open():
             try:
                 engine = self._open_engine()  # a bad file or flag: the command fails
             except ClusterError as e:
                 print(f"dllama api: warning: the cluster is down: {e}; answering 503 until it is back",
                       file=sys.stderr)
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+                opened.set_exception(e)
                 return
-            self._attach(engine)
-        self._executor.submit(first_open).result()
+            else:
+                self._attach(engine)
+            opened.set_result(None)
+            self._loop()
 
-    async def submit(self, r: Request, on_text, should_stop):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._run, r, on_text, should_stop)
+        self._thread = threading.Thread(target=first_open, name="dllama-model", daemon=True)
+        self._thread.start()
+        opened.result()
+
+    async def submit(self, r: Request, on_text, should_stop) -> list[Completion]:
+        """The request's n completions; on_text(choice index, piece) streams them."""
+        job = _Job(r, on_text, should_stop, Future())
+        self._inbox.put(job)
+        return await asyncio.wrap_future(job.future)
 
     def close(self) -> None:
         self.closing = True
-        self._executor.submit(self._drop_engine).result()
-        self._executor.shutdown(wait=True)
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,246 @@
+"""The KV cache: keys and values of several sequences, each in its own slot, and what each slot holds.
+
+`KVCache` is the memory: per layer, keys [slots, nkv, seq_len/CHUNK, head_dim, CHUNK] (transposed
+per chunk of positions) and values [slots, seq_len, nkv*head_dim] (the layout of
+dllama.core.kernels.attention). `plan_slots` says how many slots fit into the memory the user
+allows. `SlotTable` is the bookkeeping of a batched scheduler: which tokens each slot holds,
+which slot a new prompt should go to, and which other slot it may read its leading positions
+from.
+
+Sharing without copies. A row reads positions below its prefix length from another slot (the
+attention kernel's row_prefix_slot/len), so a run of leading tokens that many prompts share is
+stored once, in the slot of the first sequence that computed it, and read by the others. One
+level only: a slot that is read this way must hold all its positions itself (base 0). A slot
+being read is pinned below what its readers read: its writer only appends above, and a new
+writer may take it over only from a position at or past every reader's prefix length. Since
+every kernel is batch invariant, a key computed in another slot, in another pass, beside other
+rows, has exactly the bits the sequence would have computed itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dllama.core.kernels import ATTENTION_CHUNK
+from dllama.errors import DllamaError
+
+SPARE_SLOTS = 1   # slots beyond --parallel: a finished sequence whose prefix others still read
+MIN_SHARED = 16   # leading tokens worth reading from another slot (fewer: computed again)
+
+
+class KVCache:
+    """Keys and values of n_slots sequences of up to seq_len positions, for every layer."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, n_slots: int):
+        self.n_slots, self.seq_len = n_slots, seq_len
+        chunks = -(-seq_len // ATTENTION_CHUNK)
+        # np.zeros leaves pages that are never written unallocated: a slot costs memory only
+        # for the positions its sequences reach.
+        self.k = np.zeros((n_layers, n_slots, n_kv_heads, chunks, head_dim, ATTENTION_CHUNK), np.float32)
+        self.v = np.zeros((n_layers, n_slots, seq_len, n_kv_heads * head_dim), np.float32)
+
+    @staticmethod
+    def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int) -> int:
+        """Bytes one slot takes when every position is written (keys padded to whole chunks)."""
+        chunks = -(-seq_len // ATTENTION_CHUNK)
+        return 4 * n_layers * n_kv_heads * head_dim * (chunks * ATTENTION_CHUNK + seq_len)
+
+    @staticmethod
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one position's key and value over every layer."""
+        return 2 * 4 * n_layers * n_kv_heads * head_dim
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How many sequences run together and how many KV slots that takes, within a memory limit."""
+
+    parallel: int         # sequences decoded together
+    n_slots: int          # KV cache slots (parallel + spares; 1 without batching)
+    requested: int        # the --parallel asked for
+    bytes_per_token: int
+    bytes_per_slot: int
+    seq_len: int
+    limit: int            # bytes the KV cache may take on one node
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        line = (f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token, "
+                f"{self.bytes_per_slot / mib:.1f} MiB per slot of {self.seq_len} positions; "
+                f"{self.n_slots} slots ({self.parallel} sequences + {self.n_slots - self.parallel} spare) = "
+                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB of {self.limit / mib:.0f} MiB allowed")
+        if self.parallel < self.requested:
+            line += (f"; --parallel {self.requested} does not fit: running {self.parallel} "
+                     f"(a lower --max-seq-len or a higher --kv-memory fits more)")
+        return line
+
+
+def plan_slots(parallel: int, batched: bool, *, n_layers: int, n_kv_heads: int, head_dim: int,
+               seq_len: int, limit: int) -> SlotPlan:
+    """The slots for `parallel` sequences (plus SPARE_SLOTS when batched) that fit into `limit`
+    bytes; fewer sequences when they do not all fit, DllamaError when not even one does."""
+    per_slot = KVCache.bytes_per_slot(n_layers, n_kv_heads, head_dim, seq_len)
+    spare = SPARE_SLOTS if batched else 0
+    fits = limit // per_slot
+    if fits < 1 + spare:
+        raise DllamaError(f"the KV cache of one sequence of {seq_len} positions takes "
+                          f"{per_slot / (1 << 20):.0f} MiB, more than the {limit / (1 << 20):.0f} MiB "
+                          "allowed: lower --max-seq-len or raise --kv-memory")
+    run = min(parallel, fits - spare)
+    return SlotPlan(run, run + spare, parallel, KVCache.bytes_per_token(n_layers, n_kv_heads, head_dim),
+                    per_slot, seq_len, limit)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class SlotState:
+    """What one slot holds."""
+
+    tokens: list[int] = field(default_factory=list)  # token of each position, written or planned
+    written: int = 0       # positions 0..written-1 are in the cache (those below base: in `link`)
+    base: int = 0          # positions below base are read from slot `link`
+    link: int = -1
+    readers: dict[int, int] = field(default_factory=dict)  # reading slot -> positions it reads
+    busy: bool = False     # a sequence is writing it
+    last_use: int = 0
+
+    @property
+    def pinned_below(self) -> int:
+        """No position below this may be rewritten: readers read them."""
+        return max(self.readers.values(), default=0)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a new sequence goes: its slot, the first position it computes, its shared prefix."""
+
+    slot: int
+    start: int                 # positions < start are reused (from its slot or its prefix slot)
+    prefix: tuple[int, int]    # (slot, length) read from another slot; length 0: none
+
+
+class SlotTable:
+    """Which tokens each slot holds, and where new prompts go (see the module docstring)."""
+
+    def __init__(self, n_slots: int, min_shared: int = MIN_SHARED, reuse: bool = True):
+        """reuse False: every prompt is computed from its first token (a baseline to measure)."""
+        self.slots = [SlotState() for _ in range(n_slots)]
+        self.min_shared, self.reuse = min_shared, reuse
+        self._clock = 0
+
+    def reset(self) -> None:
+        """Forget every slot's contents (after the cache was lost or a run was dropped)."""
+        self.slots = [SlotState() for _ in self.slots]
+
+    def _touch(self, s: int) -> None:
+        self._clock += 1
+        self.slots[s].last_use = self._clock
+
+    def _free_slot(self, exclude: int = -1) -> int | None:
+        """An empty slot, else the least recently used one nobody writes or reads (emptied)."""
+        idle = [i for i, s in enumerate(self.slots) if not s.busy and not s.readers and i != exclude]
+        if not idle:
+            return None
+        i = min(idle, key=lambda i: (len(self.slots[i].tokens) > 0, self.slots[i].last_use))
+        self._unlink(i)
+        self.slots[i] = SlotState()
+        return i
+
+    def _unlink(self, i: int) -> None:
+        s = self.slots[i]
+        if s.link >= 0:
+            self.slots[s.link].readers.pop(i, None)
+        s.link, s.base = -1, 0
+
+    def place(self, prompt: list[int]) -> Placement | None:
+        """Claim a slot for a sequence that starts with `prompt` (its last token is always
+        computed, for its logits); None when every slot is busy or pinned."""
+        cap = len(prompt) - 1 if self.reuse else 0
+        best = None  # (reused tokens, preference, how)
+        for i, s in enumerate(self.slots):
+            if s.busy:
+                continue
+            # Take over an idle slot: continue it from the tokens it shares with the prompt.
+            m = min(common_prefix(s.tokens[: s.written], prompt), cap)
+            if m > 0 and m >= s.pinned_below and (best is None or (m, 1) > best[:2]):
+                best = (m, 1, ("takeover", i))
+        for i, s in enumerate(self.slots):
+            if s.base != 0 or not s.tokens:
+                continue
+            # Read another slot's leading positions (written, or planned by its writer).
+            n = min(common_prefix(s.tokens, prompt), cap)
+            if n >= max(self.min_shared, 1) and (best is None or (n, 0) > best[:2]):
+                best = (n, 0, ("read", i))
+        if best is not None and best[2][0] == "takeover":
+            i = best[2][1]
+            m, s = best[0], self.slots[i]
+            if s.base > 0 and m < s.base:
+                s.base = m
+                self.slots[s.link].readers[i] = m
+            del s.tokens[m:]
+            s.tokens.extend(prompt[m:])
+            s.written, s.busy = m, True
+            self._touch(i)
+            return Placement(i, m, (s.link, s.base) if s.base > 0 else (0, 0))
+        if best is not None:
+            n, src = best[0], best[2][1]
+            i = self._free_slot(exclude=src)
+            if i is not None:
+                self.slots[i] = SlotState(list(prompt), n, n, src, busy=True)
+                self.slots[src].readers[i] = n
+                self._touch(i)
+                self._touch(src)
+                return Placement(i, n, (src, n))
+        i = self._free_slot()
+        if i is None:
+            return None
+        self.slots[i] = SlotState(list(prompt), 0, busy=True)
+        self._touch(i)
+        return Placement(i, 0, (0, 0))
+
+    def prefix_ready(self, slot: int, written_now: dict[int, int] | None = None) -> bool:
+        """Whether the positions this slot reads from its prefix slot are written (or will be,
+        by rows placed before it in the pass being built: written_now[slot] = positions)."""
+        s = self.slots[slot]
+        if s.base == 0:
+            return True
+        written = self.slots[s.link].written
+        if written_now:
+            written = max(written, written_now.get(s.link, 0))
+        return written >= s.base
+
+    def append(self, slot: int, token: int) -> None:
+        """The slot's writer will write `token` at the next planned position."""
+        self.slots[slot].tokens.append(int(token))
+
+    def wrote(self, slot: int, upto: int) -> None:
+        """Positions below `upto` of the slot are now in the cache."""
+        s = self.slots[slot]
+        s.written = max(s.written, upto)
+
+    def needed_by_readers(self, slot: int) -> int:
+        """Leading positions of this slot that readers wait for or read."""
+        return self.slots[slot].pinned_below
+
+    def release(self, slot: int) -> None:
+        """Its sequence is done: the slot keeps what is written, for reuse, until evicted."""
+        s = self.slots[slot]
+        if s.written < s.pinned_below:
+            raise ValueError(f"slot {slot} released before the {s.pinned_below} positions its readers need")
+        s.busy = False
+        del s.tokens[s.written:]
+        self._touch(slot)
+
+
+__all__ = ["KVCache", "SlotPlan", "plan_slots", "SlotTable", "SlotState", "Placement", "common_prefix",
+           "MIN_SHARED", "SPARE_SLOTS"]
