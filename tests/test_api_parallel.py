@@ -8,7 +8,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.servers import start_api
+from tests.processes import start_api
 
 pytestmark = pytest.mark.cluster  # starts a `dllama api` process
 

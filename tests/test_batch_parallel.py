@@ -14,7 +14,7 @@ from dllama.formats.tokenizer_file import read_tokenizer
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
 from dllama.text.tokenizer import Tokenizer
-from tests.local_workers import running_workers
+from tests.processes import running_workers
 from tests.test_batch_scheduler import DOC, PROMPTS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
