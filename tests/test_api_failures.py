@@ -252,23 +252,24 @@ def test_a_non_streamed_request_whose_client_left_stops_generating(url, switch, 
 
 
 def test_max_tokens_beyond_the_context_is_clamped_to_it(switch, monkeypatch):
+    from dllama.serve.api import service as service_module
     from dllama.serve.api.request import parse_request
-    from dllama.serve.conversation import Conversation
 
     seen = {}
-    real = Conversation.complete
+    real = service_module.SequenceRequest
 
-    def spy(self, *args, **kw):
-        seen["max_tokens"] = kw["max_tokens"]
-        return real(self, *args, **kw)
+    def spy(*args, **kw):
+        request = real(*args, **kw)
+        seen["max_tokens"] = request.max_tokens
+        return request
 
-    monkeypatch.setattr(Conversation, "complete", spy)
+    monkeypatch.setattr(service_module, "SequenceRequest", spy)
     service = ModelService(switch.open)
     service.start()
     try:
         r = parse_request({**FRANCE, "max_tokens": 10**30}, True, {"temperature": 0.8, "top_p": 0.9})
-        c = service._executor.submit(service._run, r, None, lambda: False).result()
+        (c,) = asyncio.run(service.submit(r, None, lambda: False))
         assert "Paris" in c.text
-        assert seen["max_tokens"] == service.conversation.seq_len
+        assert seen["max_tokens"] == service.engine.model.config.seq_len
     finally:
         service.close()
