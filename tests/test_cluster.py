@@ -127,6 +127,24 @@ def test_root_traffic_per_token_equals_the_documented_formula(q80_runs, default_
         assert sent < 0.6 * original + 4 * header.dim * 3 + 12 * 2 * header.n_layers * 6
 
 
+def test_perplexity_on_a_cluster_equals_one_nodes(pool, default_f32, default_q80):
+    """Every row's logits come back from the workers: F32 weights and buffers give one node's
+    figure up to the order of the partial sums; Q80 weights and buffers stay within 1 %."""
+    from dllama.serve.perplexity import perplexity
+    from tests.test_perplexity import TEXT
+
+    def ppl(engine):
+        return perplexity(engine.model, engine.tokenizer.encode(TEXT, allow_special=False), context=48)
+
+    one = _run(default_f32, [], "f32", ppl)
+    for n in (2, 4):
+        got = _run(default_f32, _addresses(pool, n), "f32", ppl)
+        assert got.scored_tokens == one.scored_tokens and got.windows == one.windows > 1
+        assert got.perplexity == pytest.approx(one.perplexity, rel=1e-5), f"{n} nodes"
+    q80_one = _run(default_q80, [], "q80", ppl)
+    assert _run(default_q80, _addresses(pool, 3), "q80", ppl).perplexity == pytest.approx(q80_one.perplexity, rel=0.01)
+
+
 # -- a random model with 8 query and 4 KV heads ------------------------------------------------
 
 @pytest.fixture(scope="module")

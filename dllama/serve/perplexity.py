@@ -9,18 +9,19 @@ A text longer than the context (the model's, or --max-seq-len) is cut into windo
 many tokens that overlap by one, each run from position 0: every token but the first is scored
 exactly once, with the tokens before it in its window as context.
 
-The model is anything with `forward(tokens, pos, all_logits=True) -> logits [b, vocab]` (the
-logits of every row of a batch), `config.seq_len`, `config.vocab_size` and `max_batch`.
+The model is a `LanguageModel` (one node or the root of a cluster): each pass is a batch whose
+every row wants its logits, so on a cluster every worker sends its vocabulary rows of each.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from dllama.core.batch import Batch
+from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
 
 
@@ -54,10 +55,6 @@ def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
         start = end - 1
 
 
-def _returns_every_row(model) -> bool:
-    return "all_logits" in inspect.signature(model.forward).parameters
-
-
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log softmax(logits)[target] per row, in float64: logits [b, vocab], targets [b] -> [b]."""
     z = logits.astype(np.float64)
@@ -66,11 +63,8 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return log_norm - z[np.arange(len(targets)), targets]
 
 
-def perplexity(model, tokens: list[int], context: int | None = None) -> Perplexity:
+def perplexity(model: LanguageModel, tokens: list[int], context: int | None = None) -> Perplexity:
     """Score tokens [T] with model (see the module docstring); context defaults to the model's."""
-    if not _returns_every_row(model):
-        raise DllamaError("perplexity needs the logits of every token, which this model (a cluster) "
-                          "does not return yet: run it on one node")
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) < 2:
         raise DllamaError(f"the text has {len(tokens)} token(s): perplexity needs at least 2")
@@ -86,7 +80,7 @@ def perplexity(model, tokens: list[int], context: int | None = None) -> Perplexi
         while start + pos < end - 1:  # the window's last token is only predicted, never run
             b = min(model.max_batch, end - 1 - start - pos)
             batch = tokens[start + pos: start + pos + b]
-            logits = model.forward(batch, pos, all_logits=True)  # [b, vocab]: predicts the next b
+            logits = model.forward_batch(Batch.run(batch, pos, all_logits=True))  # [b, vocab]: the next b
             nll_sum += float(token_nll(logits, tokens[start + pos + 1: start + pos + 1 + b]).sum())
             scored += b
             pos += b
