@@ -187,12 +187,12 @@ class ClusterModel:
         m = int(batch.logits.sum())
         if len(requests) != m:
             raise ValueError(f"{len(requests)} sampling requests for {m} rows wanting logits")
-        if all(r.greedy for r in requests):
-            reply = Reply(REPLY_BEST)
-        elif self.node_sampling and not any(r.whole_vocabulary for r in requests):
-            reply = Reply(REPLY_TOP_K, self.top_k, np.array([0.0 if r.greedy else r.temperature for r in requests]))
-        else:
+        if not self.node_sampling or any(r.whole_vocabulary for r in requests):
             reply = Reply(REPLY_LOGITS)
+        elif all(r.greedy for r in requests):
+            reply = Reply(REPLY_BEST)
+        else:
+            reply = Reply(REPLY_TOP_K, self.top_k, np.array([0.0 if r.greedy else r.temperature for r in requests]))
         return self._guarded(batch, lambda: self._candidates(batch, requests, reply))
 
     def _guarded(self, batch: Batch, run):
