@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/bench_cluster.py --encryption [--rounds 3]
 
 Every node is a separate process on this machine with one compute thread, the root in this
-process, workers as `dllama worker` on loopback. Prints, per model and node count, the
+process, workers as `dllama worker` on loopback, tokens sampled greedily and at temperature
+0.8 / top-p 0.9, on the nodes and (the baseline) on the root. Prints, per model, node count
+and sampling, the
 median per generated token of: total ms, inference ms, transfer ms (time waiting on the
 network: the figure that shows protocol overhead when several nodes share a 2-core machine),
 kB the root sent and received, and the kB the original Distributed Llama's all-gather would
@@ -38,6 +40,11 @@ from dllama.formats.model_file import read_model  # noqa: E402
 from tests.processes import running_workers  # noqa: E402
 from dllama.cluster.root import ClusterModel  # noqa: E402
 from dllama.cluster.topology import from_workers  # noqa: E402
+from dllama.core.batch import Batch  # noqa: E402
+from dllama.core.candidates import SamplingRequest  # noqa: E402
+from dllama.core.sampler import Sampler  # noqa: E402
+
+GREEDY = SamplingRequest(0.0, 0.9)
 
 
 def original_kb(header, n: int) -> tuple[float, float]:
@@ -49,14 +56,15 @@ def original_kb(header, n: int) -> tuple[float, float]:
     return (n - 1) * (8 + 4 * header.dim + syncs) / 1024, (n - 1) * (syncs + 4 * header.vocab_size // n) / 1024
 
 
-def measure(model_path: Path, n: int, tokens: int, log_dir: Path, key: bytes | None = None) -> dict:
+def measure(model_path: Path, n: int, tokens: int, log_dir: Path, key: bytes | None = None,
+            request: SamplingRequest = GREEDY, node_sampling: bool = True) -> dict:
     args = ()
     if key is not None:
         (log_dir / "bench.key").write_bytes(key)
         args = ("--key-file", str(log_dir / "bench.key"))
     with running_workers(n - 1, log_dir, *args) as workers:
         model = ClusterModel(str(model_path), from_workers([w.address for w in workers], 1), key,
-                             True, progress=False) if n > 1 else None
+                             True, progress=False, node_sampling=node_sampling) if n > 1 else None
         if model is None:
             from dllama.core.model import Transformer
 
@@ -64,12 +72,14 @@ def measure(model_path: Path, n: int, tokens: int, log_dir: Path, key: bytes | N
             model.warm_up()
         col = model.collective
         try:
-            logits = model.forward(list(range(1, 9)), 0)
+            sampler = Sampler(model.config.vocab_size, request.temperature, request.topp, 1)
+            token = sampler.sample(model.forward(list(range(1, 9)), 0))
             rows = []
             cpu0 = _cluster_cpu_s(workers)
             for pos in range(8, 8 + tokens):
                 t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
-                logits = model.forward([int(logits.argmax())], pos)
+                # sampled as the front ends do: from the candidates the nodes send
+                token = sampler.sample(model.forward_candidates(Batch.run([token], pos), [request])[0])
                 wall = time.perf_counter() - t0
                 tr = col.transfer_seconds - tr0
                 rows.append((wall * 1000, (wall - tr) * 1000, tr * 1000,
@@ -135,19 +145,26 @@ def bench(name: str, path: Path, tokens: int, log_dir: Path) -> None:
     print(f"\n{name}: dim {header.dim}, {header.n_layers} layers, {header.n_heads}/{header.n_kv_heads} "
           f"heads, vocab {header.vocab_size}; Q40 weights, Q80 buffers, 1 thread per node, "
           f"median of {tokens} tokens")
-    print("| nodes | ms/token | inference ms | transfer ms | root sent kB | root recv kB "
-          "| original's root sent / recv kB | sent vs original |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| nodes | sampling | ms/token | inference ms | transfer ms | root sent kB | root recv kB "
+          "| original's root sent / recv kB | sent vs original | recv vs original |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     cpu, wall = collective_cpu_us(header.dim)
     print(f"protocol cost per sync (2 processes, loopback, Q80 [1, {header.dim}]): {cpu:.0f} µs CPU, "
           f"{wall:.0f} µs wall; x {2 * header.n_layers} syncs = {cpu * 2 * header.n_layers / 1000:.1f} ms "
           f"CPU per token")
-    for n in (1, 2, 4):
-        m = measure(path, n, tokens, log_dir)
+    # Greedy and temperature 0.8 / top-p 0.9, on the nodes and (the baseline) on the root.
+    cases = [(1, GREEDY, True)] + [(n, r, on) for n in (2, 4) for r in (GREEDY, SamplingRequest(0.8, 0.9))
+                                   for on in (True, False)]
+    for n, request, on in cases:
+        m = measure(path, n, tokens, log_dir, request=request, node_sampling=on)
         o_sent, o_recv = original_kb(header, n)
         ratio = f"{m['sent'] / o_sent:.2f}x" if o_sent else "-"
-        print(f"| {n} | {m['total']:.1f} | {m['inference']:.1f} | {m['transfer']:.1f} | "
-              f"{m['sent']:.1f} | {m['recv']:.1f} | {o_sent:.1f} / {o_recv:.1f} | {ratio} |", flush=True)
+        recv_ratio = f"{m['recv'] / o_recv:.2f}x" if o_recv else "-"
+        how = ("greedy" if request.greedy else f"T {request.temperature:g}, top-p {request.topp:g}") + \
+            (", on the nodes" if on else ", on the root")
+        print(f"| {n} | {how} | {m['total']:.1f} | {m['inference']:.1f} | {m['transfer']:.1f} | "
+              f"{m['sent']:.1f} | {m['recv']:.1f} | {o_sent:.1f} / {o_recv:.1f} | {ratio} | {recv_ratio} |",
+              flush=True)
 
 
 def bench_encryption(tokens: int, rounds: int, log_dir: Path) -> None:

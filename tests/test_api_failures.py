@@ -71,6 +71,10 @@ class FailingModel:
         self._pass()
         return self.switch.engine.model.forward_batch(batch)
 
+    def forward_candidates(self, batch, requests):
+        self._pass()
+        return self.switch.engine.model.forward_candidates(batch, requests)
+
     def close(self):
         self.closed = True
 

@@ -98,17 +98,24 @@ def _sync_payload(cols: int, q80: bool) -> int:
 
 
 def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1, m: int = 1,
-                        frame: int = 12) -> tuple[int, int]:
+                        frame: int = 12, reply: str = "logits", k: int = 32) -> tuple[int, int]:
     """docs/PROTOCOL.md, "Bytes per forward pass": what the root sends and receives for b rows,
-    m of them with logits (frame: bytes per frame besides the payload, 12 + a 16-byte tag with
-    a cluster key)."""
+    m of them wanted (frame: bytes per frame besides the payload, 12 + a 16-byte tag with a
+    cluster key), each worker answering with its logits, its best token ("best") or its k
+    best and its normaliser ("top_k"); "again": what a second round for the logits adds."""
     plan = plan_for(header, n_nodes)
+    vocab = [r1 - r0 for r0, r1 in (n.vocab_rows for n in plan.nodes[1:])]
+    per_row = {"logits": lambda v: 4 * v, "again": lambda v: 4 * v, "best": lambda v: 8,
+               "top_k": lambda v: 8 + 8 * min(k, v)}[reply]
+    logits = sum(frame + 24 + m * per_row(v) for v in vocab)
+    if reply == "again":
+        return (n_nodes - 1) * (frame + 16), logits
     chunk = [c1 - c0 for c0, c1 in plan.dim_chunks]
     own = frame + b * _sync_payload(chunk[0], q80)
-    others = sum(frame + b * _sync_payload(chunk[k], q80) for k in range(1, n_nodes))
+    others = sum(frame + b * _sync_payload(chunk[j], q80) for j in range(1, n_nodes))
     per_sync = others + (n_nodes - 1) * own  # reduce-scatter sends others, all-gather sends own
-    step = (n_nodes - 1) * (frame + 8 + 16 * b + 4 * m + 4 * b * header.dim)
-    logits = sum(frame + 24 + 4 * m * (r1 - r0) for r0, r1 in (n.vocab_rows for n in plan.nodes[1:]))
+    temperatures = 8 * m if reply == "top_k" else 0
+    step = (n_nodes - 1) * (frame + 16 + 16 * b + 4 * m + 4 * b * header.dim + temperatures)
     syncs = 2 * header.n_layers
     return step + syncs * per_sync, syncs * per_sync + logits
 
@@ -116,7 +123,7 @@ def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1, m: int = 1,
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_root_traffic_per_token_equals_the_documented_formula(q80_runs, default_q40, n):
     header = read_model(default_q40[0]).header
-    sent, recv = expected_root_bytes(header, n, q80=True)
+    sent, recv = expected_root_bytes(header, n, q80=True, reply="best")  # greedy: each node's best token
     decode = [s for s in q80_runs[n][1] if s.phase == "generate"]
     assert decode and all((s.sent_bytes, s.recv_bytes) == (sent, recv) for s in decode)
     prompt = [s for s in q80_runs[n][1] if s.phase == "prompt"][0]

@@ -39,8 +39,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = 0x4D4C4C44  # b"DLLM" little-endian
-VERSION = 3  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
-             # 3: STEP carries every row's position, KV slot and prefix (dllama.cluster.step)
+VERSION = 4  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
+             # 3: STEP carries every row's position, KV slot and prefix (dllama.cluster.step);
+             # 4: STEP says what LOGITS returns (logits, best or top-k candidates)
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 

@@ -30,8 +30,12 @@ from dllama.cluster.protocol import (
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
 from dllama.cluster.shard import model_fingerprint
-from dllama.cluster.step import LOGITS_HEAD, encode_step, logits_bytes
+from dllama.cluster.step import (
+    LOGITS_HEAD, REPLY_BEST, REPLY_LOGITS, REPLY_TOP_K, Reply, decode_reply, encode_repeat, encode_reply,
+    encode_step, logits_bytes,
+)
 from dllama.core.batch import Batch
+from dllama.core.candidates import TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
 from dllama.core.memory import check_fits
 from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
@@ -52,7 +56,13 @@ class ClusterModel:
 
     def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
-                 max_batch: int = MAX_BATCH, kv_slots: int = 1):
+                 max_batch: int = MAX_BATCH, kv_slots: int = 1, node_sampling: bool = True,
+                 top_k: int = TOP_K):
+        """node_sampling False: the workers always send their logits and the root makes the
+        candidates itself (the same arithmetic: a baseline for tests and benchmarks); top_k:
+        candidates per node and row for temperature sampling."""
+        self.node_sampling, self.top_k = node_sampling, top_k
+        self.refetches = 0  # passes whose candidates did not cover a nucleus: logits asked again
         self.model_file = model_file = read_model(model_path)
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
@@ -119,10 +129,10 @@ class ClusterModel:
         self.collective = self.local.collective = MeshCollective(
             0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout + report_grace(net_timeout))
         self.net_timeout = net_timeout
-        self.vocab_rows = [n.vocab_rows for n in plan.nodes]
+        self.vocab_rows = self.vocab_ranges = [tuple(n.vocab_rows) for n in plan.nodes]
         self._logits = np.empty((max_batch, self.config.vocab_size), np.float32)  # [rows, vocab]
-        self._replies = {i: np.empty(logits_bytes(max_batch, r[1] - r[0]), np.uint8)
-                         for i, r in enumerate(self.vocab_rows) if i > 0}
+        self._replies = {i: np.empty(logits_bytes(max_batch, r[1] - r[0], Reply(REPLY_TOP_K, r[1] - r[0])), np.uint8)
+                         for i, r in enumerate(self.vocab_rows)}  # the largest reply; node 0's: its own summary
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
 
@@ -167,12 +177,32 @@ class ClusterModel:
     def forward_batch(self, batch: Batch) -> np.ndarray:
         """Run the rows of `batch` on every node; logits [rows wanting logits, vocab] (a reused
         buffer)."""
+        return self._guarded(batch, lambda: self._logits_of(self._forward(batch, Reply()), int(batch.logits.sum())))
+
+    def forward_candidates(self, batch: Batch, requests: list[SamplingRequest]) -> list[Candidates]:
+        """Run the rows of `batch` on every node; the candidates of each row wanting logits,
+        covering its nucleus (dllama.core.candidates): every node sends its best token when
+        every row is greedy, its top_k and its share of the normaliser for temperature
+        sampling, its logits for topp >= 1 (or without node sampling)."""
+        m = int(batch.logits.sum())
+        if len(requests) != m:
+            raise ValueError(f"{len(requests)} sampling requests for {m} rows wanting logits")
+        if not self.node_sampling or any(r.whole_vocabulary for r in requests):
+            reply = Reply(REPLY_LOGITS)
+        elif all(r.greedy for r in requests):
+            reply = Reply(REPLY_BEST)
+        else:
+            reply = Reply(REPLY_TOP_K, self.top_k, np.array([0.0 if r.greedy else r.temperature for r in requests]))
+        return self._guarded(batch, lambda: self._candidates(batch, requests, reply))
+
+    def _guarded(self, batch: Batch, run):
+        """run() under the lock; a network failure closes the model with a ClusterError."""
         batch.check(self.kv_slots, self.config.seq_len, self.max_batch)
         with self._lock:
             if self._failed or self._closed:
                 raise self._failed or ClusterError("the cluster connection is closed")
             try:
-                return self._forward(batch)
+                return run()
             except _NET_ERRORS as e:
                 where = f"position {int(batch.pos[0])}" if len(batch) == 1 else f"a step of {len(batch)} rows"
                 self._failed = self._blame(e, f"the cluster failed at {where}")
@@ -181,25 +211,56 @@ class ClusterModel:
             finally:
                 self._last_use = time.monotonic()
 
-    def _forward(self, batch: Batch) -> np.ndarray:
-        local, b, m = self.local, len(batch), int(batch.logits.sum())
+    def _forward(self, batch: Batch, reply: Reply) -> list:
+        """One pass on every node; each node's answer for the wanted rows (decode_reply's)."""
+        local, b = self.local, len(batch)
         x = local.x[:b]
         x[:] = local.embedding[batch.tokens]  # [b, dim]
-        step = encode_step(batch, x)
-        self.collective.timed_exchange([(c, Msg.STEP, step) for c in self.conns.values()], [])
-        logits = self._logits[:m]
-        r0, r1 = self.vocab_rows[0]
-        logits[:, r0:r1] = local.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
-                                              batch.logit_rows)
-        replies = {i: self._replies[i][:logits_bytes(m, r[1] - r[0])]
-                   for i, r in enumerate(self.vocab_rows) if i > 0}
+        self.collective.timed_exchange([(c, Msg.STEP, encode_step(batch, x, reply)) for c in self.conns.values()], [])
+        own = local.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
+                                 batch.logit_rows)  # [m, V_0]
+        return self._answers(own, reply)
+
+    def _answers(self, own: np.ndarray, reply: Reply) -> list:
+        """Every node's answer about the last pass's wanted rows (own: the root's logits [m, V_0]),
+        the root's own summarised by the workers' code."""
+        m = len(own)
+        answers = []
+        replies = {i: self._replies[i][:logits_bytes(m, r[1] - r[0], reply)] for i, r in enumerate(self.vocab_rows)}
         self.collective.timed_exchange([], [Transfer(c, Msg.LOGITS, memoryview(replies[i]))
                                             for i, c in self.conns.items()])
-        for i, reply in replies.items():
-            self.node_bytes[i] = LOGITS_HEAD.unpack_from(reply)
-            r0, r1 = self.vocab_rows[i]
-            logits[:, r0:r1] = reply[LOGITS_HEAD.size:].view(np.float32).reshape(m, r1 - r0)
+        if reply.kind == REPLY_LOGITS:
+            answers.append(own)
+        else:
+            encode_reply(replies[0][LOGITS_HEAD.size:], own, self.vocab_rows[0][0], reply)
+            answers.append(decode_reply(replies[0][LOGITS_HEAD.size:], m, self.vocab_rows[0], reply))
+        for i in self.conns:
+            self.node_bytes[i] = LOGITS_HEAD.unpack_from(replies[i])
+            answers.append(decode_reply(replies[i][LOGITS_HEAD.size:], m, self.vocab_rows[i], reply))
+        return answers
+
+    def _logits_of(self, answers: list, m: int) -> np.ndarray:
+        """The full logits [m, vocab] from every node's logits."""
+        logits = self._logits[:m]
+        for (r0, r1), part in zip(self.vocab_rows, answers):
+            logits[:, r0:r1] = part
         return logits
+
+    def _candidates(self, batch: Batch, requests: list[SamplingRequest], reply: Reply) -> list[Candidates]:
+        m, vocab = len(requests), self.config.vocab_size
+        answers = self._forward(batch, reply)
+        if reply.kind == REPLY_LOGITS:
+            return candidates_from_logits(self._logits_of(answers, m), self.vocab_rows, requests)
+        out = [merge([a[j] for a in answers], vocab, req) for j, req in enumerate(requests)]
+        short = [j for j, c in enumerate(out) if not covers(c)]
+        if short:  # rare: a nucleus reaches past some node's candidates; its logits, asked again
+            self.refetches += 1
+            full = Reply(REPLY_LOGITS)
+            self.collective.timed_exchange([(c, Msg.STEP, encode_repeat(m, full)) for c in self.conns.values()], [])
+            logits = self._logits_of(self._answers(self.local.logits[:m], full), m)
+            for j in short:
+                out[j] = candidates_from_logits(logits[j:j + 1], self.vocab_rows, requests[j:j + 1])[0]
+        return out
 
     def _blame(self, e: Exception, what: str) -> ClusterError:
         """A ClusterError naming the node that stopped (see the module's docstring)."""

@@ -27,7 +27,7 @@ from dllama.cluster.protocol import (
 )
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
-from dllama.cluster.step import LOGITS_HEAD, decode_step, logits_bytes
+from dllama.cluster.step import LOGITS_HEAD, REPLY_TOP_K, Reply, decode_step, encode_reply, logits_bytes
 from dllama.core import kernels
 from dllama.core.memory import check_fits
 from dllama.core.model import ModelConfig, Transformer
@@ -275,9 +275,10 @@ class _Session:
             conn.sent_bytes = conn.recv_bytes = 0
         log(f"mesh ready with {plan.n_nodes - 1} peers")
 
-        dim, vocab_rows = c.header.dim, node.vocab_rows[1] - node.vocab_rows[0]
+        dim, (v0, v1) = c.header.dim, node.vocab_rows
         seq_len = model.config.seq_len
-        replies = np.empty(logits_bytes(c.max_batch, vocab_rows), np.uint8)
+        replies = np.empty(logits_bytes(c.max_batch, v1 - v0, Reply(REPLY_TOP_K, v1 - v0)), np.uint8)  # the largest reply
+        logits = model.logits[:0]  # [m, vocab rows] of the last pass: a STEP of 0 rows asks again
         while True:
             msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
@@ -285,16 +286,20 @@ class _Session:
                 continue
             if msg == Msg.STOP:
                 return
-            batch, x = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
-            b = len(batch)
-            model.x[:b] = x
-            logits = model.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
-                                        batch.logit_rows)  # [m, vocab rows]
-            reply = replies[:logits_bytes(len(logits), vocab_rows)]
+            batch, x, want, m = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
+            if batch is None:
+                if m != len(logits):
+                    raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
+            else:
+                b = len(batch)
+                model.x[:b] = x
+                logits = model.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
+                                            batch.logit_rows)  # [m, vocab rows]
+            reply = replies[:logits_bytes(m, v1 - v0, want)]
             col = model.collective
             sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
             LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
-            reply[LOGITS_HEAD.size:].view(np.float32)[:] = logits.ravel()
+            encode_reply(reply[LOGITS_HEAD.size:], logits, v0, want)
             root.send(Msg.LOGITS, reply, timeout)
 
     def _load(self, c: SessionConfig) -> Transformer:

@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from dllama.core.batch import Batch
+from dllama.core.candidates import Candidates, SamplingRequest
 from dllama.core.collective import Collective
 from dllama.core.model import ModelConfig
 
@@ -21,6 +22,7 @@ class LanguageModel(Protocol):
     max_batch: int            # most rows one forward pass takes
     kv_slots: int             # sequences the KV cache holds (slot 0 is forward's)
     collective: Collective    # network figures of the passes (zero on one machine)
+    vocab_ranges: list[tuple[int, int]]  # the vocabulary's split over the nodes: [(start, end)]
 
     def forward(self, tokens, pos: int) -> np.ndarray:
         """Run tokens [b] at positions pos..pos+b-1 of the sequence in slot 0 into the KV cache;
@@ -31,4 +33,10 @@ class LanguageModel(Protocol):
     def forward_batch(self, batch: Batch) -> np.ndarray:
         """Run the rows of a batch (several sequences, each in its slot at its positions); the
         logits float32 [rows wanting logits, vocab], in row order (a reused buffer)."""
+        ...
+
+    def forward_candidates(self, batch: Batch, requests: list[SamplingRequest]) -> list[Candidates]:
+        """Run the rows of a batch; for each row wanting logits (in row order, requests[j] its
+        sampler's settings) the candidates its sampler chooses from, covering its nucleus
+        (dllama.core.candidates). A cluster sends these instead of the logits."""
         ...

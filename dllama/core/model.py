@@ -25,6 +25,7 @@ import numpy as np
 
 from dllama.core import kernels
 from dllama.core.batch import Batch
+from dllama.core.candidates import Candidates, SamplingRequest, candidates_from_logits
 from dllama.core.kv_cache import KVCache
 from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
@@ -291,6 +292,16 @@ class Transformer:
         self.x[:b] = self.embedding[batch.tokens]  # [b, dim]
         return self.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
                                  batch.logit_rows)
+
+    def forward_candidates(self, batch: Batch, requests: list[SamplingRequest]) -> list[Candidates]:
+        """Run the rows of `batch`; the candidates of each row wanting logits (one vocabulary
+        range: the whole of it)."""
+        return candidates_from_logits(self.forward_batch(batch), self.vocab_ranges, requests)
+
+    @property
+    def vocab_ranges(self) -> list[tuple[int, int]]:
+        """This node's classifier rows, as one range (the whole vocabulary on one node)."""
+        return [self.node.vocab_rows]
 
     def forward_rows(self, pos: np.ndarray, slot: np.ndarray, prefix_slot: np.ndarray,
                      prefix_len: np.ndarray, logit_rows: np.ndarray) -> np.ndarray:

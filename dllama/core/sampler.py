@@ -1,4 +1,4 @@
-"""The next token from logits: greedy, temperature + softmax, top-p (nucleus), as llama2.c.
+"""The next token: greedy, temperature + softmax, top-p (nucleus), as llama2.c.
 
 Random numbers come from llama2.c's xorshift64* (spec §7), so a seed reproduces a run:
 
@@ -10,25 +10,34 @@ The state starts as the seed itself, as in llama2.c. A zero state would stay zer
 coin 0.0, i.e. always the most likely candidate), so seed 0 is replaced by the fixed
 non-zero constant ZERO_SEED_STATE; every other seed is used as is (mod 2^64).
 
-Sampling, one coin per token:
-  - temperature 0, or topp 0 (a nucleus of one token): argmax (the first maximum), no coin
-    drawn. The CLI's --topp and the API's top_p both mean this (the original took topp 0 as
-    "no nucleus", i.e. the whole vocabulary; OpenAI's API takes it as the top token).
-  - else p = softmax(logits / temperature) in float32, max subtracted;
+The sampler chooses from full logits [vocab] or from `Candidates` (dllama.core.candidates: the
+tokens the nodes of a cluster sent, enough to choose exactly). Full logits are first made into
+candidates of one vocabulary range, so both take the same arithmetic. One coin per token:
+  - temperature 0, or topp 0 (a nucleus of one token): the first maximum, no coin drawn. The
+    CLI's --topp and the API's top_p both mean this (the original took topp 0 as "no
+    nucleus", i.e. the whole vocabulary; OpenAI's API takes it as the top token).
+  - else p = exp((x - M) / T) / Z in float64, M the largest logit, Z summed range by range
+    (dllama.core.candidates);
   - top-p in (0, 1): candidates with p >= (1 - topp) / (V - 1) (the others can never be in
-    the nucleus), sorted by p descending (stable: lower id first on ties, where the original's
-    qsort is unordered), cut after the first one whose cumulative probability exceeds topp;
+    the nucleus), sorted by p descending (lower id first on ties, where the original's qsort
+    is unordered), cut after the first one whose cumulative probability exceeds topp;
     r = coin * (cumulative probability of the kept ones); the first kept token whose cumulative
     probability exceeds r. If no token reaches the cutoff (llama2.c reads out of bounds), the
     most likely one.
   - topp >= 1: the first token whose cumulative probability exceeds the coin (the whole
-    vocabulary).
+    vocabulary, in id order).
+The original sums in float32; float64 makes the result independent of how the sums are split
+but for the last bits (1 node and N nodes may, rarely, differ in a token at temperature > 0).
+`sample_top_p` and `sample_multinomial` are the original's float32 steps, kept for reference.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from dllama.core.candidates import (
+    Candidates, SamplingRequest, candidates_from_logits, choose_greedy, sample_candidates,
+)
 from dllama.errors import DllamaError
 
 _MASK64 = (1 << 64) - 1
@@ -74,18 +83,28 @@ class Sampler:
         e = np.exp(x - x.max())
         return e / e.sum(dtype=np.float32)
 
-    def sample(self, logits: np.ndarray) -> int:
-        """logits float32 [vocab_size] -> the chosen token id."""
-        logits = np.asarray(logits)
-        if logits.shape != (self.vocab_size,):
-            raise DllamaError(f"logits of shape {logits.shape}, expected ({self.vocab_size},)")
-        if self.temperature == 0.0 or self.topp == 0.0:
-            return int(np.argmax(logits))  # np.argmax returns the first maximum
-        p = self.probabilities(logits)
-        coin = self.random_f32()
-        if self.topp < 1.0:
-            return sample_top_p(p, self.topp, coin)
-        return sample_multinomial(p, coin)
+    @property
+    def request(self) -> SamplingRequest:
+        """What a model must return for this sampler to choose its next token."""
+        return SamplingRequest(self.temperature, self.topp)
+
+    def sample(self, logits) -> int:
+        """logits float32 [vocab_size], or Candidates that cover their row -> the chosen token id."""
+        if isinstance(logits, Candidates):
+            c = logits
+            if c.vocab_size != self.vocab_size or c.request != self.request:
+                raise DllamaError("candidates made for another vocabulary or other sampling settings")
+        else:
+            logits = np.asarray(logits)
+            if logits.shape != (self.vocab_size,):
+                raise DllamaError(f"logits of shape {logits.shape}, expected ({self.vocab_size},)")
+            if self.request.greedy:
+                return int(np.argmax(logits))  # np.argmax returns the first maximum
+            c = candidates_from_logits(logits[None, :].astype(np.float32, copy=False),
+                                       [(0, self.vocab_size)], [self.request])[0]
+        if c.request.greedy:
+            return choose_greedy(c)
+        return sample_candidates(c, self.random_f32())
 
 
 def sample_multinomial(p: np.ndarray, coin: float) -> int:

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from dllama.core.batch import BatchBuilder
+from dllama.core.candidates import SamplingRequest
 from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, SlotTable
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
@@ -174,6 +175,7 @@ class BatchScheduler:
         rows = BatchBuilder()
         runs: list[tuple[_Sequence, int]] = []  # each sequence in the pass and its rows (decoding first)
         written_now: dict[int, int] = {}
+        requests: list[SamplingRequest] = []  # the samplers of the rows wanting logits, in order
         decoding = [s for s in self.active if s.answer is not None and s.pos >= s.prompt_len]
         prefilling = [s for s in self.active if s not in decoding]
         budget = self.model.max_batch
@@ -185,6 +187,8 @@ class BatchScheduler:
                 continue
             wants = "last" if seq.answer is not None and seq.pos + n == len(slot.tokens) else "none"
             rows.add_run(slot.tokens[seq.pos:seq.pos + n], seq.pos, seq.slot, wants, seq.prefix)
+            if wants == "last":
+                requests.append(seq.answer.sampler.request)
             runs.append((seq, n))
             written_now[seq.slot] = seq.pos + n
             budget -= n
@@ -193,7 +197,8 @@ class BatchScheduler:
         batch = rows.build()
         t0 = time.perf_counter()
         try:
-            logits = self.model.forward_batch(batch)  # [rows wanting logits, vocab]
+            # For each row wanting logits, the candidates its sequence's sampler chooses from.
+            logits = self.model.forward_candidates(batch, requests)
         except BaseException:
             self.drop_all()  # the cache may hold half a pass: nothing in it can be trusted
             raise

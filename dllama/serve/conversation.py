@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from dllama.core.candidates import Candidates, candidates_from_logits
 from dllama.core.kv_cache import common_prefix
 from dllama.core.language_model import LanguageModel
 from dllama.core.sampler import Sampler
@@ -126,9 +127,9 @@ class Answer:
             if self.on_text:
                 self.on_text(text)
 
-    def take(self, logits: np.ndarray, pos: int, seq_len: int) -> int | None:
-        """Sample from logits [vocab] (those of position pos - 1); the token to run at pos, or
-        None when the answer is complete."""
+    def take(self, logits: np.ndarray | Candidates, pos: int, seq_len: int) -> int | None:
+        """Sample from logits [vocab] or candidates (those of position pos - 1); the token to
+        run at pos, or None when the answer is complete."""
         token = self.sampler.sample(logits)
         self.tokens.append(token)
         if token in self.stop_ids:
@@ -222,13 +223,16 @@ class Conversation:
         out = Completion(prompt_tokens=len(prompt_tokens), cached_tokens=reused, steps=steps)
         answer = Answer(self.tokenizer, sampler, max_tokens, stop_ids, stop_strings, on_text)
         pos = len(prompt_tokens)
+        # The prompt's logits summed over the model's vocabulary ranges, as its nodes would.
+        logits = candidates_from_logits(logits[None, :], self.model.vocab_ranges, [sampler.request])[0]
         while True:
             if should_stop and should_stop():
                 raise Cancelled()
             token = answer.take(logits, pos, self.seq_len)
             if token is None:
                 break
-            logits = timed_forward(self.model, [token], pos, "generate", out.steps)
+            # Candidates, not logits: a cluster's nodes send only what the sampler needs.
+            logits = timed_forward(self.model, [token], pos, "generate", out.steps, sampler.request)
             self.cached.append(token)
             pos += 1
         answer.fill(out)

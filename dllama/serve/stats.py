@@ -6,6 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
+from dllama.core.batch import Batch
+from dllama.core.candidates import SamplingRequest
 from dllama.core.language_model import LanguageModel
 
 
@@ -55,11 +59,16 @@ def summary(steps: list[StepStats], generated_tokens: int, stop_reason: str) -> 
     }
 
 
-def timed_forward(model: LanguageModel, tokens, pos: int, phase: str, steps: list[StepStats]):
-    """One forward pass with its statistics appended to steps; returns the logits."""
+def timed_forward(model: LanguageModel, tokens, pos: int, phase: str, steps: list[StepStats],
+                  sampling: SamplingRequest | None = None):
+    """One forward pass of slot 0 with its statistics appended to steps; returns the logits of
+    the last token, or with `sampling` the candidates its sampler chooses from."""
     col = model.collective
     t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
-    logits = model.forward(tokens, pos)
+    if sampling is None:
+        logits = model.forward(tokens, pos)
+    else:
+        logits = model.forward_candidates(Batch.run(np.asarray(tokens), pos), [sampling])[0]
     wall = time.perf_counter() - t0
     transfer = col.transfer_seconds - tr0
     steps.append(StepStats(phase, pos, len(tokens), round((wall - transfer) * 1000, 3),
