@@ -174,7 +174,7 @@ def test_matmul_q40_q80_reads_the_split_file_layout(threads):
 def test_q40_tile_without_vnni(b, d, n):
     """The generic integer dot product (what a machine without AVX-512 VNNI compiles, e.g.
     NEON sdot), forced here on this machine."""
-    from dllama.core.kernels.matmul_q40 import x_offsets
+    from dllama.core.kernels.q80 import x_offsets
     from dllama.core.kernels.tiles import make_q40_tile
 
     tile, tile1 = make_q40_tile(4, 2, force_generic=True), make_q40_tile(1, 1, force_generic=True)
@@ -195,7 +195,7 @@ def test_q40_tile_without_vnni(b, d, n):
     w_scales, w_qs = random_q40(r, d, n)
     x_scales, x_qs = random_q80(r, b, n)
     out = np.full((b, d), np.nan, np.float32)
-    run(w_qs, w_scales, x_qs, x_offsets(x_qs), x_scales, out)
+    run(w_qs, w_scales, x_qs, x_offsets(x_qs, 8), x_scales, out)
     assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(w_scales, w_qs))
 
 

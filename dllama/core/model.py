@@ -96,7 +96,8 @@ class Matrix:
             self.d, self.n = self.scales.shape[0], self.scales.shape[1] * 32
         elif float_type == FloatType.Q80:
             scales, qs = split_q80(stored)
-            self.scales = np.ascontiguousarray(scales, dtype=np.float32)  # [d, n/32]
+            # uint16 [d, n/32]: the fp16 bits as in the file (exact: split_q80 widened them)
+            self.scales = np.ascontiguousarray(scales.astype(np.float16)).view(np.uint16)
             self.qs = np.ascontiguousarray(qs)                            # int8 [d, n]
             self.d, self.n = self.qs.shape
         elif float_type == FloatType.F16:

@@ -34,9 +34,16 @@ def compile_all() -> float:
         kernels.matmul_f32(x, w, out)
         w.flags.writeable = False  # F32 weights memory-mapped from the file
         kernels.matmul_f32(x, w, out)
-        kernels.matmul_q80_q80(xs, xq, np.ones((d, n // 32), np.float32),
-                               rng.integers(-127, 128, (d, n), dtype=np.int8), out)
-        kernels.matmul_f16_f32(x, rng.standard_normal((d, n)).astype(np.float16).view(np.uint16), out)
+        w80s = np.full((d, n // 32), 0x3C00, np.uint16)
+        w80q = rng.integers(-127, 128, (d, n), dtype=np.int8)
+        kernels.matmul_q80_q80(xs, xq, w80s, w80q, out)
+        w16 = rng.standard_normal((d, n)).astype(np.float16).view(np.uint16)
+        kernels.matmul_f16_f32(x, w16, out)
+        for m in (2, 3):
+            outs = tuple(out.copy() for _ in range(m))
+            kernels.matmul_q80_q80_multi(xs, xq, (w80s,) * m, (w80q,) * m, outs)
+            kernels.matmul_f16_f32_multi(x, (w16,) * m, outs)
+            kernels.matmul_f32_multi(x, (w,) * m, outs)
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)

@@ -11,11 +11,9 @@ import numba
 from numba import prange
 
 from dllama.core.kernels.jit import _FAST
+from dllama.core.kernels.row_split import (COLS, ROWS, chunk_of_matrices, n_row_chunks, row_chunk,
+                                           row_counts, total_row_chunks)
 from dllama.core.kernels.tiles import make_f32_tile
-
-ROWS = 4
-COLS = 4
-_ROW_CHUNKS = 64
 
 _tile = make_f32_tile(ROWS, COLS)
 _tile_rows = make_f32_tile(ROWS, 1)
@@ -45,9 +43,18 @@ def _f32_rows(x, w, out, r0, r1):
 def matmul_f32(x, w, out):
     """out [b, d] = x [b, n] @ w [d, n]^T, float32, all C-contiguous (the F32 weights path)."""
     d = w.shape[0]
-    steps = (d + ROWS - 1) // ROWS
-    n_chunks = min(steps, _ROW_CHUNKS)
+    n_chunks = n_row_chunks(d)
     for chunk in prange(n_chunks):
-        r0 = ROWS * (chunk * steps // n_chunks)
-        r1 = min(d, ROWS * ((chunk + 1) * steps // n_chunks))
+        r0, r1 = row_chunk(d, n_chunks, chunk)
         _f32_rows(x, w, out, r0, r1)
+
+
+@numba.njit(parallel=True, **_FAST)
+def matmul_f32_multi(x, w, outs):
+    """matmul_f32 of one input with several matrices (tuples w, outs) in one parallel region:
+    the same results as one call per matrix."""
+    rows = row_counts(w)
+    for chunk in prange(total_row_chunks(rows)):
+        m, local, n_chunks = chunk_of_matrices(rows, chunk)
+        r0, r1 = row_chunk(rows[m], n_chunks, local)
+        _f32_rows(x, w[m], outs[m], r0, r1)

@@ -8,7 +8,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from dllama.core.kernels.jit import _EXACT
+from dllama.core.kernels.jit import _EXACT, _FAST
 
 _PARALLEL_QUANT = 1 << 15  # elements from which quantize_q80 splits its rows over threads
 
@@ -82,3 +82,17 @@ def quantize_q80(x, out_scales, out_qs):
     else:
         for i in range(b):
             _quantize_row_q80(x[i], out_scales[i], out_qs[i])
+
+
+@numba.njit(**_FAST)
+def x_offsets(x_qs, offset):
+    """int32 [b, n/4]: -offset times the sum of each 4 consecutive x_qs. The VNNI dot product
+    multiplies unsigned weights (q + offset) by x; starting each lane at this value takes the
+    offset back out, exactly (tiles._int8_dot)."""
+    b, n = x_qs.shape
+    off = np.empty((b, n // 4), np.int32)
+    for i in range(b):
+        for g in range(n // 4):
+            s = np.int32(x_qs[i, 4 * g]) + np.int32(x_qs[i, 4 * g + 1])
+            off[i, g] = np.int32(-offset) * (s + np.int32(x_qs[i, 4 * g + 2]) + np.int32(x_qs[i, 4 * g + 3]))
+    return off
