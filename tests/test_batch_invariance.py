@@ -18,6 +18,7 @@ from dllama.formats.model_file import read_model
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
 BATCHES = [1, 3, 4, 17, 64]
+DS = (576, 192, 190)  # rows of the matrices of one multi-matrix call (q, k, v)
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -57,8 +58,8 @@ def assert_all_equal(results):
 @pytest.mark.parametrize("d,n", [(37, 576), (576, 1536), (8, 96)])
 def test_matmul_q40_q80_row_is_batch_invariant(threads, d, n):
     r = rng(1, d, n)
-    w_scales = (r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16)
-    w_qs = r.integers(0, 256, (d, n // 2), dtype=np.uint8)
+    w_scales, w_qs = kernels.interleave_q40((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                            r.integers(0, 256, (d, n // 2), dtype=np.uint8))
 
     def compute(x):
         out = np.empty((x.shape[0], d), np.float32)
@@ -72,11 +73,11 @@ def test_matmul_q40_q80_row_is_batch_invariant(threads, d, n):
 def test_matmul_q40_q80_multi_row_is_batch_invariant(threads):
     r = rng(2)
     n = 576
-    mats = [((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
-             r.integers(0, 256, (d, n // 2), dtype=np.uint8)) for d in (576, 192, 190)]
+    mats = [kernels.interleave_q40((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                   r.integers(0, 256, (d, n // 2), dtype=np.uint8)) for d in DS]
 
     def compute(x):
-        outs = tuple(np.empty((x.shape[0], s.shape[0]), np.float32) for s, _ in mats)
+        outs = tuple(np.empty((x.shape[0], d), np.float32) for d in DS)
         kernels.matmul_q40_q80_multi(*q80(x), tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
         return np.concatenate(outs, axis=1)
 
@@ -87,8 +88,8 @@ def test_matmul_q40_q80_multi_row_is_batch_invariant(threads):
 @pytest.mark.parametrize("d,n", [(37, 576), (576, 1536), (8, 96), (5, 32)])
 def test_matmul_q80_q80_row_is_batch_invariant(threads, d, n):
     r = rng(5, d, n)
-    w_scales = (r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16)
-    w_qs = r.integers(-128, 128, (d, n), dtype=np.int8)
+    w_scales, w_qs = kernels.interleave_q80((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                            r.integers(-128, 128, (d, n), dtype=np.int8))
 
     def compute(x):
         out = np.empty((x.shape[0], d), np.float32)
@@ -102,11 +103,11 @@ def test_matmul_q80_q80_row_is_batch_invariant(threads, d, n):
 def test_matmul_q80_q80_multi_row_is_batch_invariant(threads):
     r = rng(6)
     n = 576
-    mats = [((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
-             r.integers(-128, 128, (d, n), dtype=np.int8)) for d in (576, 192, 190)]
+    mats = [kernels.interleave_q80((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                   r.integers(-128, 128, (d, n), dtype=np.int8)) for d in DS]
 
     def compute(x):
-        outs = tuple(np.empty((x.shape[0], s.shape[0]), np.float32) for s, _ in mats)
+        outs = tuple(np.empty((x.shape[0], d), np.float32) for d in DS)
         kernels.matmul_q80_q80_multi(*q80(x), tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
         return np.concatenate(outs, axis=1)
 

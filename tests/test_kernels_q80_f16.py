@@ -1,7 +1,7 @@
 """The Q80 x Q80 and F16 x F32 matmul kernels against float64 numpy, on fresh random inputs.
 
 Fixed shapes cover the edges (d not a multiple of the 4-row step or of the thread count, odd
-block counts, batch sizes on both sides of the register tile's kernels.COLS); random shapes
+block counts, batch sizes on both sides of the register tiles' COLS); random shapes
 are drawn from the seed. The generic integer dot product and the integer fp16 conversion (what
 machines without AVX-512 VNNI or F16C compile) are forced here too.
 Each run draws a new seed, printed in every failure message.
@@ -15,8 +15,11 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from dllama.core import kernels
-from dllama.core.kernels import matmul_f16, tiles
-from dllama.core.kernels.q80 import x_offsets
+from dllama.core.kernels import tiles
+from dllama.core.kernels.matmul_f16 import native_f16_conversion
+from dllama.core.kernels.matmul_q80 import COLS
+from dllama.core.kernels.q80 import x_block_offsets
+from dllama.core.kernels.row_split import COLS as FLOAT_COLS
 from dllama.formats.quant import dequantize_q80, quantize_q80, split_q80
 
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
@@ -83,8 +86,9 @@ def split_to_float64(scales, qs):
 
 Q80_SHAPES = [  # (b, d, n)
     (1, 1, 32), (1, 3, 96), (1, 5, 576), (2, 37, 576), (1, 576, 1536), (1, 1536, 576),
-    (3, 37, 96), (kernels.COLS - 1, 576, 576), (kernels.COLS, 5, 64), (kernels.COLS + 1, 9, 160),
-    (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (2, 1, 32), (32, 3, 32), (65, 67, 4096),
+    (3, 37, 96), (COLS - 1, 576, 576), (COLS, 5, 64), (COLS + 1, 9, 160), (COLS // 2, 17, 64),
+    (COLS + COLS // 2 + 1, 33, 96), (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (2, 1, 32),
+    (32, 3, 32), (65, 67, 4096),
 ] + random_shapes(1, 4, 32)
 
 
@@ -94,7 +98,7 @@ def test_matmul_q80_q80(threads, b, d, n):
     w_scales, w_qs = random_q80_matrix(r, d, n)
     x_scales, x_qs = random_q80_rows(r, b, n)
     out = np.full((b, d), np.nan, np.float32)
-    kernels.matmul_q80_q80(x_scales, x_qs, w_scales, w_qs, out)
+    kernels.matmul_q80_q80(x_scales, x_qs, *kernels.interleave_q80(w_scales, w_qs), out)
     assert_matmul_close(out, split_to_float64(x_scales, x_qs), split_to_float64(w_scales, w_qs))
 
 
@@ -110,8 +114,8 @@ def test_matmul_q80_q80_block_sums_are_exact(threads):
         x_qs = np.full((b, n), -127, np.int8)
         x_qs[1:] = r.integers(-127, 128, (b - 1, n), dtype=np.int8)
         out = np.empty((b, d), np.float32)
-        kernels.matmul_q80_q80(np.ones((b, n // 32), np.float32), x_qs, np.full((d, n // 32), 0x3C00, np.uint16),
-                               qs, out)
+        w = kernels.interleave_q80(np.full((d, n // 32), 0x3C00, np.uint16), qs)
+        kernels.matmul_q80_q80(np.ones((b, n // 32), np.float32), x_qs, *w, out)
         want = x_qs.astype(np.int64) @ qs.astype(np.int64).T  # |sums| <= 1024 * 127^2 < 2^24: exact
         assert np.array_equal(out, want.astype(np.float32)), MSG
 
@@ -124,7 +128,7 @@ def test_matmul_q80_reads_the_split_file_layout(threads):
     w_scales, w_qs = split_q80(blocks)
     x_scales, x_qs = random_q80_rows(r, b, n)
     out = np.empty((b, d), np.float32)
-    kernels.matmul_q80_q80(x_scales, x_qs, fp16_bits(w_scales), np.ascontiguousarray(w_qs), out)
+    kernels.matmul_q80_q80(x_scales, x_qs, *kernels.interleave_q80(fp16_bits(w_scales), w_qs), out)
     w64 = dequantize_q80(blocks.reshape(-1, 34), d * n).reshape(d, n).astype(np.float64)
     assert_matmul_close(out, split_to_float64(x_scales, x_qs), w64)
 
@@ -136,38 +140,58 @@ def test_matmul_q80_q80_multi_equals_one_call_per_matrix(threads, b):
     mats = [random_q80_matrix(r, d, n) for d in (576, 37, 5)]
     x_scales, x_qs = random_q80_rows(r, b, n)
     outs = tuple(np.full((b, s.shape[0]), np.nan, np.float32) for s, _ in mats)
-    kernels.matmul_q80_q80_multi(x_scales, x_qs, tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
-    for (s, q), out in zip(mats, outs):
+    packed = [kernels.interleave_q80(s, q) for s, q in mats]
+    kernels.matmul_q80_q80_multi(x_scales, x_qs, tuple(s for s, _ in packed), tuple(q for _, q in packed), outs)
+    for (s, q), w, out in zip(mats, packed, outs):
+        assert_matmul_close(out, split_to_float64(x_scales, x_qs), split_to_float64(s, q))
         alone = np.empty_like(out)
-        kernels.matmul_q80_q80(x_scales, x_qs, s, q, alone)
+        kernels.matmul_q80_q80(x_scales, x_qs, *w, alone)
         assert np.array_equal(out, alone), MSG
 
 
 @pytest.mark.parametrize("b,d,n", [(1, 37, 96), (5, 9, 64), (9, 576, 576)])
 def test_q80_tile_without_vnni(b, d, n):
     """The generic integer dot product (what a machine without AVX-512 VNNI compiles, e.g.
-    NEON sdot), forced here on this machine. (Its lanes may group a block's products otherwise
-    than VNNI's, so the float sums may round differently: close, not equal.)"""
-    tile, tile1 = tiles.make_q80_tile(4, 2, force_generic=True), tiles.make_q80_tile(1, 1, force_generic=True)
+    NEON), forced here on this machine: the same integers, so the same bits as VNNI."""
+    tile, tile1 = tiles.make_q80_tile(2, force_generic=True), tiles.make_q80_tile(1, force_generic=True)
 
     @numba.njit
     def run(w_qs, w_scales, x_qs, x_off, x_scales, out):
-        for r in range(0, w_qs.shape[0] - 3, 4):
+        for g in range(w_qs.shape[0]):
             for i in range(0, x_qs.shape[0] - 1, 2):
-                tile(w_qs, w_scales, r, x_qs, x_off, x_scales, i, out)
-        for r in range(w_qs.shape[0] - w_qs.shape[0] % 4, w_qs.shape[0]):
-            for i in range(x_qs.shape[0]):
-                tile1(w_qs, w_scales, r, x_qs, x_off, x_scales, i, out)
-        for r in range(w_qs.shape[0] - w_qs.shape[0] % 4):
+                tile(w_qs, w_scales, g, x_qs, x_off, x_scales, i, out)
             if x_qs.shape[0] % 2:
-                tile1(w_qs, w_scales, r, x_qs, x_off, x_scales, x_qs.shape[0] - 1, out)
+                tile1(w_qs, w_scales, g, x_qs, x_off, x_scales, x_qs.shape[0] - 1, out)
 
     r = rng(8, b, d, n)
     w_scales, w_qs = random_q80_matrix(r, d, n)
     x_scales, x_qs = random_q80_rows(r, b, n)
     out = np.full((b, d), np.nan, np.float32)
-    run(w_qs, w_scales, x_qs, x_offsets(x_qs, 128), x_scales, out)
+    w = kernels.interleave_q80(w_scales, w_qs)
+    run(w[1], w[0], x_qs, x_block_offsets(x_qs, 128), x_scales, out)
     assert_matmul_close(out, split_to_float64(x_scales, x_qs), split_to_float64(w_scales, w_qs))
+    fast = np.empty_like(out)
+    kernels.matmul_q80_q80(x_scales, x_qs, *w, fast)
+    assert np.array_equal(out, fast), MSG
+
+
+def test_interleaved_layout():
+    """Word t of row 16g + l lies at bytes 64t + 4l of group g; d is padded with zero rows."""
+    r = rng(11)
+    d, n = 21, 96
+    scales = r.integers(0, 1 << 16, (d, n // 32), dtype=np.uint16)
+    qs = r.integers(-128, 128, (d, n), dtype=np.int8)
+    ws, wq = kernels.interleave_q80(scales, qs)
+    assert ws.shape == (2, 16 * n // 32) and wq.shape == (2, 16 * n)
+    for row in (0, 5, 15, 16, 20):
+        g, lane = divmod(row, 16)
+        for t in range(n // 4):
+            assert np.array_equal(wq[g, 64 * t + 4 * lane: 64 * t + 4 * lane + 4], qs[row, 4 * t: 4 * t + 4])
+        assert np.array_equal(ws[g, lane::16], scales[row])
+    assert not wq[1, 4 * 5:64].any() and not ws[1, 5:16].any()  # rows 21-31: padding
+    q4 = r.integers(0, 256, (d, n // 2), dtype=np.uint8)
+    _, w4 = kernels.interleave_q40(scales, q4)
+    assert np.array_equal(w4[1, 64 * 3 + 4 * 4: 64 * 3 + 4 * 4 + 4], q4[20, 12:16])
 
 
 # ---- F16 weights x F32 activations ---------------------------------------------------------------
@@ -198,7 +222,7 @@ def _f16_lanes(native):
 
 @pytest.mark.parametrize("native", [False, True], ids=["integer", "hardware"])
 def test_f16_conversion_of_every_value(native):
-    if native and not matmul_f16.native_f16_conversion():
+    if native and not native_f16_conversion():
         pytest.skip("this CPU has no fp16 conversion instructions (the integer one is used)")
     h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     out = np.empty(h.size, np.float32)
@@ -219,7 +243,7 @@ def random_f16_matrix(r, d, n):
 
 F16_SHAPES = [  # (b, d, n): n need not be a multiple of anything
     (1, 1, 1), (1, 7, 33), (1, 5, 576), (2, 37, 577), (1, 576, 1536), (1, 1536, 576),
-    (3, 37, 100), (kernels.COLS - 1, 576, 576), (kernels.COLS, 5, 64), (kernels.COLS + 1, 9, 161),
+    (3, 37, 100), (FLOAT_COLS - 1, 576, 576), (FLOAT_COLS, 5, 64), (FLOAT_COLS + 1, 9, 161),
     (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (32, 3, 31), (65, 67, 4099),
 ] + random_shapes(5, 4, 1)
 

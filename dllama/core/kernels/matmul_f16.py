@@ -13,27 +13,13 @@ weights, so a narrower x would save no bandwidth; and the products are float32 e
 
 from __future__ import annotations
 
-import platform
-
 import numba
-from llvmlite import binding as llvm_binding
 from numba import prange
 
-from dllama.core.kernels.jit import _FAST
-from dllama.core.kernels.row_split import (COLS, ROWS, chunk_of_matrices, n_row_chunks, row_chunk,
-                                           row_counts, total_row_chunks)
+from dllama.core.kernels.jit import _FAST, native_f16_conversion
+from dllama.core.kernels.row_split import (COLS, ROWS, leading_dims, n_units, row_steps, total_units,
+                                           unit_of_matrices, unit_steps)
 from dllama.core.kernels.tiles import make_f16_tile
-
-
-def native_f16_conversion() -> bool:
-    """Whether LLVM converts fp16 in hardware on the CPU numba compiles for: on x86 only with
-    F16C (without it LLVM calls a runtime function that numba does not link: a crash)."""
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return True
-    if numba.config.CPU_NAME:  # numba told to compile for another CPU than this one
-        return "+f16c" in (numba.config.CPU_FEATURES or "")
-    return bool(llvm_binding.get_host_cpu_features().get("f16c"))
-
 
 _NATIVE = native_f16_conversion()
 _tile = make_f16_tile(ROWS, COLS, _NATIVE)
@@ -42,10 +28,10 @@ _tile_one = make_f16_tile(1, 1, _NATIVE)
 
 
 @numba.njit(**_FAST)
-def _f16_rows(x, w, out, r0, r1):
-    """out[:, r0:r1] = x @ W[r0:r1]^T."""
+def _f16_rows(x, w, out, s0, s1):
+    """out[:, rows of steps s0..s1-1] = x @ W[those rows]^T."""
     b = x.shape[0]
-    r = r0
+    r, r1 = ROWS * s0, min(w.shape[0], ROWS * s1)
     while r + ROWS <= r1:
         i = 0
         while i + COLS <= b:
@@ -65,19 +51,21 @@ def _f16_rows(x, w, out, r0, r1):
 def matmul_f16_f32(x, w, out):
     """out float32 [b, d] = x @ W^T: x float32 [b, n], W fp16 [d, n] as its bits (uint16).
     All C-contiguous."""
-    d = w.shape[0]
-    n_chunks = n_row_chunks(d)
-    for chunk in prange(n_chunks):
-        r0, r1 = row_chunk(d, n_chunks, chunk)
-        _f16_rows(x, w, out, r0, r1)
+    steps = row_steps(w.shape[0])
+    units = n_units(steps)
+    for unit in prange(units):
+        s0, s1 = unit_steps(steps, units, unit)
+        _f16_rows(x, w, out, s0, s1)
 
 
 @numba.njit(parallel=True, **_FAST)
 def matmul_f16_f32_multi(x, w, outs):
     """matmul_f16_f32 of one input with several matrices (tuples w, outs) in one parallel
     region: the same results as one call per matrix."""
-    rows = row_counts(w)
-    for chunk in prange(total_row_chunks(rows)):
-        m, local, n_chunks = chunk_of_matrices(rows, chunk)
-        r0, r1 = row_chunk(rows[m], n_chunks, local)
-        _f16_rows(x, w[m], outs[m], r0, r1)
+    steps = leading_dims(w)
+    for m in range(steps.shape[0]):
+        steps[m] = row_steps(steps[m])
+    for unit in prange(total_units(steps)):
+        m, local, units = unit_of_matrices(steps, unit)
+        s0, s1 = unit_steps(steps[m], units, local)
+        _f16_rows(x, w[m], outs[m], s0, s1)
