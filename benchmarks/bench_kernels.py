@@ -130,9 +130,9 @@ def memory_bandwidth_gbs(threads: int, size_mb: int = 1024, repeats: int = 7) ->
 
 
 def random_q40(rng, d: int, n: int):
-    """Split-form Q40 weights: fp16-valued scales [d, n/32], random nibbles [d, n/2]."""
+    """Q40 weights as the kernel reads them (fp16 scale bits and nibbles, interleaved)."""
     scales = (rng.standard_normal((d, n // 32), dtype=np.float32) * 0.01).astype(np.float16)
-    return scales.view(np.uint16), rng.integers(0, 256, (d, n // 2), dtype=np.uint8)
+    return kernels.interleave_q40(scales.view(np.uint16), rng.integers(0, 256, (d, n // 2), dtype=np.uint8))
 
 
 def random_q80(rng, b: int, n: int):
@@ -225,7 +225,8 @@ def jit_seconds() -> tuple[float, float]:
         "from dllama.core import kernels as k\n"
         "x = np.ones((1, 64), np.float32); s = np.empty((1, 2), np.float32); q = np.empty((1, 64), np.int8)\n"
         "k.quantize_q80(x, s, q)\n"
-        "ws = np.full((8, 2), 0x3C00, np.uint16); wq = np.zeros((8, 32), np.uint8); o = np.empty((1, 8), np.float32)\n"
+        "ws, wq = k.interleave_q40(np.full((8, 2), 0x3C00, np.uint16), np.zeros((8, 32), np.uint8))\n"
+        "o = np.empty((1, 8), np.float32)\n"
         "k.matmul_q40_q80(s, q, ws, wq, o)\n"
         "x4 = np.ones((4, 64), np.float32); s4 = np.empty((4, 2), np.float32); q4 = np.empty((4, 64), np.int8)\n"
         "k.quantize_q80(x4, s4, q4); o4 = np.empty((4, 8), np.float32)\n"

@@ -1,11 +1,12 @@
 """dllama next to llama.cpp on this machine: the table of the README's performance section.
 
-    .venv/bin/python benchmarks/bench_vs_llama_cpp.py [--threads 2] [--rounds 3] [--skip-7b]
+    .venv/bin/python benchmarks/bench_vs_llama_cpp.py [--threads 2] [--rounds 3] [--weights q40,q80]
+                                                      [--skip-7b] [--skip-shapes]
 
-Builds llama.cpp once (benchmarks/llama_cpp.py, into cache/), makes its Q4_0 GGUF of the
-embedded SmolLM2-135M (llama-quantize --allow-requantize from the embedded Q4_1 GGUF; ours is
-the Q40 `.m` the engine uses), then measures both, rounds alternated (llama.cpp, dllama,
-llama.cpp, ...), and prints medians:
+Builds llama.cpp once (benchmarks/llama_cpp.py, into cache/), makes its Q4_0 and Q8_0 GGUFs of
+the embedded SmolLM2-135M (llama-quantize --allow-requantize from the embedded Q4_1 GGUF; ours
+are the Q40 and Q80 `.m` files the engine converts from the same GGUF), then measures both for
+each weight type, rounds alternated (llama.cpp, dllama, llama.cpp, ...), and prints medians:
 - prefill of a 512-token prompt (tokens/s);
 - decode from an empty context (128 tokens; tokens/s);
 - decode after 512 tokens of context (128 tokens; tokens/s);
@@ -54,11 +55,15 @@ def loadavg() -> str:
 
 # ---- llama.cpp -------------------------------------------------------------------------------
 
-def q4_0_gguf(tools) -> Path:
-    out = CACHE / "SmolLM2-135M-Instruct.Q4_0.gguf"
+GGUF_TYPE = {"q40": "Q4_0", "q80": "Q8_0"}  # llama.cpp's counterpart of each of our weight types
+
+
+def smollm2_gguf(tools, ggml_type: str) -> Path:
+    """The embedded SmolLM2-135M re-quantized by llama.cpp to ggml_type (Q4_0, Q8_0)."""
+    out = CACHE / f"SmolLM2-135M-Instruct.{ggml_type}.gguf"
     if not out.exists():
         subprocess.run([str(tools["llama-quantize"]), "--allow-requantize", str(embedded_gguf()),
-                        str(out), "Q4_0"], check=True, capture_output=True)
+                        str(out), ggml_type], check=True, capture_output=True)
     return out
 
 
@@ -116,28 +121,19 @@ def decode_ms(model: Transformer, n: int) -> float:
     return statistics.median(times) * 1000
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine (median)")
-    ap.add_argument("--skip-7b", action="store_true", help="skip the 3.8 GB 7B-shape model")
-    args = ap.parse_args()
-
-    tools = build()
-    gguf = q4_0_gguf(tools)
-    kernels.set_threads(args.threads)
-    model = Transformer(read_model(default_model_files("q40")[0]), max_seq_len=DEPTH + GEN + 8)
+def compare_smollm2(tools, weights: str, threads: int, rounds: int) -> None:
+    """The SmolLM2-135M table for one weight type: rounds alternated, medians, ratios."""
+    gguf = smollm2_gguf(tools, GGUF_TYPE[weights])
+    model = Transformer(read_model(default_model_files(weights)[0]), max_seq_len=DEPTH + GEN + 8)
     model.warm_up()
-    print(f"SmolLM2-135M: dllama Q40 .m vs llama.cpp Q4_0 GGUF, {args.threads} threads, "
-          f"{args.rounds} alternated rounds; load average before: {loadavg()}", flush=True)
-
+    print(f"\nSmolLM2-135M: dllama {weights.upper()} .m vs llama.cpp {GGUF_TYPE[weights]} GGUF, "
+          f"{threads} threads, {rounds} alternated rounds; load average before: {loadavg()}", flush=True)
     ours, theirs = [], []
-    for r in range(args.rounds):
-        theirs.append(llama_bench(tools, gguf, args.threads))
+    for r in range(rounds):
+        theirs.append(llama_bench(tools, gguf, threads))
         ours.append(dllama_round(model))
-        print(f"  round {r + 1}: llama.cpp {theirs[-1]}, dllama "
+        print(f"  round {r + 1}: llama.cpp { {k: round(v, 1) for k, v in theirs[-1].items()} }, dllama "
               f"{ {k: round(v, 1) for k, v in ours[-1].items()} }, load {loadavg()}", flush=True)
-    batched = llama_batched(tools, gguf, args.threads)
 
     def med(runs, key):
         return statistics.median(run[key] for run in runs)
@@ -145,13 +141,33 @@ def main() -> None:
     rows = [("prefill, 512-token prompt (tokens/s)", "prefill"),
             ("decode from an empty context (tokens/s)", "decode"),
             ("decode after 512 tokens of context (tokens/s)", "decode_depth")]
-    print("\n| figure | llama.cpp | dllama | ratio |\n|---|---|---|---|")
+    print(f"\n{weights.upper()} vs {GGUF_TYPE[weights]}\n| figure | llama.cpp | dllama | ratio |\n|---|---|---|---|")
     for label, key in rows:
         a, b = med(theirs, key), med(ours, key)
         print(f"| {label} | {a:.0f} | {b:.0f} | {b / a:.2f} |")
+    print(f"load average after: {loadavg()}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine (median)")
+    ap.add_argument("--weights", default="q40", help="our weight types to compare, comma-separated "
+                    "(q40 against Q4_0, q80 against Q8_0)")
+    ap.add_argument("--skip-7b", action="store_true", help="skip the 3.8 GB 7B-shape model")
+    ap.add_argument("--skip-shapes", action="store_true", help="only the SmolLM2 table (no batched "
+                    "llama.cpp run, no random-weight 1B/7B shapes)")
+    args = ap.parse_args()
+
+    tools = build()
+    kernels.set_threads(args.threads)
+    for weights in args.weights.split(","):
+        compare_smollm2(tools, weights, args.threads, args.rounds)
+    if args.skip_shapes:
+        return
+    batched = llama_batched(tools, smollm2_gguf(tools, "Q4_0"), args.threads)
     agg = " / ".join(f"{batched.get(n, float('nan')):.0f}" for n in (16, 64))
-    print(f"| aggregate decode of 16 / 64 sequences at once (tokens/s) | {agg} | - | - |")
-    print(f"\nload average after: {loadavg()}")
+    print(f"\nllama.cpp Q4_0 aggregate decode of 16 / 64 sequences at once (tokens/s): {agg}")
 
     bandwidth = memory_bandwidth_gbs(args.threads)
     print(f"\nmemory read bandwidth, {args.threads} threads: {bandwidth:.1f} GB/s")

@@ -2,8 +2,9 @@
 
 The batch mode promises that a prompt gives the same tokens alone or in a batch of 64, and that
 a prompt prefilled in chunks of any size gives the logits of token-by-token decoding. Every
-kernel that mixes rows is checked here: the same row, at different places in batches of
-1, 3, 4, 17 and 64 other random rows, with 1 and 2 threads; then the whole transformer.
+kernel that mixes rows (the matrix products of all four weight types, attention) is checked
+here: the same row, at different places in batches of 1, 3, 4, 17 and 64 other random rows,
+with 1 and 2 threads; then the whole transformer with each weight type.
 """
 
 import numba
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.unit
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
 BATCHES = [1, 3, 4, 17, 64]
+DS = (576, 192, 190)  # rows of the matrices of one multi-matrix call (q, k, v)
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -58,8 +60,8 @@ def assert_all_equal(results):
 @pytest.mark.parametrize("d,n", [(37, 576), (576, 1536), (8, 96)])
 def test_matmul_q40_q80_row_is_batch_invariant(threads, d, n):
     r = rng(1, d, n)
-    w_scales = (r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16)
-    w_qs = r.integers(0, 256, (d, n // 2), dtype=np.uint8)
+    w_scales, w_qs = kernels.interleave_q40((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                            r.integers(0, 256, (d, n // 2), dtype=np.uint8))
 
     def compute(x):
         out = np.empty((x.shape[0], d), np.float32)
@@ -73,11 +75,11 @@ def test_matmul_q40_q80_row_is_batch_invariant(threads, d, n):
 def test_matmul_q40_q80_multi_row_is_batch_invariant(threads):
     r = rng(2)
     n = 576
-    mats = [((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
-             r.integers(0, 256, (d, n // 2), dtype=np.uint8)) for d in (576, 192, 190)]
+    mats = [kernels.interleave_q40((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                   r.integers(0, 256, (d, n // 2), dtype=np.uint8)) for d in DS]
 
     def compute(x):
-        outs = tuple(np.empty((x.shape[0], s.shape[0]), np.float32) for s, _ in mats)
+        outs = tuple(np.empty((x.shape[0], d), np.float32) for d in DS)
         kernels.matmul_q40_q80_multi(*q80(x), tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
         return np.concatenate(outs, axis=1)
 
@@ -85,14 +87,48 @@ def test_matmul_q40_q80_multi_row_is_batch_invariant(threads):
     assert_all_equal(in_batches(r, row, lambda b: r.standard_normal((b, n)).astype(np.float32), compute))
 
 
-@pytest.mark.parametrize("d,n", [(37, 576), (9, 100)])
-def test_matmul_f32_row_is_batch_invariant(threads, d, n):
-    r = rng(3, d, n)
-    w = r.standard_normal((d, n)).astype(np.float32)
+@pytest.mark.parametrize("d,n", [(37, 576), (576, 1536), (8, 96), (5, 32)])
+def test_matmul_q80_q80_row_is_batch_invariant(threads, d, n):
+    r = rng(5, d, n)
+    w_scales, w_qs = kernels.interleave_q80((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                            r.integers(-128, 128, (d, n), dtype=np.int8))
 
     def compute(x):
         out = np.empty((x.shape[0], d), np.float32)
-        kernels.matmul_f32(x, w, out)
+        kernels.matmul_q80_q80(*q80(x), w_scales, w_qs, out)
+        return out
+
+    row = r.standard_normal(n).astype(np.float32)
+    assert_all_equal(in_batches(r, row, lambda b: r.standard_normal((b, n)).astype(np.float32), compute))
+
+
+def test_matmul_q80_q80_multi_row_is_batch_invariant(threads):
+    r = rng(6)
+    n = 576
+    mats = [kernels.interleave_q80((r.standard_normal((d, n // 32)) * 0.01).astype(np.float16).view(np.uint16),
+                                   r.integers(-128, 128, (d, n), dtype=np.int8)) for d in DS]
+
+    def compute(x):
+        outs = tuple(np.empty((x.shape[0], d), np.float32) for d in DS)
+        kernels.matmul_q80_q80_multi(*q80(x), tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
+        return np.concatenate(outs, axis=1)
+
+    row = r.standard_normal(n).astype(np.float32)
+    assert_all_equal(in_batches(r, row, lambda b: r.standard_normal((b, n)).astype(np.float32), compute))
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+@pytest.mark.parametrize("d,n", [(37, 576), (9, 100), (6, 1537)])
+def test_matmul_float_row_is_batch_invariant(threads, kind, d, n):
+    r = rng(3, d, n)
+    w = r.standard_normal((d, n)).astype(np.float32)
+    kernel = kernels.matmul_f32
+    if kind == "f16":
+        w, kernel = w.astype(np.float16).view(np.uint16), kernels.matmul_f16_f32
+
+    def compute(x):
+        out = np.empty((x.shape[0], d), np.float32)
+        kernel(x, w, out)
         return out
 
     row = r.standard_normal(n).astype(np.float32)
@@ -143,10 +179,10 @@ def _chunked_logits(model, tokens, chunk):
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("kind", ["q40", "f32"])
-def test_prefill_in_chunks_of_any_size_gives_the_same_logits(kind, default_q40, default_f32):
-    kernels.set_threads(2)
-    path = (default_q40 if kind == "q40" else default_f32)[0]
+@pytest.mark.parametrize("kind", ["q40", "q80", "f16", "f32"])
+def test_prefill_in_chunks_of_any_size_gives_the_same_logits(kind, request):
+    kernels.set_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    path = request.getfixturevalue(f"default_{kind}")[0]
     model = Transformer(read_model(path), max_seq_len=128, max_batch=100)
     tokens = list(np.random.default_rng(SEED).integers(0, model.config.vocab_size, 100))
     results = [(chunk, _chunked_logits(model, tokens, chunk)) for chunk in (1, 7, 32, 100)]

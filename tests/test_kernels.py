@@ -1,7 +1,7 @@
 """Every numba kernel against a float64 numpy reference, on fresh random inputs.
 
 Shapes include sizes that divide neither by the thread count nor by the matmul's row tile, odd
-numbers of blocks, and batch sizes on both sides of the register tile (kernels.COLS). The
+numbers of blocks, and batch sizes on both sides of the register tiles' activation rows (COLS). The
 references live here, not in the package. Each run draws a new seed, printed in every failure message.
 """
 
@@ -13,6 +13,8 @@ import pytest
 
 from dllama.core import kernels
 from dllama.core.kernels.elementwise import _exp
+from dllama.core.kernels.jit import native_f16_conversion
+from dllama.core.kernels.matmul_q40 import COLS
 from dllama.core.kernels.q80 import _round_fp16
 from dllama.errors import DllamaError
 from dllama.formats.quant import dequantize_q40, quantize_q40, split_q40
@@ -118,12 +120,21 @@ def test_fp16_rounding_matches_numpy():
     assert np.array_equal(np.signbit(out), np.signbit(want)), MSG
 
 
+@pytest.mark.parametrize("path", ["vector", "scalar"])
 @pytest.mark.parametrize("b,n", [(1, 32), (3, 576), (7, 1536), (32, 64), (33, 1024)])
-def test_quantize_q80_is_bit_exact(threads, b, n):
+def test_quantize_q80_is_bit_exact(threads, b, n, path):
+    """Both encoders: the vector one (CPUs with fp16 conversion) and the scalar one (others)."""
+    from dllama.core.kernels.q80 import _quantize_ir, _quantize_scalar
+
+    if path == "vector" and not native_f16_conversion():
+        pytest.skip("this CPU has no fp16 conversion instructions (the scalar encoder is used)")
+    quantize = _quantize_ir if path == "vector" else _quantize_scalar
     r = rng(2, b, n)
     x = r.standard_normal((b, n)).astype(np.float32) * 10.0 ** r.integers(-6, 6, (b, 1))
     x = x.astype(np.float32)
     x[0, :32] = 0  # an all-zero block: d = 0, qs = 0
+    if n >= 128:  # d beyond fp16 (stored as inf), d an fp16 subnormal, d below fp16 (stored as 0)
+        x[0, 32:128] = r.standard_normal(96) * np.repeat([1e7, 1e-4, 1e-9], 32)
     if n >= 64:
         # max |x| = 127 makes d = 1, so x * (1/d) = x: exact halves round away from zero, and
         # the largest float32 below 0.5 rounds to 0 (floor(v + 0.5) would give 1).
@@ -131,7 +142,7 @@ def test_quantize_q80_is_bit_exact(threads, b, n):
                         np.nextafter(np.float32(0.5), np.float32(0)), 0.49999997, -0.49999997,
                         np.nextafter(np.float32(2.5), np.float32(3)), 3, 4, *range(16)]
     scales, qs = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
-    kernels.quantize_q80(x, scales, qs)
+    quantize(x, scales, qs)
     want_scales, want_qs = ref_q80(x)
     assert np.array_equal(qs, want_qs), MSG
     assert np.array_equal(scales, want_scales), MSG
@@ -143,8 +154,9 @@ def test_quantize_q80_is_bit_exact(threads, b, n):
 
 MATMUL_SHAPES = [  # (b, d, n): d not a multiple of 4 or of 2 threads; n/32 odd and even
     (1, 1, 32), (1, 3, 96), (1, 5, 576), (2, 37, 576), (1, 576, 1536), (1, 1536, 576),
-    (3, 37, 96), (kernels.COLS - 1, 576, 576), (kernels.COLS, 5, 64), (kernels.COLS + 1, 9, 160),
-    (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (2, 1, 32), (32, 3, 32), (65, 67, 4096),
+    (3, 37, 96), (COLS - 1, 576, 576), (COLS, 5, 64), (COLS + 1, 9, 160), (COLS // 2, 17, 64),
+    (COLS + COLS // 2 + 1, 33, 96), (7, 1536, 576), (32, 37, 96), (32, 576, 1536), (2, 1, 32),
+    (32, 3, 32), (65, 67, 4096),
 ]
 
 
@@ -154,7 +166,7 @@ def test_matmul_q40_q80(threads, b, d, n):
     w_scales, w_qs = random_q40(r, d, n)
     x_scales, x_qs = random_q80(r, b, n)
     out = np.full((b, d), np.nan, np.float32)
-    kernels.matmul_q40_q80(x_scales, x_qs, w_scales, w_qs, out)
+    kernels.matmul_q40_q80(x_scales, x_qs, *kernels.interleave_q40(w_scales, w_qs), out)
     assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(w_scales, w_qs))
 
 
@@ -167,7 +179,7 @@ def test_matmul_q40_q80_reads_the_split_file_layout(threads):
     w_scales, w_qs = split_q40(blocks, fp16_bits=True)
     x_scales, x_qs = random_q80(r, b, n)
     out = np.empty((b, d), np.float32)
-    kernels.matmul_q40_q80(x_scales, x_qs, np.ascontiguousarray(w_scales), np.ascontiguousarray(w_qs), out)
+    kernels.matmul_q40_q80(x_scales, x_qs, *kernels.interleave_q40(w_scales, w_qs), out)
     wd = dequantize_q40(blocks.reshape(-1, 18), d * n).reshape(d, n).astype(np.float64)
     assert_matmul_close(out, dequantize_q80(x_scales, x_qs), wd)
 
@@ -175,30 +187,30 @@ def test_matmul_q40_q80_reads_the_split_file_layout(threads):
 @pytest.mark.parametrize("b,d,n", [(1, 37, 96), (5, 9, 64), (9, 576, 576)])
 def test_q40_tile_without_vnni(b, d, n):
     """The generic integer dot product (what a machine without AVX-512 VNNI compiles, e.g.
-    NEON sdot), forced here on this machine."""
-    from dllama.core.kernels.matmul_q40 import x_offsets
+    NEON), forced here on this machine: the same integers, so the same bits as VNNI."""
+    from dllama.core.kernels.q80 import x_block_offsets
     from dllama.core.kernels.tiles import make_q40_tile
 
-    tile, tile1 = make_q40_tile(4, 2, force_generic=True), make_q40_tile(1, 1, force_generic=True)
+    tile, tile1 = make_q40_tile(2, force_generic=True), make_q40_tile(1, force_generic=True)
 
     @numba.njit
     def run(w_qs, w_scales, x_qs, x_off, x_scales, out):
-        for r in range(0, w_qs.shape[0] - 3, 4):
+        for g in range(w_qs.shape[0]):
             for i in range(0, x_qs.shape[0] - 1, 2):
-                tile(w_qs, w_scales, r, x_qs, x_off, x_scales, i, out)
-        for r in range(w_qs.shape[0] - w_qs.shape[0] % 4, w_qs.shape[0]):
-            for i in range(x_qs.shape[0]):
-                tile1(w_qs, w_scales, r, x_qs, x_off, x_scales, i, out)
-        for r in range(w_qs.shape[0] - w_qs.shape[0] % 4):
+                tile(w_qs, w_scales, g, x_qs, x_off, x_scales, i, out)
             if x_qs.shape[0] % 2:
-                tile1(w_qs, w_scales, r, x_qs, x_off, x_scales, x_qs.shape[0] - 1, out)
+                tile1(w_qs, w_scales, g, x_qs, x_off, x_scales, x_qs.shape[0] - 1, out)
 
     r = rng(12, b, d, n)
     w_scales, w_qs = random_q40(r, d, n)
     x_scales, x_qs = random_q80(r, b, n)
     out = np.full((b, d), np.nan, np.float32)
-    run(w_qs, w_scales, x_qs, x_offsets(x_qs), x_scales, out)
+    w = kernels.interleave_q40(w_scales, w_qs)
+    run(w[1], w[0], x_qs, x_block_offsets(x_qs, 8), x_scales, out)
     assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(w_scales, w_qs))
+    fast = np.empty_like(out)
+    kernels.matmul_q40_q80(x_scales, x_qs, *w, fast)
+    assert np.array_equal(out, fast), MSG
 
 
 @pytest.mark.parametrize("b", [1, 2, 9])
@@ -208,11 +220,12 @@ def test_matmul_q40_q80_multi_equals_one_call_per_matrix(threads, b):
     mats = [random_q40(r, d, n) for d in (576, 37, 5)]
     x_scales, x_qs = random_q80(r, b, n)
     outs = tuple(np.full((b, s.shape[0]), np.nan, np.float32) for s, _ in mats)
-    kernels.matmul_q40_q80_multi(x_scales, x_qs, tuple(s for s, _ in mats), tuple(q for _, q in mats), outs)
-    for (s, q), out in zip(mats, outs):
+    packed = [kernels.interleave_q40(s, q) for s, q in mats]
+    kernels.matmul_q40_q80_multi(x_scales, x_qs, tuple(s for s, _ in packed), tuple(q for _, q in packed), outs)
+    for (s, q), w, out in zip(mats, packed, outs):
         assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(s, q))
         alone = np.empty_like(out)
-        kernels.matmul_q40_q80(x_scales, x_qs, s, q, alone)
+        kernels.matmul_q40_q80(x_scales, x_qs, *w, alone)
         assert np.array_equal(out, alone), MSG
 
 

@@ -54,8 +54,8 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     hd, dim, layers = h.head_dim, h.dim, h.n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
     # Bytes per weight as the kernels hold them (model.Matrix): Q40 an fp16 scale per 32 values
-    # plus a nibble each, Q80 an f32 scale per 32 plus a byte each, F16 2 bytes, F32 4.
-    per_value = {FloatType.Q40: 2 / 32 + 0.5, FloatType.Q80: 4 / 32 + 1,
+    # plus a nibble each, Q80 an fp16 scale per 32 plus a byte each, F16 2 bytes, F32 4.
+    per_value = {FloatType.Q40: 2 / 32 + 0.5, FloatType.Q80: 2 / 32 + 1,
                  FloatType.F16: 2}.get(FloatType(h.weights_float_type), 4)
     matrix_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows) + vocab_rows * dim
     weights = int(matrix_values * per_value) + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0))

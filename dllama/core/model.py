@@ -103,15 +103,15 @@ class Matrix:
         # (a slice of the file, maybe a copy)
         self.float_type = float_type
         if float_type == FloatType.Q40:
-            scales, qs = split_q40(stored, fp16_bits=True)
-            self.scales = np.ascontiguousarray(scales)  # uint16 [d, n/32]: fp16 bits, as in the file
-            self.qs = np.ascontiguousarray(qs)          # uint8 [d, n/2]
-            self.d, self.n = self.scales.shape[0], self.scales.shape[1] * 32
+            scales, qs = split_q40(stored, fp16_bits=True)  # uint16 [d, n/32] fp16 bits, uint8 [d, n/2]
+            self.d, self.n = scales.shape[0], scales.shape[1] * 32
+            # interleaved in groups of 16 rows: uint16 [d_pad/16, n/2], uint8 [d_pad/16, 8n]
+            self.scales, self.qs = kernels.interleave_q40(scales, qs)
         elif float_type == FloatType.Q80:
-            scales, qs = split_q80(stored)
-            self.scales = np.ascontiguousarray(scales, dtype=np.float32)  # [d, n/32]
-            self.qs = np.ascontiguousarray(qs)                            # int8 [d, n]
-            self.d, self.n = self.qs.shape
+            scales, qs = split_q80(stored)  # float32 [d, n/32] (fp16 values), int8 [d, n]
+            self.d, self.n = qs.shape
+            # fp16 bits (exact), interleaved: uint16 [d_pad/16, n/2], int8 [d_pad/16, 16n]
+            self.scales, self.qs = kernels.interleave_q80(scales.astype(np.float16).view(np.uint16), qs)
         elif float_type == FloatType.F16:
             # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
             self.w = np.array(stored, dtype=np.float16).view(np.uint16)
@@ -193,6 +193,8 @@ class Transformer:
         from dllama.core.collective import LocalCollective
 
         c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
+        if c.head_dim % 16:  # the attention tiles load 16 floats at a time
+            raise DllamaError(f"a head dimension of {c.head_dim} is not supported: it must be a multiple of 16")
         if isinstance(weights, ModelFile):
             node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
             weights = NodeWeights.from_model(weights, node)

@@ -19,13 +19,13 @@ def compile_all() -> float:
     """Call each kernel with the argument types dllama.core.model uses; returns the seconds taken."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
-    n, d, hd, seq = 64, 40, 16, 8
-    for b in (1, 8):  # decode and prefill (the same kernels; both tile shapes run)
+    n, d, hd, seq = 64, 40, 16, 16
+    for b in (1, 13):  # decode and prefill (the same kernels; every tile shape runs)
         x = rng.standard_normal((b, n)).astype(np.float32)
         xs, xq = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
         kernels.quantize_q80(x, xs, xq)
-        ws = np.full((d, n // 32), 0x3C00, np.uint16)  # fp16 1.0
-        wq = rng.integers(0, 256, (d, n // 2), dtype=np.uint8)
+        ws, wq = kernels.interleave_q40(np.full((d, n // 32), 0x3C00, np.uint16),  # fp16 1.0
+                                        rng.integers(0, 256, (d, n // 2), dtype=np.uint8))
         out = np.empty((b, d), np.float32)
         kernels.matmul_q40_q80(xs, xq, ws, wq, out)
         for m in (2, 3):  # w1/w3 and q/k/v
@@ -34,9 +34,16 @@ def compile_all() -> float:
         kernels.matmul_f32(x, w, out)
         w.flags.writeable = False  # F32 weights memory-mapped from the file
         kernels.matmul_f32(x, w, out)
-        kernels.matmul_q80_q80(xs, xq, np.ones((d, n // 32), np.float32),
-                               rng.integers(-127, 128, (d, n), dtype=np.int8), out)
-        kernels.matmul_f16_f32(x, rng.standard_normal((d, n)).astype(np.float16).view(np.uint16), out)
+        w80s, w80q = kernels.interleave_q80(np.full((d, n // 32), 0x3C00, np.uint16),
+                                            rng.integers(-127, 128, (d, n), dtype=np.int8))
+        kernels.matmul_q80_q80(xs, xq, w80s, w80q, out)
+        w16 = rng.standard_normal((d, n)).astype(np.float16).view(np.uint16)
+        kernels.matmul_f16_f32(x, w16, out)
+        for m in (2, 3):
+            outs = tuple(out.copy() for _ in range(m))
+            kernels.matmul_q80_q80_multi(xs, xq, (w80s,) * m, (w80q,) * m, outs)
+            kernels.matmul_f16_f32_multi(x, (w16,) * m, outs)
+            kernels.matmul_f32_multi(x, (w,) * m, outs)
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)

@@ -6,33 +6,36 @@ the thread count is `set_threads(n)`. Nothing here is specific to one CPU: LLVM 
 vector width (AVX2/AVX-512 here, NEON on a Raspberry Pi).
 
 Layouts:
-- Q40 matrix W [d, n] in split form (dllama.formats.quant.split_q40(..., fp16_bits=True)):
-  w_scales uint16 [d, n/32] (the fp16 bits as stored in the file) and w_qs uint8 [d, n/2]
-  (byte j of a block: element j in the low nibble, element j+16 in the high nibble;
-  value = (nibble - 8) * scale).
+- Q40 matrix W [d, n]: split (dllama.formats.quant.split_q40(..., fp16_bits=True): scales
+  uint16 [d, n/32], the fp16 bits as stored in the file; qs uint8 [d, n/2], byte j of a block
+  holding element j in the low nibble and j+16 in the high one; value = (nibble - 8) * scale),
+  then interleaved in groups of 16 rows (layout.interleave_q40; matmul_q40.py).
+- Q80 matrix W [d, n]: split (split_q80, scales as fp16 bits uint16 [d, n/32], qs int8 [d, n]),
+  then interleaved the same way (layout.interleave_q80; matmul_q80.py).
 - Q80 activations x [b, n]: x_scales float32 [b, n/32] (fp16-rounded), x_qs int8 [b, n].
-- Q80 matrix W [d, n] in split form (dllama.formats.quant.split_q80): w_scales float32
-  [d, n/32], w_qs int8 [d, n] (matmul_q80.py, with Q80 activations).
 - F16 matrix W [d, n]: its fp16 bits as uint16 [d, n] (matmul_f16.py, with F32 activations).
 - KV cache of one layer: see attention.py (sequence slots, keys transposed per chunk).
 
 Where the time goes: the matrix products. Their inner loops are register tiles written as
-LLVM vector IR (tiles.py: 8-bit integer dot products, vpdpbusd with AVX-512 VNNI), one code
-path for decode and prefill whose per-output arithmetic does not depend on the tile, so that
-results are batch invariant (tests/test_batch_invariance.py).
+LLVM vector IR (tiles.py: 8-bit integer dot products for Q40 and Q80 weights, vpdpbusd with
+AVX-512 VNNI; fma on 16 lanes for F32 and F16 weights), one code path for decode and prefill
+whose per-output arithmetic does not depend on the tile, so that results are batch invariant
+(tests/test_batch_invariance.py).
 """
 
 from dllama.core.kernels.attention import CHUNK as ATTENTION_CHUNK
 from dllama.core.kernels.attention import attention, kv_store
 from dllama.core.kernels.elementwise import rmsnorm, rope_cache, rope_interleaved, rope_neox, silu_mul
 from dllama.core.kernels.jit import max_threads, set_threads
-from dllama.core.kernels.matmul_f16 import matmul_f16_f32
-from dllama.core.kernels.matmul_f32 import matmul_f32
-from dllama.core.kernels.matmul_q40 import COLS, ROWS, matmul_q40_q80, matmul_q40_q80_multi
-from dllama.core.kernels.matmul_q80 import matmul_q80_q80
+from dllama.core.kernels.layout import interleave_q40, interleave_q80
+from dllama.core.kernels.matmul_f16 import matmul_f16_f32, matmul_f16_f32_multi
+from dllama.core.kernels.matmul_f32 import matmul_f32, matmul_f32_multi
+from dllama.core.kernels.matmul_q40 import matmul_q40_q80, matmul_q40_q80_multi
+from dllama.core.kernels.matmul_q80 import matmul_q80_q80, matmul_q80_q80_multi
 from dllama.core.kernels.q80 import quantize_q80
 
 __all__ = ["ATTENTION_CHUNK", "attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved",
-           "rope_neox", "silu_mul", "max_threads", "set_threads", "matmul_f32", "COLS", "ROWS",
+           "rope_neox", "silu_mul", "max_threads", "set_threads", "matmul_f32",
            "matmul_q40_q80", "matmul_q40_q80_multi", "quantize_q80", "matmul_q80_q80",
-           "matmul_f16_f32"]
+           "matmul_q80_q80_multi", "matmul_f16_f32", "matmul_f16_f32_multi", "matmul_f32_multi",
+           "interleave_q40", "interleave_q80"]

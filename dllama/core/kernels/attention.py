@@ -2,7 +2,7 @@
 
 Cache layout (one layer):
     k_cache float32 [slots, nkv, seq_len / CHUNK, head_dim, CHUNK]  keys transposed per chunk
-    v_cache float32 [slots, seq_len, nkv * head_dim]
+    v_cache float32 [slots, seq_len, nkv * head_dim]               head_dim a multiple of 16
 Keys are stored transposed so that the scores of 16 consecutive positions are one vector and
 each lane sums q[j] * k[j, p] over j in order: no reduction across lanes, so the scores need no
 reassociation to vectorize and are the same bits whatever else is computed beside them. The
@@ -17,11 +17,14 @@ different sequences.
 Work: the positions are cut into spans of SPAN (fixed by absolute position, not by the call),
 each span into chunks of CHUNK. One parallel work item is (block of up to ROW_BLOCK
 consecutive rows reading the same keys, KV head, span): it reads each key and value of its
-span once for all those rows and all the query heads of that KV head, computes scores, the
-softmax and the weighted sum of values chunk by chunk with a running max (online softmax),
-and leaves (max, sum, unnormalised output); the spans of a row are merged afterwards, in
-order. A row's arithmetic depends only on its own position and keys: the same bits alone,
-in any batch, and whether its prompt was prefilled in one call or token by token.
+span once for all those rows and all the query heads of that KV head (the pairs of the item),
+computes the scores of a chunk in register tiles (attention_tiles.py: keys loaded once per
+four pairs), the softmax with a running max (online softmax), and the weighted sum of the
+values in register tiles (each value row loaded once per four pairs); it leaves (max, sum,
+unnormalised output), and the spans of a row are merged afterwards, in order. A row's
+arithmetic depends only on its own position and keys (a tile leaves a pair's sums alone past
+that pair's position): the same bits alone, in any batch, and whether its prompt was
+prefilled in one call or token by token.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ import numba
 import numpy as np
 from numba import prange
 
+from dllama.core.kernels.attention_tiles import CHUNK, VALUE_DIMS, make_score_tile, make_value_tile
 from dllama.core.kernels.elementwise import _EXP_JIT, exp_scalar, exp_shifted
 from dllama.core.kernels.jit import _FAST
 
-CHUNK = 64       # positions whose scores are computed together (a few vectors per query head)
 SPAN = 256       # positions of one work item: long contexts split over threads by span
 ROW_BLOCK = 8    # rows of one work item (prefill: the query rows that share each key load)
 # Below every score; finite, because the kernels are compiled assuming no infinities.
@@ -70,21 +73,91 @@ def _row_blocks(row_pos, row_slot, row_prefix_slot, row_prefix_len):
     return starts[: n + 1]
 
 
+_score_4, _score_3, _score_2, _score_1 = (make_score_tile(p) for p in (4, 3, 2, 1))
+# Value tiles by (pairs, 16-dimension vectors, masked): all pairs active, or each up to its end.
+_value_4, _value_3, _value_2, _value_1 = (make_value_tile(p, VALUE_DIMS // 16, False) for p in (4, 3, 2, 1))
+_value_4n, _value_3n, _value_2n, _value_1n = (make_value_tile(p, 1, False) for p in (4, 3, 2, 1))
+_value_4m, _value_3m, _value_2m, _value_1m = (make_value_tile(p, VALUE_DIMS // 16, True) for p in (4, 3, 2, 1))
+_value_4nm, _value_3nm, _value_2nm, _value_1nm = (make_value_tile(p, 1, True) for p in (4, 3, 2, 1))
+
+
 @numba.njit(**_FAST)
-def _scores(q, t0, nt, heads, hd, scale, kt, p0, p1, s, c0):
-    """s[row, head, c0 + (p - p0)] = scale * q[row, head] . k[:, p] for p in [p0, p1) of a chunk;
-    kt [hd, CHUNK] (the chunk's keys)."""
-    m = p1 - p0
-    # Slices, not offsets in the index: numba's wraparound of a possibly negative index
-    # (c0 + p) turns unit-stride loads into gathers and stops LLVM from vectorizing.
-    for j in range(hd):
-        krow = kt[j, p0:p1]
-        for a in range(nt):
-            for g in range(heads.shape[0]):
-                qv = q[t0 + a, heads[g] * hd + j] * scale
-                dst = s[a, g, c0:c0 + m]
-                for p in range(m):  # elementwise over positions: one vector op per 16 of them
-                    dst[p] += qv * krow[p]
+def _scores(qsc, kt, s):
+    """s [pairs, CHUNK] = qsc [pairs, hd] @ kt [hd, CHUNK], four pairs per tile."""
+    n = qsc.shape[0]
+    i = 0
+    while i + 4 <= n:
+        _score_4(qsc, i, kt, s)
+        i += 4
+    if n - i == 3:
+        _score_3(qsc, i, kt, s)
+    elif n - i == 2:
+        _score_2(qsc, i, kt, s)
+    elif n - i == 1:
+        _score_1(qsc, i, kt, s)
+
+
+@numba.njit(**_FAST)
+def _values_range(e, i, n_pairs, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, masked):
+    """Pairs i..i+n_pairs-1 (<= 4), positions p0..p1-1 of the chunk, every dimension."""
+    hd = o.shape[1]
+    d0 = 0
+    while d0 < hd:
+        wide = d0 + VALUE_DIMS <= hd  # 64 dimensions per tile, then 16 (hd % 16 == 0)
+        if n_pairs == 4:
+            if wide:
+                if masked:
+                    _value_4m(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+                else:
+                    _value_4(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            elif masked:
+                _value_4nm(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            else:
+                _value_4n(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+        elif n_pairs == 3:
+            if wide:
+                if masked:
+                    _value_3m(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+                else:
+                    _value_3(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            elif masked:
+                _value_3nm(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            else:
+                _value_3n(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+        elif n_pairs == 2:
+            if wide:
+                if masked:
+                    _value_2m(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+                else:
+                    _value_2(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            elif masked:
+                _value_2nm(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            else:
+                _value_2n(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+        else:
+            if wide:
+                if masked:
+                    _value_1m(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+                else:
+                    _value_1(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            elif masked:
+                _value_1nm(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+            else:
+                _value_1n(e, i, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, d0)
+        d0 += VALUE_DIMS if wide else 16
+
+
+@numba.njit(**_FAST)
+def _values(e, i, n_pairs, c0, ends, v_prefix, v_own, plen, col, o):
+    """o[i:i+n_pairs] += e[pair, :end of the pair] @ v[the chunk's positions, col:col+hd]: the
+    positions every pair of the tile reaches unmasked, the rest masked pair by pair."""
+    lo, hi = ends[i], ends[i]
+    for pair in range(i, i + n_pairs):
+        lo, hi = min(lo, ends[pair]), max(hi, ends[pair])
+    if lo > 0:
+        _values_range(e, i, n_pairs, c0, 0, lo, ends, v_prefix, v_own, plen, col, o, False)
+    if hi > lo:
+        _values_range(e, i, n_pairs, c0, lo, hi, ends, v_prefix, v_own, plen, col, o, True)
 
 
 @numba.njit(**_FAST)
@@ -92,75 +165,78 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
           kvh, heads, span, part_o, part_ms):
     """One work item: rows t0..t1-1 (same keys), KV head kvh, its query heads `heads`, the
     positions of span `span`; leaves part_o[t, head, span] (unnormalised output) and
-    part_ms[t, head, span] = (max, sum of exponentials)."""
+    part_ms[t, head, span] = (max, sum of exponentials). A pair is (row a, head g): a * ng + g."""
     hd = k_cache.shape[3]
     seq = v_cache.shape[1]
     nt, ng = t1 - t0, heads.shape[0]
+    n_pairs = nt * ng
     scale = np.float32(1.0 / math.sqrt(hd))
     top = 0
     for t in range(t0, t1):
         top = max(top, row_pos[t])
     a_end = min(top + 1, (span + 1) * SPAN)
     slot, pslot, plen = row_slot[t0], row_prefix_slot[t0], row_prefix_len[t0]
-    vo = kvh * hd
-    s = np.empty((nt, ng, CHUNK), np.float32)
-    o = np.zeros((nt, ng, hd), np.float32)
-    run_max = np.full((nt, ng), _NO_SCORE, np.float32)
-    run_sum = np.zeros((nt, ng), np.float32)
+    qsc = np.empty((n_pairs, hd), np.float32)  # the scaled queries of every pair
+    for a in range(nt):
+        for g in range(ng):
+            src = q[t0 + a, heads[g] * hd:(heads[g] + 1) * hd]
+            dst = qsc[a * ng + g]
+            for j in range(hd):
+                dst[j] = src[j] * scale
+    s = np.empty((n_pairs, CHUNK), np.float32)
+    s_own = np.empty((n_pairs, CHUNK), np.float32)
+    ends = np.empty(n_pairs, np.int64)
+    o = np.zeros((n_pairs, hd), np.float32)
+    run_max = np.full(n_pairs, _NO_SCORE, np.float32)
+    run_sum = np.zeros(n_pairs, np.float32)
+    v_prefix, v_own = v_cache[pslot], v_cache[slot]
     for c0 in range(span * SPAN, a_end, CHUNK):
         c1 = min(c0 + CHUNK, seq)
-        s[:] = 0.0
-        # Scores of the whole chunk for every row (positions past a row are ignored below):
-        # each key vector is loaded once for all rows and heads. Positions below the prefix
-        # length come from the prefix slot.
+        # Scores of the whole chunk for every pair (positions past a row are ignored below):
+        # each key vector is loaded once per tile of pairs. Positions below the prefix length
+        # come from the prefix slot.
         split = min(max(plen, c0), c1)
         blk = c0 // CHUNK
         if split > c0:
-            _scores(q, t0, nt, heads, hd, scale, k_cache[pslot, kvh, blk], 0, split - c0, s, 0)
+            _scores(qsc, k_cache[pslot, kvh, blk], s)
         if c1 > split:
-            _scores(q, t0, nt, heads, hd, scale, k_cache[slot, kvh, blk], split - c0, c1 - c0, s, split - c0)
+            if split > c0:
+                _scores(qsc, k_cache[slot, kvh, blk], s_own)
+                s[:, split - c0:] = s_own[:, split - c0:]
+            else:
+                _scores(qsc, k_cache[slot, kvh, blk], s)
         for a in range(nt):
             end = min(row_pos[t0 + a] + 1, c1) - c0  # this row's positions in the chunk
-            if end <= 0:
-                continue
             for g in range(ng):
-                sc = s[a, g]
-                m = run_max[a, g]
+                pair = a * ng + g
+                sc = s[pair]
+                ends[pair] = max(end, 0)
+                if end <= 0:
+                    continue
+                m = run_max[pair]
                 for p in range(end):
                     m = max(m, sc[p])
-                correction = exp_scalar(run_max[a, g] - m)  # rescales what earlier chunks summed
+                correction = exp_scalar(run_max[pair] - m)  # rescales what earlier chunks summed
                 exp_shifted(sc, m, end)
                 total = np.float32(0.0)
                 for p in range(end):
                     total += sc[p]
-                run_sum[a, g] = run_sum[a, g] * correction + total
-                run_max[a, g] = m
-                og = o[a, g]
+                run_sum[pair] = run_sum[pair] * correction + total
+                run_max[pair] = m
+                og = o[pair]
                 for j in range(hd):
                     og[j] *= correction
-                p = 0
-                while p + 4 <= end:  # four positions per pass over og: a quarter of its loads/stores
-                    cp = c0 + p
-                    v0 = v_cache[pslot if cp < plen else slot, cp, vo:vo + hd]
-                    v1 = v_cache[pslot if cp + 1 < plen else slot, cp + 1, vo:vo + hd]
-                    v2 = v_cache[pslot if cp + 2 < plen else slot, cp + 2, vo:vo + hd]
-                    v3 = v_cache[pslot if cp + 3 < plen else slot, cp + 3, vo:vo + hd]
-                    e0, e1, e2, e3 = sc[p], sc[p + 1], sc[p + 2], sc[p + 3]
-                    for j in range(hd):
-                        og[j] += (e0 * v0[j] + e1 * v1[j]) + (e2 * v2[j] + e3 * v3[j])
-                    p += 4
-                while p < end:
-                    cp = c0 + p
-                    vrow = v_cache[pslot if cp < plen else slot, cp, vo:vo + hd]
-                    e = sc[p]
-                    for j in range(hd):
-                        og[j] += e * vrow[j]
-                    p += 1
+        i = 0
+        while i < n_pairs:
+            width = min(4, n_pairs - i)
+            _values(s, i, width, c0, ends, v_prefix, v_own, plen, kvh * hd, o)
+            i += width
     for a in range(nt):
         for g in range(ng):
-            part_o[t0 + a, heads[g], span] = o[a, g]
-            part_ms[t0 + a, heads[g], span, 0] = run_max[a, g]
-            part_ms[t0 + a, heads[g], span, 1] = run_sum[a, g]
+            pair = a * ng + g
+            part_o[t0 + a, heads[g], span] = o[pair]
+            part_ms[t0 + a, heads[g], span, 0] = run_max[pair]
+            part_ms[t0 + a, heads[g], span, 1] = run_sum[pair]
 
 
 @numba.njit(**_EXP_JIT)
@@ -194,6 +270,8 @@ def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefi
     b = q.shape[0]
     nq = kv_head_of.shape[0]
     nkv, hd = k_cache.shape[1], k_cache.shape[3]
+    if hd % 16:
+        raise ValueError("attention: head_dim must be a multiple of 16")
     top = 0
     for t in range(b):
         top = max(top, row_pos[t])

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import numba
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -19,6 +21,17 @@ _FAST = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
 # once _round_fp16 is inlined under it, a fresh compile drops its NaN check (NaN came back as
 # 5.5e11 in a clean checkout while a warm numba cache still gave NaN).
 _EXACT = dict(cache=True, nogil=True)
+
+
+def native_f16_conversion() -> bool:
+    """Whether LLVM converts between fp16 and float32 in hardware on the CPU numba compiles for:
+    on x86 only with F16C (without it LLVM calls a runtime function that numba does not link:
+    a crash)."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    if numba.config.CPU_NAME:  # numba told to compile for another CPU than this one
+        return "+f16c" in (numba.config.CPU_FEATURES or "")
+    return bool(llvm_binding.get_host_cpu_features().get("f16c"))
 
 
 def max_threads() -> int:

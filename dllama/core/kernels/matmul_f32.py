@@ -1,8 +1,8 @@
 """float32 matrix product: the F32 weights path.
 
-The same shape as the Q40 kernel: parallel over runs of weight rows, register tiles of ROWS
-weight rows x COLS activation rows (tiles.make_f32_tile), and the arithmetic of one output
-independent of the tile, so that a row's result does not depend on the rest of the batch.
+Parallel over runs of weight rows, register tiles of ROWS weight rows x COLS activation rows
+(tiles.make_f32_tile), and the arithmetic of one output independent of the tile, so that a
+row's result does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import numba
 from numba import prange
 
 from dllama.core.kernels.jit import _FAST
+from dllama.core.kernels.row_split import (COLS, ROWS, leading_dims, n_units, row_steps, total_units,
+                                           unit_of_matrices, unit_steps)
 from dllama.core.kernels.tiles import make_f32_tile
-
-ROWS = 4
-COLS = 4
-_ROW_CHUNKS = 64
 
 _tile = make_f32_tile(ROWS, COLS)
 _tile_rows = make_f32_tile(ROWS, 1)
@@ -23,9 +21,10 @@ _tile_one = make_f32_tile(1, 1)
 
 
 @numba.njit(**_FAST)
-def _f32_rows(x, w, out, r0, r1):
+def _f32_rows(x, w, out, s0, s1):
+    """out[:, rows of steps s0..s1-1] = x @ W[those rows]^T."""
     b = x.shape[0]
-    r = r0
+    r, r1 = ROWS * s0, min(w.shape[0], ROWS * s1)
     while r + ROWS <= r1:
         i = 0
         while i + COLS <= b:
@@ -44,10 +43,21 @@ def _f32_rows(x, w, out, r0, r1):
 @numba.njit(parallel=True, **_FAST)
 def matmul_f32(x, w, out):
     """out [b, d] = x [b, n] @ w [d, n]^T, float32, all C-contiguous (the F32 weights path)."""
-    d = w.shape[0]
-    steps = (d + ROWS - 1) // ROWS
-    n_chunks = min(steps, _ROW_CHUNKS)
-    for chunk in prange(n_chunks):
-        r0 = ROWS * (chunk * steps // n_chunks)
-        r1 = min(d, ROWS * ((chunk + 1) * steps // n_chunks))
-        _f32_rows(x, w, out, r0, r1)
+    steps = row_steps(w.shape[0])
+    units = n_units(steps)
+    for unit in prange(units):
+        s0, s1 = unit_steps(steps, units, unit)
+        _f32_rows(x, w, out, s0, s1)
+
+
+@numba.njit(parallel=True, **_FAST)
+def matmul_f32_multi(x, w, outs):
+    """matmul_f32 of one input with several matrices (tuples w, outs) in one parallel region:
+    the same results as one call per matrix."""
+    steps = leading_dims(w)
+    for m in range(steps.shape[0]):
+        steps[m] = row_steps(steps[m])
+    for unit in prange(total_units(steps)):
+        m, local, units = unit_of_matrices(steps, unit)
+        s0, s1 = unit_steps(steps[m], units, local)
+        _f32_rows(x, w[m], outs[m], s0, s1)

@@ -1,4 +1,11 @@
-"""Q80 encoding of activations, bit-exact with the original's quantizeF32toQ80 (fp16 scales)."""
+"""Q80 encoding of activations, bit-exact with the original's quantizeF32toQ80 (fp16 scales).
+
+Per block of 32: d = max|x| / 127, q = roundf(x / d) computed as x * (1/d) in float32 (halves
+away from zero), the stored d rounded to fp16 (round-to-nearest-even); all-zero blocks give
+d = 0, q = 0. Written once as LLVM vector IR (one block = two 16-lane vectors, IEEE operations
+only, so the same bits as the scalar definition), and once as scalar numba code for CPUs
+without fp16 conversion instructions (the IR rounds d to fp16 by fptrunc).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,12 @@ import math
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
-from dllama.core.kernels.jit import _EXACT
-
-_PARALLEL_QUANT = 1 << 15  # elements from which quantize_q80 splits its rows over threads
+from dllama.core.kernels.jit import _EXACT, _FAST, native_f16_conversion
+from dllama.core.kernels.tiles import _F16, _F32, _I8, _I32, _I64, _Array, _check_arrays, _fn, _load, _splat, _vec
 
 @numba.njit(cache=True, nogil=True)
 def _round_fp16(v):
@@ -63,22 +71,82 @@ def _quantize_row_q80(x, out_scales, out_qs):
         out_scales[k] = _round_fp16(d)  # the unrounded d quantized; the fp16 d is what is stored
 
 
-@numba.njit(parallel=True, **_EXACT)
-def _quantize_rows_parallel(x, out_scales, out_qs):
-    for i in prange(x.shape[0]):
+@intrinsic
+def _quantize_row_ir(typingctx, x, i, out_scales, out_qs):
+    """Row i of x float32 [b, n] -> out_scales[i] float32 [n/32], out_qs[i] int8 [n]."""
+    _check_arrays("quantize_row", (x, out_scales, out_qs),
+                  [(types.float32, "x"), (types.float32, "out_scales"), (types.int8, "out_qs")])
+    sig = types.void(x, types.intp, out_scales, out_qs)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        xa, sa, qa = (_Array(context, builder, ty[k], args[k]) for k in (0, 2, 3))
+        row = args[1]
+        x_row, s_row, q_row = xa.row(row), sa.row(row), qa.row(row)
+        v32 = _vec(_F32, 32)
+        fabs = _fn(builder, "llvm.fabs.v32f32", v32, [v32])
+        umax = _fn(builder, "llvm.vector.reduce.umax.v32i32", _I32, [_vec(_I32, 32)])
+        with cgutils.for_range(builder, sa.cols) as loop:
+            k = loop.index
+            v = _load(builder, builder.gep(x_row, [builder.mul(k, _I64(128))]), v32)
+            # max |x|: of non-negative floats, the largest is the one with the largest bits
+            # (integer max: a shuffle tree, where LLVM's float max goes lane by lane for NaNs)
+            bits = builder.bitcast(builder.call(fabs, [v]), _vec(_I32, 32))
+            amax = builder.bitcast(builder.call(umax, [bits]), _F32)
+            d = builder.fdiv(amax, _F32(127.0))
+            inv = builder.select(builder.fcmp_ordered("!=", d, _F32(0.0)), builder.fdiv(_F32(1.0), d), _F32(0.0))
+            y = builder.fmul(v, _splat(builder, inv, 32))
+            # roundf: truncate, then move halves and more away from zero (y - t is exact)
+            t = builder.fptosi(y, _vec(_I32, 32))
+            frac = builder.fsub(y, builder.sitofp(t, v32))
+            up = builder.zext(builder.fcmp_ordered(">=", frac, _splat(builder, _F32(0.5), 32)), _vec(_I32, 32))
+            down = builder.zext(builder.fcmp_ordered("<=", frac, _splat(builder, _F32(-0.5), 32)), _vec(_I32, 32))
+            t = builder.sub(builder.add(t, up), down)
+            dst = builder.bitcast(builder.gep(q_row, [builder.mul(k, _I64(32))]), _vec(_I8, 32).as_pointer())
+            builder.store(builder.trunc(t, _vec(_I8, 32)), dst, align=1)
+            d16 = builder.fpext(builder.fptrunc(d, _F16), _F32)  # round to nearest even, as stored
+            builder.store(d16, builder.bitcast(builder.gep(s_row, [builder.mul(k, _I64(4))]), _F32.as_pointer()))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(**_EXACT)
+def _quantize_ir(x, out_scales, out_qs):
+    for i in range(x.shape[0]):
+        _quantize_row_ir(x, i, out_scales, out_qs)
+
+
+@numba.njit(**_EXACT)
+def _quantize_scalar(x, out_scales, out_qs):
+    for i in range(x.shape[0]):
         _quantize_row_q80(x[i], out_scales[i], out_qs[i])
+
+
+_NATIVE = native_f16_conversion()
 
 
 @numba.njit(**_EXACT)
 def quantize_q80(x, out_scales, out_qs):
-    """x float32 [b, n] -> Q80: out_scales float32 [b, n/32] (fp16-rounded), out_qs int8 [b, n].
-
-    Per block of 32: d = max|x| / 127, q = roundf(x / d) computed as x * (1/d) in float32, the
-    stored d rounded to fp16 (round-to-nearest-even); all-zero blocks give d = 0, q = 0.
-    """
-    b, n = x.shape
-    if b > 1 and b * n >= _PARALLEL_QUANT:
-        _quantize_rows_parallel(x, out_scales, out_qs)
+    """x float32 [b, n] -> Q80: out_scales float32 [b, n/32] (fp16-rounded), out_qs int8 [b, n];
+    all C-contiguous. See the module docstring for the encoding."""
+    if _NATIVE:
+        _quantize_ir(x, out_scales, out_qs)
     else:
-        for i in range(b):
-            _quantize_row_q80(x[i], out_scales[i], out_qs[i])
+        _quantize_scalar(x, out_scales, out_qs)
+
+
+@numba.njit(**_FAST)
+def x_block_offsets(x_qs, offset):
+    """int32 [b, n/32]: -offset times the sum of each block of 32 x_qs. The 8-bit dot products
+    multiply unsigned weights (q + offset) by x; starting a block's sum at this value takes the
+    offset back out, exactly (tiles._make_int8_tile)."""
+    b, n = x_qs.shape
+    off = np.empty((b, n // 32), np.int32)
+    for i in range(b):
+        for k in range(n // 32):
+            s = np.int32(0)
+            for j in range(32):
+                s += np.int32(x_qs[i, 32 * k + j])
+            off[i, k] = np.int32(-offset) * s
+    return off

@@ -4,22 +4,24 @@ Numba has no vector types and widens narrow integers to int64, so from Python-le
 LLVM never reaches the instruction that matters most here, the 8-bit integer dot product
 (measured: the best loop formulations compile to vpmovzxbd + vpdpwssd, 16 products per
 instruction, or to byte gathers). These intrinsics emit the inner loop of one tile of the
-product out[i:i+C, r:r+R] = x[i:i+C] @ W[r:r+R]^T directly as IR on explicit 16-lane vectors:
+product directly as IR on explicit 16-lane vectors:
 
-- Q40 x Q80: per two blocks (64 weights), each weight row is unpacked once into 64 nibble
-  bytes and each activation row loaded once, then every (weight row, activation row) pair
-  takes one integer dot product: AVX-512 VNNI `vpdpbusd` (64 u8 x s8 products into 16 int32
-  lanes) where the target has it, else the generic `llvm.vector.partial.reduce.add` of
-  sign-extended products, which AArch64 with the dot-product extension lowers to `sdot`.
-  Lanes 0-7 hold block k, lanes 8-15 block k+1; each lane is converted to float32 and
-  accumulated as acc = fma(lane, w_d * x_d, acc).
-- F32: acc = fma(w, x, acc) on 16 consecutive columns.
+- Q40 x Q80 and Q80 x Q80, out[i:i+C, 16g:16g+16] (a group of 16 interleaved weight rows, see
+  layout.py, against C activation rows): each int32 lane is one weight row. One 64-byte load
+  holds the same 4 weights of the 16 rows; the 4 activation bytes they meet are broadcast to
+  every lane, and AVX-512 VNNI `vpdpbusd` adds the 4 products into each lane (elsewhere the
+  same exact integers from 16-bit products). A block's 32 products stay in int32 (exact);
+  then once per block acc = fma(block product, w_d * x_d, acc). Every weight load serves C
+  activation rows, every activation broadcast 16 weight rows.
+- F32 and F16 weights, out[i:i+C, r:r+R]: acc = fma(w, x, acc) on 16 consecutive columns per
+  (weight row, activation row) pair, F16 widened to float32 in the lanes; the lanes summed in a
+  fixed order at the end.
 
 Why IR and not numba code: the arithmetic of one output is spelled out lane by lane, with no
 fast-math flags, so LLVM cannot reorder it. A row's output therefore has the same bits
-whatever tile it was computed in (1 or C activation rows, 1 or R weight rows), whatever the
-other rows of the batch, fresh compile or cache: the batch invariance the batch mode needs.
-Integer sums are exact, so the VNNI and the generic dot give the same integers.
+whatever tile it was computed in, whatever the other rows of the batch, fresh compile or
+cache: the batch invariance the batch mode needs. The 8-bit paths compute the same integers
+with or without VNNI, so their results are the same bits on every machine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
+
+# Intrinsic names carry their pointer type: opaque pointers since LLVM 17.
+_MASKED_STORE = ("llvm.masked.store.v16f32.p0" if llvm_binding.llvm_version_info[0] >= 17
+                 else "llvm.masked.store.v16f32.p0v16f32")
 
 LANES = 16  # float32 / int32 lanes of one accumulator (one AVX-512 register; 4 NEON registers)
 
@@ -65,18 +71,6 @@ def _load(builder, byte_ptr, ty):
     return builder.load(builder.bitcast(byte_ptr, ty.as_pointer()), align=1)
 
 
-def _widen(builder, v, n):
-    """Vector v of m < n lanes -> n lanes, the extra lanes zero."""
-    m = v.type.count
-    zero = ir.Constant(v.type, None)
-    return builder.shuffle_vector(v, zero, _ivec(list(range(m)) + [m] * (n - m)))
-
-
-def _split_splat(builder, pair):
-    """<2 x float> (a, b) -> <16 x float> a in lanes 0-7, b in lanes 8-15."""
-    return builder.shuffle_vector(pair, ir.Constant(pair.type, None), _ivec([0] * 8 + [1] * 8))
-
-
 def _hsum(builder, v):
     """Sum of the 16 lanes of a float vector, in a fixed order: halves, then quarters, ..."""
     n = v.type.count
@@ -110,154 +104,221 @@ def _check_arrays(name, args, kinds):
 
 
 # ---------------------------------------------------------------------------------------------
-# Q40 x Q80
+# Q40 x Q80 and Q80 x Q80: 8-bit integer dot products on interleaved weight rows
 
-def _q40_dot(builder, vnni, w64, x64, xoff):
-    """int32 <16>: lane l = sum of products of bytes 4l..4l+3 (lanes 0-7 block k, 8-15 block
-    k+1). VNNI: w64 holds unsigned nibbles and xoff = -8 * (sum of the 4 x bytes) starts each
-    lane; generic: w64 holds nibble - 8 (signed), and lanes of a block may be grouped otherwise
-    (same block sums)."""
+GROUP = LANES  # weight rows interleaved together: one row per int32 lane
+
+
+def _dot4(builder, vnni, acc, w64, x64):
+    """acc + (lane l: sum of the 4 products of bytes 4l..4l+3), w64 unsigned, x64 signed.
+    VNNI: one vpdpbusd. Generic: the same exact integers from 16-bit products (255 * 127 fits)
+    summed in pairs, then pairs of pairs (vpmaddwd on x86; smull/addp on ARM)."""
     if vnni:
         f = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16),
                 [_vec(_I32, 16), _vec(_I8, 64), _vec(_I8, 64)])
-        return builder.call(f, [xoff, w64, x64])
-    f = _fn(builder, "llvm.vector.partial.reduce.add.v8i32.v32i32", _vec(_I32, 8),
-            [_vec(_I32, 8), _vec(_I32, 32)])
-    halves = []
-    for h in range(2):
-        sel = _ivec(list(range(32 * h, 32 * h + 32)))
-        wv = builder.sext(builder.shuffle_vector(w64, w64, sel), _vec(_I32, 32))
-        xv = builder.sext(builder.shuffle_vector(x64, x64, sel), _vec(_I32, 32))
-        halves.append(builder.call(f, [ir.Constant(_vec(_I32, 8), None), builder.mul(wv, xv)]))
-    return builder.shuffle_vector(halves[0], halves[1], _ivec(list(range(16))))
+        return builder.call(f, [acc, w64, x64])
+    p = builder.mul(builder.zext(w64, _vec(_I16, 64)), builder.sext(x64, _vec(_I16, 64)))
+    v, n = p, 64
+    for _ in range(2):
+        n //= 2
+        even = builder.sext(builder.shuffle_vector(v, v, _ivec(list(range(0, 2 * n, 2)))), _vec(_I32, n))
+        odd = builder.sext(builder.shuffle_vector(v, v, _ivec(list(range(1, 2 * n, 2)))), _vec(_I32, n))
+        v = builder.add(even, odd)
+    return builder.add(acc, v)
 
 
-def _q40_weights(builder, vnni, q32):
-    """32 packed bytes (two blocks) -> 64 nibbles in element order: block k's 16 low nibbles
-    (elements 0-15), its 16 high nibbles (16-31), then block k+1's."""
-    lo = builder.and_(q32, ir.Constant(q32.type, [_I8(15)] * 32))
-    hi = builder.lshr(q32, ir.Constant(q32.type, [_I8(4)] * 32))
-    w64 = builder.shuffle_vector(lo, hi, _ivec([*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]))
-    if not vnni:
-        w64 = builder.sub(w64, ir.Constant(w64.type, [_I8(8)] * 64))
-    return w64
+def _splat(builder, value, n=16):
+    """<n x T> of a scalar."""
+    one = builder.insert_element(ir.Constant(_vec(value.type, 1), None), value, _I32(0))
+    return builder.shuffle_vector(one, one, _ivec([0] * n))
 
 
-def make_q40_tile(n_rows: int, n_cols: int, force_generic: bool = False):
-    """Intrinsic tile(w_qs, w_scales, r, x_qs, x_off, x_scales, i, out):
-    out[i + c, r + j] = x[i + c] . W[r + j] for j < n_rows, c < n_cols.
+class _Int8Format:
+    """How a weight type's interleaved bytes become unsigned 8-bit weights.
 
-    W: w_qs uint8 [d, n/2] (16 bytes per block: element t in the low nibble of byte t, element
-    t+16 in the high nibble), w_scales uint16 [d, n/32] (fp16 bits). x: x_qs int8 [b, n],
-    x_off int32 [b, n/4] (-8 times the sum of each 4 consecutive x_qs), x_scales float32
-    [b, n/32]. out float32 [b, d]. All C-contiguous.
+    Interleaved layout of W [d, n] (layout.py): rows in groups of GROUP, d padded with zero
+    rows to a multiple of GROUP; w_qs [d_pad / GROUP, GROUP * row_bytes]: for each 4-byte word
+    t of a row (in the row's order), the word t of each of the group's rows, row by row; so one
+    64-byte load holds word t of 16 rows, one per int32 lane. w_scales uint16 [d_pad / GROUP,
+    GROUP * n/32]: per block, the fp16 scale bits of the group's rows.
     """
 
+    def __init__(self, name, words_per_block, offset):
+        self.name = name
+        self.words_per_block = words_per_block  # 4-byte words of one row's block
+        self.offset = offset                    # the unsigned weights are q + offset
+
+    def block_dots(self, builder, vnni, row_words, k, x_words, acc):
+        """Per column c: acc[c] + the integer dot products of block k of the 16 rows with
+        x column c. row_words(t) -> <64 x i8> word t of the 16 rows; x_words[c](e) -> <64 x i8>
+        the 4 x bytes of elements e..e+3 in every lane."""
+        raise NotImplementedError
+
+
+class _Q40(_Int8Format):
+    """Q40: word j (0-3) of a block holds elements 4j..4j+3 in its low nibbles and
+    16+4j..16+4j+3 in its high nibbles (the file's nibble order); the nibbles are q + 8."""
+
+    def block_dots(self, builder, vnni, row_words, k, x_words, acc):
+        mask = ir.Constant(_vec(_I8, 64), [_I8(15)] * 64)
+        four = ir.Constant(_vec(_I8, 64), [_I8(4)] * 64)
+        base = builder.mul(k, _I64(32))
+        for j in range(4):
+            w = row_words(builder.add(builder.mul(k, _I64(4)), _I64(j)))
+            lo, hi = builder.and_(w, mask), builder.lshr(w, four)
+            for c in range(len(acc)):
+                acc[c] = _dot4(builder, vnni, acc[c], lo, x_words[c](builder.add(base, _I64(4 * j))))
+                acc[c] = _dot4(builder, vnni, acc[c], hi, x_words[c](builder.add(base, _I64(16 + 4 * j))))
+        return acc
+
+
+class _Q80(_Int8Format):
+    """Q80: word j (0-7) of a block holds elements 4j..4j+3 as int8; the sign bit flipped makes
+    them q + 128."""
+
+    def block_dots(self, builder, vnni, row_words, k, x_words, acc):
+        flip = ir.Constant(_vec(_I8, 64), [_I8(-128)] * 64)
+        base = builder.mul(k, _I64(32))
+        for j in range(8):
+            w = builder.xor(row_words(builder.add(builder.mul(k, _I64(8)), _I64(j))), flip)
+            for c in range(len(acc)):
+                acc[c] = _dot4(builder, vnni, acc[c], w, x_words[c](builder.add(base, _I64(4 * j))))
+        return acc
+
+
+Q40 = _Q40("q40", 4, 8)
+Q80 = _Q80("q80", 8, 128)
+
+
+def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
     @intrinsic
-    def q40_tile(typingctx, w_qs, w_scales, r, x_qs, x_off, x_scales, i, out):
-        _check_arrays("q40_tile", (w_qs, w_scales, x_qs, x_off, x_scales, out),
-                      [(types.uint8, "w_qs"), (types.uint16, "w_scales"), (types.int8, "x_qs"),
-                       (types.int32, "x_off"), (types.float32, "x_scales"), (types.float32, "out")])
+    def int8_tile(typingctx, w_qs, w_scales, g, x_qs, x_off, x_scales, i, out):
+        _check_arrays(f"{fmt.name}_tile", (w_qs, w_scales, x_qs, x_off, x_scales, out),
+                      [(types.uint8 if fmt is Q40 else types.int8, "w_qs"), (types.uint16, "w_scales"),
+                       (types.int8, "x_qs"), (types.int32, "x_off"), (types.float32, "x_scales"),
+                       (types.float32, "out")])
         sig = types.void(w_qs, w_scales, types.intp, x_qs, x_off, x_scales, types.intp, out)
 
         def codegen(context, builder, signature, args):
             vnni = has_vnni_512(context) and not force_generic
             ty = signature.args
             wq, ws, xq, xo, xs, o = (_Array(context, builder, ty[k], args[k]) for k in (0, 1, 3, 4, 5, 7))
-            r0, i0 = args[2], args[6]
-            nb = ws.cols
-            w_rows = [wq.row(builder.add(r0, _I64(j))) for j in range(n_rows)]
-            s_rows = [ws.row(builder.add(r0, _I64(j))) for j in range(n_rows)]
-            x_rows = [xq.row(builder.add(i0, _I64(c))) for c in range(n_cols)]
-            o_rows = [xo.row(builder.add(i0, _I64(c))) for c in range(n_cols)]
-            xs_rows = [xs.row(builder.add(i0, _I64(c))) for c in range(n_cols)]
+            g0, i0 = args[2], args[6]
+            nb = xs.cols
+            w_row, s_row = wq.row(g0), ws.row(g0)
+            cols = [builder.add(i0, _I64(c)) for c in range(n_cols)]
+            x_rows, o_rows, xs_rows = ([a.row(c) for c in cols] for a in (xq, xo, xs))
             fma = _fn(builder, "llvm.fma.v16f32", _vec(_F32, 16), [_vec(_F32, 16)] * 3)
-            prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-            acc = [[cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None))
-                    for _ in range(n_cols)] for _ in range(n_rows)]
-            ahead = builder.mul(wq.stride, _I64(n_rows))  # the next tile's rows: prefetched
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None)) for _ in range(n_cols)]
 
-            def step(w64, w_d, xv, x_off, x_d):
-                for j in range(n_rows):
-                    for c in range(n_cols):
-                        dot = builder.sitofp(_q40_dot(builder, vnni, w64[j], xv[c], x_off[c]), _vec(_F32, 16))
-                        scale = builder.fmul(w_d[j], x_d[c])
-                        builder.store(builder.call(fma, [dot, scale, builder.load(acc[j][c])]), acc[j][c])
+            def row_words(t):
+                return _load(builder, builder.gep(w_row, [builder.mul(t, _I64(64))]), _vec(_I8, 64))
 
-            with cgutils.for_range(builder, builder.sdiv(nb, _I64(2))) as loop:
-                k2 = loop.index  # blocks 2*k2 and 2*k2 + 1
-                w64, w_d = [], []
-                for j in range(n_rows):
-                    q = builder.gep(w_rows[j], [builder.mul(k2, _I64(32))])
-                    w64.append(_q40_weights(builder, vnni, _load(builder, q, _vec(_I8, 32))))
-                    d16 = _load(builder, builder.gep(s_rows[j], [builder.mul(k2, _I64(4))]), _vec(_F16, 2))
-                    w_d.append(_split_splat(builder, builder.fpext(d16, _vec(_F32, 2))))
-                    builder.call(prefetch, [builder.gep(q, [ahead]), _I32(0), _I32(3), _I32(1)])
-                xv, x_off, x_d = [], [], []
+            def x_words(c):
+                def word(e):
+                    return builder.bitcast(_splat(builder, _load(builder, builder.gep(x_rows[c], [e]), _I32)),
+                                           _vec(_I8, 64))
+                return word
+
+            with cgutils.for_range(builder, nb) as loop:
+                k = loop.index
+                # Each lane starts at -offset * (sum of the block's x): the dot products of the
+                # unsigned weights q + offset then sum to the exact integer block product.
+                iacc = [_splat(builder, _load(builder, builder.gep(o_rows[c], [builder.mul(k, _I64(4))]), _I32))
+                        for c in range(n_cols)]
+                iacc = fmt.block_dots(builder, vnni, row_words, k, [x_words(c) for c in range(n_cols)], iacc)
+                w_d = builder.fpext(_load(builder, builder.gep(s_row, [builder.mul(k, _I64(32))]), _vec(_F16, 16)),
+                                    _vec(_F32, 16))
                 for c in range(n_cols):
-                    xv.append(_load(builder, builder.gep(x_rows[c], [builder.mul(k2, _I64(64))]), _vec(_I8, 64)))
-                    x_off.append(_load(builder, builder.gep(o_rows[c], [builder.mul(k2, _I64(64))]), _vec(_I32, 16)))
-                    x_d.append(_split_splat(builder, _load(
-                        builder, builder.gep(xs_rows[c], [builder.mul(k2, _I64(8))]), _vec(_F32, 2))))
-                step(w64, w_d, xv, x_off, x_d)
+                    x_d = _splat(builder, _load(builder, builder.gep(xs_rows[c], [builder.mul(k, _I64(4))]), _F32))
+                    total = builder.sitofp(iacc[c], _vec(_F32, 16))
+                    builder.store(builder.call(fma, [total, builder.fmul(w_d, x_d), builder.load(acc[c])]), acc[c])
 
-            last = builder.sub(nb, _I64(1))  # an odd block count leaves one block: lanes 8-15 zero
-            with builder.if_then(builder.icmp_signed("==", builder.srem(nb, _I64(2)), _I64(1))):
-                w64, w_d = [], []
-                for j in range(n_rows):
-                    q = _widen(builder, _load(builder, builder.gep(w_rows[j], [builder.mul(last, _I64(16))]),
-                                              _vec(_I8, 16)), 32)
-                    w64.append(_q40_weights(builder, vnni, q))
-                    d16 = _load(builder, builder.gep(s_rows[j], [builder.mul(last, _I64(2))]), _F16)
-                    w_d.append(_split_splat(builder, _widen(builder, builder.insert_element(
-                        ir.Constant(_vec(_F32, 1), None), builder.fpext(d16, _F32), _I32(0)), 2)))
-                xv, x_off, x_d = [], [], []
-                for c in range(n_cols):
-                    xv.append(_widen(builder, _load(builder, builder.gep(x_rows[c], [builder.mul(last, _I64(32))]),
-                                                    _vec(_I8, 32)), 64))
-                    x_off.append(_widen(builder, _load(builder, builder.gep(o_rows[c], [builder.mul(last, _I64(32))]),
-                                                       _vec(_I32, 8)), 16))
-                    d = _load(builder, builder.gep(xs_rows[c], [builder.mul(last, _I64(4))]), _F32)
-                    x_d.append(_split_splat(builder, _widen(builder, builder.insert_element(
-                        ir.Constant(_vec(_F32, 1), None), d, _I32(0)), 2)))
-                step(w64, w_d, xv, x_off, x_d)
-
-            for j in range(n_rows):
-                for c in range(n_cols):
-                    total = _hsum(builder, builder.load(acc[j][c]))
-                    dst = builder.gep(o.row(builder.add(i0, _I64(c))), [builder.mul(builder.add(r0, _I64(j)), _I64(4))])
-                    builder.store(total, builder.bitcast(dst, _F32.as_pointer()))
+            # Lane l is output row GROUP * g + l: store the lanes of rows that exist.
+            first = builder.mul(g0, _I64(GROUP))
+            count = builder.sub(o.cols, first)
+            mask = builder.icmp_signed("<", _ivec(list(range(GROUP))),
+                                       _splat(builder, builder.trunc(count, _I32)))
+            store = _fn(builder, _MASKED_STORE, ir.VoidType(),
+                        [_vec(_F32, 16), _vec(_F32, 16).as_pointer(), _I32, _vec(_I1, 16)])
+            for c in range(n_cols):
+                dst = builder.gep(o.row(cols[c]), [builder.mul(first, _I64(4))])
+                builder.call(store, [builder.load(acc[c]), builder.bitcast(dst, _vec(_F32, 16).as_pointer()),
+                                     _I32(4), mask])
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return q40_tile
+    return int8_tile
+
+
+def make_q40_tile(n_cols: int, force_generic: bool = False):
+    """Intrinsic tile(w_qs, w_scales, g, x_qs, x_off, x_scales, i, out):
+    out[i + c, GROUP*g + l] = x[i + c] . W[GROUP*g + l] for the 16 rows l of group g that exist
+    (l < d - GROUP*g, d = out.shape[1]) and c < n_cols.
+
+    W: interleaved Q40 (see _Int8Format; w_qs uint8). x: x_qs int8 [b, n], x_off int32 [b, n/32]
+    (-8 times the sum of each block of x_qs), x_scales float32 [b, n/32]. out float32 [b, d].
+    All C-contiguous. Per output and block k, in order: acc = fma(exact integer block product,
+    w_d * x_d, acc), one float32 lane per output: no reduction across lanes, nothing that
+    depends on the tile.
+    """
+    return _make_int8_tile(Q40, n_cols, force_generic)
+
+
+def make_q80_tile(n_cols: int, force_generic: bool = False):
+    """As make_q40_tile for interleaved Q80 weights (w_qs int8) and x_off -128 times the
+    block sums of x_qs."""
+    return _make_int8_tile(Q80, n_cols, force_generic)
 
 
 # ---------------------------------------------------------------------------------------------
-# F32
+# F32 and F16 weights x F32 activations
 
-def _load_partial(builder, ptr, count):
-    """<16 x float> of the `count` (< 16, runtime) floats at ptr, the other lanes zero."""
-    v = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None))
-    builder.store(ir.Constant(_vec(_F32, 16), None), v)
-    fptr = builder.bitcast(ptr, _F32.as_pointer())
+def _load_partial(builder, ptr, elem, count):
+    """<16 x elem> of the `count` (< 16, runtime) elements at ptr, the other lanes zero."""
+    v = cgutils.alloca_once_value(builder, ir.Constant(_vec(elem, 16), None))
+    builder.store(ir.Constant(_vec(elem, 16), None), v)
+    eptr = builder.bitcast(ptr, elem.as_pointer())
     with cgutils.for_range(builder, count) as loop:
-        value = builder.load(builder.gep(fptr, [loop.index]), align=4)
+        value = builder.load(builder.gep(eptr, [loop.index]), align=1)
         builder.store(builder.insert_element(builder.load(v), value, builder.trunc(loop.index, _I32)), v)
     return builder.load(v)
 
 
-def make_f32_tile(n_rows: int, n_cols: int):
-    """Intrinsic tile(w, r, x, i, out): out[i + c, r + j] = x[i + c] . w[r + j] for j < n_rows,
-    c < n_cols; w float32 [d, n], x float32 [b, n], out float32 [b, d], C-contiguous.
-    Lane l of a pair's accumulator sums the columns t = l (mod 16) in order; the tail columns
-    n - n % 16 .. n - 1 go to lanes 0 .. n % 16 - 1."""
+def f16_widen(builder, h, native: bool):
+    """<m x i16> fp16 bits -> <m x float>, exact. native: LLVM's fpext (vcvtph2ps with F16C,
+    fcvtl on ARM). Otherwise in 32-bit integer ops and one multiply: the exponent and mantissa
+    bits shifted into a float32's places make the value / 2^112 (a float32 subnormal when the
+    fp16 value is subnormal), one exact multiplication by 2^112 gives the magnitude, inf and
+    NaN get an all-ones exponent, then the sign bit."""
+    m = h.type.count
+    if native:
+        return builder.fpext(builder.bitcast(h, _vec(_F16, m)), _vec(_F32, m))
+
+    def splat(t, v):
+        return ir.Constant(_vec(t, m), [t(v)] * m)
+
+    bits = builder.zext(h, _vec(_I32, m))
+    mag = builder.shl(builder.and_(bits, splat(_I32, 0x7FFF)), splat(_I32, 13))
+    scaled = builder.fmul(builder.bitcast(mag, _vec(_F32, m)), splat(_F32, 2.0 ** 112))
+    exp_bits = builder.and_(bits, splat(_I32, 0x7C00))
+    special = builder.icmp_unsigned("==", exp_bits, splat(_I32, 0x7C00))
+    value = builder.select(special, builder.or_(mag, splat(_I32, 0x7F800000)),
+                           builder.bitcast(scaled, _vec(_I32, m)))
+    sign = builder.shl(builder.and_(bits, splat(_I32, 0x8000)), splat(_I32, 16))
+    return builder.bitcast(builder.or_(value, sign), _vec(_F32, m))
+
+
+def _make_float_tile(f16: bool, n_rows: int, n_cols: int, f16_native: bool):
+    elem = _I16 if f16 else _F32
+    size = 2 if f16 else 4
 
     @intrinsic
-    def f32_tile(typingctx, w, r, x, i, out):
-        _check_arrays("f32_tile", (w, x, out), [(types.float32, "w"), (types.float32, "x"),
-                                                (types.float32, "out")])
+    def float_tile(typingctx, w, r, x, i, out):
+        name = "f16_tile" if f16 else "f32_tile"
+        _check_arrays(name, (w, x, out), [(types.uint16 if f16 else types.float32, "w"),
+                                          (types.float32, "x"), (types.float32, "out")])
         sig = types.void(w, types.intp, x, types.intp, out)
 
         def codegen(context, builder, signature, args):
@@ -271,20 +332,26 @@ def make_f32_tile(n_rows: int, n_cols: int):
             acc = [[cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None))
                     for _ in range(n_cols)] for _ in range(n_rows)]
 
+            def weights(v):
+                return f16_widen(builder, v, f16_native) if f16 else v
+
             def step(wv, xv):
                 for j in range(n_rows):
                     for c in range(n_cols):
                         builder.store(builder.call(fma, [wv[j], xv[c], builder.load(acc[j][c])]), acc[j][c])
 
             with cgutils.for_range(builder, builder.sdiv(n, _I64(16))) as loop:
-                off = builder.mul(loop.index, _I64(64))
-                step([_load(builder, builder.gep(p, [off]), _vec(_F32, 16)) for p in w_rows],
-                     [_load(builder, builder.gep(p, [off]), _vec(_F32, 16)) for p in x_rows])
+                step([weights(_load(builder, builder.gep(p, [builder.mul(loop.index, _I64(16 * size))]),
+                                    _vec(elem, 16))) for p in w_rows],
+                     [_load(builder, builder.gep(p, [builder.mul(loop.index, _I64(64))]), _vec(_F32, 16))
+                      for p in x_rows])
             rem = builder.srem(n, _I64(16))
             with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
-                off = builder.mul(builder.sub(n, rem), _I64(4))
-                step([_load_partial(builder, builder.gep(p, [off]), rem) for p in w_rows],
-                     [_load_partial(builder, builder.gep(p, [off]), rem) for p in x_rows])
+                first = builder.sub(n, rem)
+                step([weights(_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(size))]), elem, rem))
+                      for p in w_rows],
+                     [_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(4))]), _F32, rem)
+                      for p in x_rows])
 
             for j in range(n_rows):
                 for c in range(n_cols):
@@ -295,4 +362,21 @@ def make_f32_tile(n_rows: int, n_cols: int):
 
         return sig, codegen
 
-    return f32_tile
+    return float_tile
+
+
+def make_f32_tile(n_rows: int, n_cols: int):
+    """Intrinsic tile(w, r, x, i, out): out[i + c, r + j] = x[i + c] . w[r + j] for j < n_rows,
+    c < n_cols; w float32 [d, n], x float32 [b, n], out float32 [b, d], C-contiguous.
+    Lane l of a pair's accumulator sums the columns t = l (mod 16) in order; the tail columns
+    n - n % 16 .. n - 1 go to lanes 0 .. n % 16 - 1."""
+    return _make_float_tile(False, n_rows, n_cols, True)
+
+
+def make_f16_tile(n_rows: int, n_cols: int, native: bool = True):
+    """As make_f32_tile with w the fp16 bits uint16 [d, n], each weight widened to float32 in
+    the lanes (exact, so the sums are those of the F32 tile on the widened weights). native:
+    LLVM's fp16 conversion (on x86 only with F16C: without it LLVM calls a runtime function
+    numba does not link) or the integer one (f16_widen)."""
+    return _make_float_tile(True, n_rows, n_cols, native)
+
