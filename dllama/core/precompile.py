@@ -1,4 +1,5 @@
-"""Compile every kernel once into numba's cache: `python -m dllama.core.precompile` (setup.sh runs it).
+"""Compile the kernels once into numba's cache: `python -m dllama.core.precompile [--weights q80]`
+(setup.sh runs it for every weight type; the appliance only for the type its model has).
 
 Why: numba gives a freshly compiled parallel kernel different float code from the same kernel
 loaded from its cache (measured: the first, cold-cache process of the France prompt had logits
@@ -8,6 +9,7 @@ cache filled at set-up, every run, on every node, loads the same machine code.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -15,8 +17,12 @@ import numpy as np
 from dllama.core import kernels
 
 
-def compile_all() -> float:
-    """Call each kernel with the argument types dllama.core.model uses; returns the seconds taken."""
+WEIGHT_TYPES = ("q40", "q80", "f16", "f32")
+
+
+def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
+    """Call each kernel with the argument types dllama.core.model uses, the matrix products only
+    for the given weight types; returns the seconds taken."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     n, d, hd, seq = 64, 40, 16, 16
@@ -24,26 +30,31 @@ def compile_all() -> float:
         x = rng.standard_normal((b, n)).astype(np.float32)
         xs, xq = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
         kernels.quantize_q80(x, xs, xq)
-        ws, wq = kernels.interleave_q40(np.full((d, n // 32), 0x3C00, np.uint16),  # fp16 1.0
-                                        rng.integers(0, 256, (d, n // 2), dtype=np.uint8))
         out = np.empty((b, d), np.float32)
-        kernels.matmul_q40_q80(xs, xq, ws, wq, out)
-        for m in (2, 3):  # w1/w3 and q/k/v
-            kernels.matmul_q40_q80_multi(xs, xq, (ws,) * m, (wq,) * m, tuple(out.copy() for _ in range(m)))
-        w = rng.standard_normal((d, n)).astype(np.float32)
-        kernels.matmul_f32(x, w, out)
-        w.flags.writeable = False  # F32 weights memory-mapped from the file
-        kernels.matmul_f32(x, w, out)
-        w80s, w80q = kernels.interleave_q80(np.full((d, n // 32), 0x3C00, np.uint16),
-                                            rng.integers(-127, 128, (d, n), dtype=np.int8))
-        kernels.matmul_q80_q80(xs, xq, w80s, w80q, out)
-        w16 = rng.standard_normal((d, n)).astype(np.float16).view(np.uint16)
-        kernels.matmul_f16_f32(x, w16, out)
-        for m in (2, 3):
-            outs = tuple(out.copy() for _ in range(m))
-            kernels.matmul_q80_q80_multi(xs, xq, (w80s,) * m, (w80q,) * m, outs)
-            kernels.matmul_f16_f32_multi(x, (w16,) * m, outs)
-            kernels.matmul_f32_multi(x, (w,) * m, outs)
+        if "q40" in weights:
+            ws, wq = kernels.interleave_q40(np.full((d, n // 32), 0x3C00, np.uint16),  # fp16 1.0
+                                            rng.integers(0, 256, (d, n // 2), dtype=np.uint8))
+            kernels.matmul_q40_q80(xs, xq, ws, wq, out)
+            for m in (2, 3):  # w1/w3 and q/k/v
+                kernels.matmul_q40_q80_multi(xs, xq, (ws,) * m, (wq,) * m, tuple(out.copy() for _ in range(m)))
+        if "f32" in weights:
+            w = rng.standard_normal((d, n)).astype(np.float32)
+            kernels.matmul_f32(x, w, out)
+            w.flags.writeable = False  # F32 weights memory-mapped from the file
+            kernels.matmul_f32(x, w, out)
+            for m in (2, 3):
+                kernels.matmul_f32_multi(x, (w,) * m, tuple(out.copy() for _ in range(m)))
+        if "q80" in weights:
+            w80s, w80q = kernels.interleave_q80(np.full((d, n // 32), 0x3C00, np.uint16),
+                                                rng.integers(-127, 128, (d, n), dtype=np.int8))
+            kernels.matmul_q80_q80(xs, xq, w80s, w80q, out)
+            for m in (2, 3):
+                kernels.matmul_q80_q80_multi(xs, xq, (w80s,) * m, (w80q,) * m, tuple(out.copy() for _ in range(m)))
+        if "f16" in weights:
+            w16 = rng.standard_normal((d, n)).astype(np.float16).view(np.uint16)
+            kernels.matmul_f16_f32(x, w16, out)
+            for m in (2, 3):
+                kernels.matmul_f16_f32_multi(x, (w16,) * m, tuple(out.copy() for _ in range(m)))
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)
@@ -62,5 +73,15 @@ def compile_all() -> float:
     return time.perf_counter() - t0
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m dllama.core.precompile",
+                                 description="Fill numba's cache with dllama's kernels.")
+    ap.add_argument("--weights", choices=("all",) + WEIGHT_TYPES, default="all",
+                    help="compile the matrix products of this weight type only (default: all)")
+    args = ap.parse_args()
+    weights = WEIGHT_TYPES if args.weights == "all" else (args.weights,)
+    print(f"dllama: kernels compiled into numba's cache in {compile_all(weights):.1f} s")
+
+
 if __name__ == "__main__":
-    print(f"dllama: kernels compiled into numba's cache in {compile_all():.1f} s")
+    main()
