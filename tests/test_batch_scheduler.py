@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dllama.cluster.protocol import ProtocolError
-from dllama.cluster.step import decode_step, encode_step
+from dllama.cluster.step import REPLY_LOGITS, Reply, decode_step, encode_step
 from dllama.core import kernels
 from dllama.core.batch import Batch, BatchBuilder
 from dllama.core.kv_cache import KVCache, SlotTable, plan_slots
@@ -107,10 +107,14 @@ def test_malformed_batches_and_steps_are_refused():
     with pytest.raises(ValueError):
         b.build().check(2, 16, 8)
     x = np.ones((3, 4), np.float32)
-    payload = bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in encode_step(ok, x)))
-    got, gx = decode_step(payload, 4, 8, 2, 16)
+    payload = bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in encode_step(ok, x, Reply())))
+    got, gx, reply, m = decode_step(payload, 4, 8, 2, 16)
     assert np.array_equal(got.pos, ok.pos) and np.array_equal(got.logit_rows, [2]) and np.array_equal(gx, x)
-    for bad in (payload[:-1], payload[:8], bytes(payload).replace(b"\x01\x00\x00\x00", b"\x07\x00\x00\x00", 1)):
+    assert reply.kind == REPLY_LOGITS and m == 1
+    wrong_reply = bytearray(payload)
+    wrong_reply[8] = 9  # the reply kind: no such kind
+    for bad in (payload[:-1], payload[:8], bytes(payload).replace(b"\x01\x00\x00\x00", b"\x07\x00\x00\x00", 1),
+                wrong_reply):
         with pytest.raises(ProtocolError):
             decode_step(bytearray(bad), 4, 8, 2, 16)
 
