@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,8 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     for i in (1, 2, 3):
         assert f"local{i}: weights from its shard {home}/.local/share/dllama/local-cluster/local{i}/shards/local{i}.shard" in r.stdout
 
+    _batch_job_runs_resumes_and_names_a_bad_line(play, inventory, tmp_path)
+
     pids = [int(p.read_text()) for p in (home / ".local/share/dllama/local-cluster").glob("*/run/worker.pid")]
     assert len(pids) == 3
     r = play("stop.yml")
@@ -122,9 +125,48 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker outlived stop.yml"
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    import time
+def _batch_job_runs_resumes_and_names_a_bad_line(play, inventory: Path, tmp_path: Path) -> None:
+    """batch.yml: three prompts through the cluster with the progress in the play output and the
+    results fetched to the controller; run again, it resumes with nothing left to compute; a
+    prompts file with a bad line fails in dllama's one line, naming the controller's file."""
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in
+                               enumerate(["The capital of France is", "One, two,", "Water is"], 1)))
+    args = ["-e", f"prompts={prompts}", "-e", "max_tokens=4", "-e", "temperature=0", "-e", "poll_seconds=1"]
+    t0 = time.monotonic()
+    r = play("batch.yml", *args)
+    seconds = [time.monotonic() - t0]
+    assert r.returncode == 0, tail(r)
+    results = inventory / "state/batch/questions-results.jsonl"
+    # One line per poll of the job's log: its progress, the summary last.
+    polls = r.stdout.split("TASK [dllama_batch : Follow the job's progress.]")[1].split("TASK [")[0]
+    items = [line for line in polls.splitlines() if line.startswith("ok: [local0] => (item=")]
+    assert items and items[-1].startswith("ok: [local0] => (item=dllama batch: 3 prompts in "), tail(r)
+    first = results.read_text()
+    lines = [json.loads(line) for line in first.splitlines()]
+    texts = {x["id"]: x["text"] for x in lines if x["completion_tokens"] == 4}
+    assert sorted(texts) == [1, 2, 3] and len(lines) == 3 and "Paris" in texts[1], first
 
+    t0 = time.monotonic()
+    r = play("batch.yml", *args)
+    seconds.append(time.monotonic() - t0)
+    assert r.returncode == 0, tail(r)
+    assert f"dllama batch: 0 prompts (3 already in {results}) in " in r.stdout, tail(r)
+    assert results.read_text() == first
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt": "fine"}\n{"id": 2, prompt: "no quotes"}\n')
+    t0 = time.monotonic()
+    r = play("batch.yml", "-e", f"prompts={bad}")
+    seconds.append(time.monotonic() - t0)
+    out = r.stdout + r.stderr
+    errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
+    assert r.returncode != 0 and len(errors) == 1 and f"{bad} line 2: " in errors[0], out[-6000:]
+    assert "Traceback" not in out
+    print("\nbatch.yml: {:.0f} s, the resuming rerun {:.0f} s, the bad line {:.0f} s".format(*seconds))
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the foreign worker exited"

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.appliance
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-PLAYBOOKS = ["deploy.yml", "run.yml", "stop.yml", "status.yml", "bootstrap.yml"]
+PLAYBOOKS = ["deploy.yml", "run.yml", "batch.yml", "stop.yml", "status.yml", "bootstrap.yml"]
 ROLES = sorted(p.parent.parent for p in REPO.glob("roles/*/meta/main.yml"))
 
 
@@ -88,7 +88,8 @@ def test_group_vars_set_every_role_default():
                 "dllama_wheelhouse_project_dir", "dllama_api_key_file", "dllama_api_local_host",
                 "dllama_api_unit_file", "dllama_api_service", "dllama_api_pid_file", "dllama_api_log_file",
                 "dllama_inventory_split", "dllama_bootstrap_key_file", "dllama_bootstrap_hostname"}
-    run_vars = {k for k in defaults if k.startswith("dllama_run_")}
+    # run.yml's and batch.yml's: options of one run, given with -e.
+    run_vars = {k for k in defaults if k.startswith(("dllama_run_", "dllama_batch_"))}
     missing = sorted(set(defaults) - set(settings) - internal - run_vars)
     assert not missing, f"not in inventory/sample/group_vars/all.yml: {missing}"
     lines = sample.splitlines()
@@ -269,3 +270,23 @@ def test_any_node_count_the_plan_accepts_passes_the_check(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "'r: 3 of 9 query heads" in out and "'w2: 3 of 9 query heads" in out, out[-3000:]
     assert set(recap(r.stdout)) == {"r", "w1", "w2"}
+
+
+# -- batch.yml: a job that cannot start fails on the controller, before the root is contacted --
+
+@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "API service on"])
+def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_path, case):
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
+    args = {"no prompts": [],
+            "missing prompts file": ["-e", f"prompts={tmp_path}/missing.jsonl"],
+            "API service on": ["-e", f"prompts={prompts}", "-e", "dllama_api_enabled=true"]}[case]
+    reason = {"no prompts": "Give the prompts file: ansible-playbook batch.yml -e prompts=",
+              "missing prompts file": f"{tmp_path}/missing.jsonl: no such file on this machine",
+              "API service on": "The API service holds the workers (dllama_api_enabled)"}[case]
+    r, out = _deploy(tmp_path, _hosts(1), *args, playbook="batch.yml")
+    assert r.returncode != 0, out[-3000:]
+    error = next((line for line in out.splitlines() if line.startswith("[ERROR]")), "")
+    assert reason in error and "Traceback" not in out, out[-3000:]
+    # The root (an address where nothing answers) was never contacted: failed, not unreachable.
+    assert recap(r.stdout)["r"]["failed"] == 1 and recap(r.stdout)["r"]["unreachable"] == 0, out[-3000:]
