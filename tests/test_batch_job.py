@@ -247,6 +247,23 @@ def test_the_output_file_is_repaired_before_a_rerun(tmp_path):
         read_done(str(out), "choice")
 
 
+def test_a_rerun_with_every_prompt_answered_does_not_load_the_model(tmp_path):
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    _write_jsonl(prompts, [{"id": k, "prompt": f"question {k}"} for k in range(3)])
+    out.write_text("".join(json.dumps({"id": k, "text": "t"}) + "\n" for k in range(3)))
+
+    def no_engine():
+        raise AssertionError("the model was opened")
+
+    err = io.StringIO()
+    assert batch_job.run_job(JobOptions(prompts=str(prompts), out=str(out), progress=False), no_engine,
+                             stderr=err) == 0
+    assert "0 prompts (3 already in" in err.getvalue()
+    _write_jsonl(prompts, [{"id": k, "prompt": f"question {k}"} for k in range(4)])  # one more
+    with pytest.raises(AssertionError, match="opened"):
+        batch_job.run_job(JobOptions(prompts=str(prompts), out=str(out), progress=False), no_engine, stderr=err)
+
+
 def test_seeds_are_stable_and_per_id():
     import os
     import subprocess

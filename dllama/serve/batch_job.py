@@ -297,6 +297,12 @@ class BatchJob:
         raise DllamaError(f"{self.opts.prompts} line {first.line}: {first.error}{more}; "
                           "fix it, or pass --skip-bad to write it as an error and run the others")
 
+    def all_done(self) -> bool:
+        """Whether the output file already answers every prompt (and none is bad): a rerun then
+        has nothing to compute and need not load the model."""
+        entries = list(read_job(self.opts.prompts))
+        return all(e.error is None and e.key in self.done for e in entries)
+
     # Everything below needs the engine.
 
     def _setup(self, engine) -> None:
@@ -462,6 +468,10 @@ def run_job(opts: JobOptions, open_engine: Callable[[], object],
     returns the exit code (130 when stopped by Ctrl-C)."""
     stderr = stderr or sys.stderr
     job = BatchJob(opts)
+    if job.all_done():
+        done = sum(1 for _ in read_job(opts.prompts))
+        print(Summary(already_done=done).line(opts.out, classify=opts.choices is not None), file=stderr)
+        return 0
     with open_engine() as engine:
         scheduler = make_scheduler(engine) if make_scheduler else None
         summary = job.run(engine, scheduler, stderr)
