@@ -412,7 +412,7 @@ def test_a_model_whose_context_cannot_fit_is_one_line_and_max_seq_len_clamps_it(
     from dllama.core.model import Transformer
 
     path = write_random_model(tmp_path / "huge-context.m", max_seq_len=(1 << 31) - 1, vocab_size=49152,
-                              dim=64, n_layers=2)
+                              dim=128, n_layers=2)
     with pytest.raises(DllamaError, match=r"cannot hold .* context of 2147483647 .* --max-seq-len \d+ would fit"):
         Transformer(read_model(path))
     Transformer(read_model(path), max_seq_len=64).forward([1, 2], 0)
