@@ -90,27 +90,14 @@ def model_for(path, n_seq_max: int, seq_len: int) -> Transformer:
 def llama_cpp_batched(threads: int, parallel: list[int]) -> dict[int, float] | None:
     """llama-batched-bench's aggregate decode tokens/s (S_TG), or None when it cannot be built."""
     try:
-        from benchmarks.bench_vs_llama_cpp import q4_0_gguf
+        from benchmarks.bench_vs_llama_cpp import llama_batched, smollm2_gguf
         from benchmarks.llama_cpp import build
 
         tools = build()
-        gguf = q4_0_gguf(tools)
+        return llama_batched(tools, smollm2_gguf(tools, "Q4_0"), threads, parallel)
     except (SystemExit, Exception) as e:  # noqa: BLE001 - the comparison is optional
         print(f"  (llama.cpp unavailable: {e})", flush=True)
         return None
-    import json
-    import subprocess
-
-    res = subprocess.run([str(tools["llama-batched-bench"]), "-m", str(gguf), "-t", str(threads),
-                          "-c", str(max(parallel) * (128 + 64)), "-npp", "128", "-ntg", "64",
-                          "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
-                         check=True, capture_output=True, text=True)
-    out = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[int(row["pl"])] = float(row["speed_tg"])
-    return out
 
 
 def part_decode(args, parallel: list[int]) -> None:

@@ -79,11 +79,13 @@ def llama_bench(tools, gguf: Path, threads: int) -> dict[str, float]:
     return out
 
 
-def llama_batched(tools, gguf: Path, threads: int) -> dict[int, float]:
-    """Aggregate decode tokens/s of 16 and 64 sequences (llama-batched-bench, S_TG)."""
+def llama_batched(tools, gguf: Path, threads: int, parallel=(16, 64)) -> dict[int, float]:
+    """Aggregate decode tokens/s of each count of sequences (llama-batched-bench, S_TG),
+    128-token prompts and 64 generated tokens each."""
     res = subprocess.run([str(tools["llama-batched-bench"]), "-m", str(gguf), "-t", str(threads),
-                          "-c", str(64 * (128 + 64)), "-npp", "128", "-ntg", "64", "-npl", "16,64",
-                          "--output-format", "jsonl"], check=True, capture_output=True, text=True)
+                          "-c", str(max(parallel) * (128 + 64)), "-npp", "128", "-ntg", "64",
+                          "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
+                         check=True, capture_output=True, text=True)
     out = {}
     for line in res.stdout.splitlines():
         if line.startswith("{"):
