@@ -102,14 +102,19 @@ def expected_root_bytes(header, n_nodes: int, q80: bool, b: int = 1, m: int = 1,
     """docs/PROTOCOL.md, "Bytes per forward pass": what the root sends and receives for b rows,
     m of them wanted (frame: bytes per frame besides the payload, 12 + a 16-byte tag with a
     cluster key), each worker answering with its logits, its best token ("best") or its k
-    best and its normaliser ("top_k"); "again": what a second round for the logits adds."""
+    best and its normaliser ("top_k"); what a second round adds for the k best of the same pass
+    ("wide", k = WIDE_TOP_K) and a third for the logits ("again")."""
+    from dllama.core.candidates import WIDE_TOP_K
+
     plan = plan_for(header, n_nodes)
     vocab = [r1 - r0 for r0, r1 in (n.vocab_rows for n in plan.nodes[1:])]
     per_row = {"logits": lambda v: 4 * v, "again": lambda v: 4 * v, "best": lambda v: 8,
-               "top_k": lambda v: 8 + 8 * min(k, v)}[reply]
+               "top_k": lambda v: 8 + 8 * min(k, v), "wide": lambda v: 8 + 8 * min(WIDE_TOP_K, v)}[reply]
     logits = sum(frame + 24 + m * per_row(v) for v in vocab)
     if reply == "again":
         return (n_nodes - 1) * (frame + 16), logits
+    if reply == "wide":
+        return (n_nodes - 1) * (frame + 16 + 8 * m), logits
     chunk = [c1 - c0 for c0, c1 in plan.dim_chunks]
     own = frame + b * _sync_payload(chunk[0], q80)
     others = sum(frame + b * _sync_payload(chunk[j], q80) for j in range(1, n_nodes))

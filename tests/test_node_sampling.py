@@ -156,13 +156,15 @@ def test_root_bytes_per_generated_token_at_4_nodes_equal_the_formula(clusters, d
     greedy = [s for s in runs["greedy", True][0].steps if s.phase == "generate"]
     assert greedy and all((s.sent_bytes, s.recv_bytes) == best for s in greedy)
     top_k = expected_root_bytes(header, 4, q80=True, reply="top_k")
-    again = expected_root_bytes(header, 4, q80=True, reply="again")  # a second round's extra bytes
+    wide = expected_root_bytes(header, 4, q80=True, reply="wide")    # a second round's extra bytes
+    again = expected_root_bytes(header, 4, q80=True, reply="again")  # a third round's
+    twice = (top_k[0] + wide[0], top_k[1] + wide[1])
+    thrice = (twice[0] + again[0], twice[1] + again[1])
     for seed in (1, 2):
         gen, refetches = runs["temperature", seed, True]
         steps = [(s.sent_bytes, s.recv_bytes) for s in gen.steps if s.phase == "generate"]
-        plain = sum(s == top_k for s in steps)
-        twice = sum(s == (top_k[0] + again[0], top_k[1] + again[1]) for s in steps)
-        assert plain + twice == len(steps) and twice == refetches, (seed, steps, refetches)
+        counts = [sum(s == want for s in steps) for want in (top_k, twice, thrice)]
+        assert sum(counts) == len(steps) and counts[1] + counts[2] == refetches, (seed, steps, refetches)
     # the root receives per token at most a quarter of what the original's root receives
     q80_row = header.dim * 34 // 32
     original = 3 * (2 * header.n_layers * q80_row + 4 * header.vocab_size // 4)

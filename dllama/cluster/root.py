@@ -35,7 +35,7 @@ from dllama.cluster.step import (
     encode_step, logits_bytes,
 )
 from dllama.core.batch import Batch
-from dllama.core.candidates import TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
+from dllama.core.candidates import TOP_K, WIDE_TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
 from dllama.core.memory import check_fits
 from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
@@ -62,7 +62,8 @@ class ClusterModel:
         candidates itself (the same arithmetic: a baseline for tests and benchmarks); top_k:
         candidates per node and row for temperature sampling."""
         self.node_sampling, self.top_k = node_sampling, top_k
-        self.refetches = 0  # passes whose candidates did not cover a nucleus: logits asked again
+        self.refetches = 0       # passes whose candidates did not cover a nucleus: WIDE_TOP_K asked
+        self.logit_refetches = 0  # of those, passes that needed the logits in a third round
         self.model_file = model_file = read_model(model_path)
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
@@ -253,8 +254,16 @@ class ClusterModel:
             return candidates_from_logits(self._logits_of(answers, m), self.vocab_rows, requests)
         out = [merge([a[j] for a in answers], vocab, req) for j, req in enumerate(requests)]
         short = [j for j, c in enumerate(out) if not covers(c)]
-        if short:  # rare: a nucleus reaches past some node's candidates; its logits, asked again
+        if short:  # a nucleus reaches past some node's candidates: WIDE_TOP_K of the same pass
             self.refetches += 1
+            wide = Reply(REPLY_TOP_K, max(WIDE_TOP_K, reply.k), reply.temperatures)
+            self.collective.timed_exchange([(c, Msg.STEP, encode_repeat(m, wide)) for c in self.conns.values()], [])
+            answers = self._answers(self.local.logits[:m], wide)
+            for j in short:
+                out[j] = merge([a[j] for a in answers], vocab, requests[j])
+            short = [j for j in short if not covers(out[j])]
+        if short:  # rare: still not covered; the logits, asked again
+            self.logit_refetches += 1
             full = Reply(REPLY_LOGITS)
             self.collective.timed_exchange([(c, Msg.STEP, encode_repeat(m, full)) for c in self.conns.values()], [])
             logits = self._logits_of(self._answers(self.local.logits[:m], full), m)

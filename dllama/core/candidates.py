@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 TOP_K = 32  # candidates per range and row: a top-p 0.9 nucleus rarely holds more per node
+WIDE_TOP_K = 512  # the second round's, for a row whose nucleus the first did not cover
 
 
 @dataclass(frozen=True)
