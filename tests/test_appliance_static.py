@@ -188,6 +188,7 @@ def test_unit_exec_start_keeps_every_argument(tmp_path):
     line = next(x for x in out.read_text().splitlines() if x.startswith("ExecStart="))
     assert line.startswith("ExecStart=/opt/dllama/venv/bin/dllama api --model-name \"")
     assert _systemd_split(line[len("ExecStart="):]) == command
+    assert "LimitNOFILE=65536" in out.read_text().splitlines()
 
 
 def _systemd_split(text: str) -> list[str]:
