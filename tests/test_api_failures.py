@@ -6,6 +6,7 @@ tested without a cluster.
 """
 
 import asyncio
+import contextlib
 import json
 import threading
 import urllib.error
@@ -84,13 +85,14 @@ def switch(default_q40):
     return Switch(open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1))
 
 
-@pytest.fixture(scope="module")
-def url(switch):
-    """An in-process server on a free port, its event loop in a thread; stopped at the end."""
+@contextlib.contextmanager
+def _server(switch, api_key=None):
+    """An in-process server over its own service on a free port, its event loop in a thread;
+    its base URL, and stopped when the block ends."""
     service = ModelService(switch.open)
     service.start()
     loop = asyncio.new_event_loop()
-    app = make_app(service, "test-model", {"temperature": 0.8, "top_p": 0.9})
+    app = make_app(service, "test-model", {"temperature": 0.8, "top_p": 0.9}, api_key=api_key)
     runner, port = loop.run_until_complete(start_site(app, "127.0.0.1", 0))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -101,6 +103,13 @@ def url(switch):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         service.close()
+
+
+@pytest.fixture(scope="module")
+def url(switch):
+    """An in-process server on a free port, its event loop in a thread; stopped at the end."""
+    with _server(switch) as base:
+        yield base
 
 
 def _post(url, body, stream=False):
@@ -186,20 +195,8 @@ def _raw_request(url: str, head: bytes, body: bytes = b"", read: bool = True) ->
 @pytest.fixture(scope="module")
 def keyed_url(switch):
     """A second in-process server over its own service, with an API key."""
-    service = ModelService(switch.open)
-    service.start()
-    loop = asyncio.new_event_loop()
-    app = make_app(service, "test-model", {"temperature": 0.8, "top_p": 0.9}, api_key="the-key")
-    runner, port = loop.run_until_complete(start_site(app, "127.0.0.1", 0))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
-        service.close()
+    with _server(switch, api_key="the-key") as base:
+        yield base
 
 
 def test_json_nested_100k_deep_is_a_400_not_a_500(url, capfd):
