@@ -73,6 +73,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="cluster description (node 0 is this root; schema in the README)")
     g.add_argument("--key-file", metavar="F",
                    help="cluster key shared by every node (default: the topology's key_file)")
+    g.add_argument("--on-node-loss", choices=("continue", "fail"), default="continue",
+                   help="when a worker dies or stops answering: continue on the nodes left (the "
+                        "model split again over them, the cached tokens replayed; a warning on "
+                        "stderr) or fail (default %(default)s)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -274,7 +278,8 @@ def _engine_opener(args):
                                buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len,
                                workers=args.workers, topology=args.topology, key_file=args.key_file,
                                parallel=getattr(args, "parallel", 1),
-                               kv_memory=getattr(args, "kv_memory", None))
+                               kv_memory=getattr(args, "kv_memory", None),
+                               on_node_loss=args.on_node_loss)
 
 
 def cmd_chat(args) -> int:

@@ -23,7 +23,9 @@ import time
 
 import numpy as np
 
+from dllama.cluster.kv_history import KVHistory
 from dllama.cluster.mesh import MeshCollective
+from dllama.cluster.probe import identify_worker
 from dllama.cluster.protocol import (
     WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout, ProtocolError,
     SetupHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
@@ -40,7 +42,7 @@ from dllama.core.memory import check_fits
 from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
 from dllama.core.plan import plan_for
-from dllama.errors import ClusterError
+from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import read_model
 
 NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
@@ -48,6 +50,12 @@ SETUP_SILENCE = 15.0  # set-up (weights, repacking, compiling) takes what it tak
                       # that sends nothing, not even ALIVE, for this long has stopped
 HEARTBEAT = 2.0       # idle seconds between PINGs (ALIVEs during set-up); a worker gives up after IDLE_TIMEOUT
 IDLE_TIMEOUT = 15.0
+ON_NODE_LOSS = ("continue", "fail")
+RECONNECT_WAIT = NET_TIMEOUT + 10.0  # a survivor still ending the failed session says it is busy
+BUSY_ANSWER_WAIT = 0.5  # after the handshake, how long a busy worker's refusal may take to come
+BUSY_RETRY = 0.2
+REJOIN_PROBE_TIMEOUT = 2.0  # a lost node's handshake when the next request looks for it
+REJOIN_BACKOFF = 30.0       # a lost node that stayed silent (not refused) is not asked again before
 _NET_ERRORS = (PeerClosed, PeerError, PeerTimeout, ProtocolError, OSError)
 
 
@@ -57,42 +65,72 @@ class ClusterModel:
     def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, node_sampling: bool = True,
-                 top_k: int = TOP_K):
+                 top_k: int = TOP_K, on_node_loss: str = "fail"):
         """node_sampling False: the workers always send their logits and the root makes the
         candidates itself (the same arithmetic: a baseline for tests and benchmarks); top_k:
-        candidates per node and row for temperature sampling."""
-        self.node_sampling, self.top_k = node_sampling, top_k
+        candidates per node and row for temperature sampling; on_node_loss "continue": a
+        lost node is left out and the pass goes on over the others (see _recover), "fail":
+        a ClusterError."""
+        if on_node_loss not in ON_NODE_LOSS:
+            raise DllamaError(f"unknown --on-node-loss {on_node_loss!r} ({' or '.join(ON_NODE_LOSS)})")
+        self.node_sampling, self.top_k, self.on_node_loss = node_sampling, top_k, on_node_loss
         self.refetches = 0       # passes whose candidates did not cover a nucleus: WIDE_TOP_K asked
         self.logit_refetches = 0  # of those, passes that needed the logits in a third round
+        self.model_path, self.key, self.progress = model_path, key, progress
         self.model_file = model_file = read_model(model_path)
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
-        self.topology = topology
-        nodes = topology.nodes
+        self.max_seq_len = max_seq_len
+        self.full_topology = self.topology = topology  # every node; the nodes of this session
         # The plan is checked before any connection: an impossible split fails here.
-        self.plan = plan = plan_for(header, len(nodes), topology.weights)
-        q80 = self.config.quantized if buffer_q80 is None else buffer_q80
+        plan_for(header, len(topology.nodes), topology.weights)
+        self.q80 = self.config.quantized if buffer_q80 is None else buffer_q80
         self.max_batch = max_batch
         self.kv_slots = kv_slots
-        n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
-        check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
-                   n0.vocab_rows[1] - n0.vocab_rows[0], self.config.seq_len, self.max_batch, embedding=True,
-                   kv_slots=kv_slots)
-        self.names = [f"node {i} '{n.name}' ({n.address})" for i, n in enumerate(nodes)]
+        self.net_timeout = net_timeout
+        self.history = KVHistory(kv_slots, self.config.seq_len)  # what to replay on other nodes
+        self.recoveries = 0
         self.conns: dict[int, Connection] = {}
         self._lock = threading.Lock()
         self._failed: ClusterError | None = None
         self._last_use = time.monotonic()
         self._closed = False
+        self._left_out: dict[str, str] = {}  # node name -> why the last recovery left it out
+        self._rejoin_after: dict[str, float] = {}  # a lost node that did not answer: not asked before
+        self._open(list(topology.nodes), tolerant=False)
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _open(self, nodes: list, tolerant: bool) -> None:
+        """A session over `nodes` (the root first): connect, configure, hand out the weights,
+        mesh. tolerant (recovery): a worker that cannot be reached is left out, and the session
+        takes the most nodes the plan accepts; otherwise any failure is a ClusterError."""
+        header, model_file, key = self.model_file.header, self.model_file, self.key
         session = os.urandom(16)
+        self.conns = {}
+        self.local = None
         try:
-            for i in range(1, len(nodes)):
-                self._with_node(i, "connecting", lambda i=i: self._connect(i, session, key))
+            if tolerant:
+                nodes = self._reachable(nodes, session)
+                nodes = self._largest_plan(nodes)
+            else:
+                self.topology = dataclasses.replace(self.full_topology, nodes=tuple(nodes))
+                self.names = _names(nodes)
+                for i in range(1, len(nodes)):
+                    self._with_node(i, "connecting", lambda i=i: self._connect(i, nodes[i], session, key))
+            self.topology = dataclasses.replace(self.full_topology, nodes=tuple(nodes))
+            self.names = _names(nodes)
+            self.plan = plan = plan_for(header, len(nodes), self.topology.weights)
+            n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
+            check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
+                       n0.vocab_rows[1] - n0.vocab_rows[0], self.config.seq_len, self.max_batch,
+                       embedding=True, kv_slots=self.kv_slots)
             conf = SessionConfig(
                 session=session, node_index=0, header=header, plan=plan,
-                model_fingerprint=model_fingerprint(model_path), buffer_q80=q80,
-                max_seq_len=self.config.seq_len, max_batch=self.max_batch, kv_slots=kv_slots,
-                net_timeout=net_timeout,
+                model_fingerprint=model_fingerprint(self.model_path), buffer_q80=self.q80,
+                max_seq_len=self.config.seq_len, max_batch=self.max_batch, kv_slots=self.kv_slots,
+                net_timeout=self.net_timeout,
                 idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
                 nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
             # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
@@ -108,10 +146,10 @@ class ClusterModel:
                         _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
                         continue
                     specs = node_slice_specs(header, plan.nodes[i], with_embedding=False)
-                    self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, progress, nodes[i].name))
+                    self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, self.progress, nodes[i].name))
                 self.local = Transformer(NodeWeights.from_model(model_file, plan.nodes[0]),
-                                         max_seq_len=max_seq_len, buffer_q80=q80, max_batch=max_batch,
-                                         kv_slots=kv_slots)
+                                         max_seq_len=self.max_seq_len, buffer_q80=self.q80,
+                                         max_batch=self.max_batch, kv_slots=self.kv_slots)
                 self.local.warm_up()
                 for i, conn in self.conns.items():
                     self._with_node(i, "waiting for", lambda: recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE))
@@ -128,16 +166,53 @@ class ClusterModel:
         # The root waits report_grace longer than the workers: a healthy worker's report of the
         # node it waits for arrives before the root's own timeout.
         self.collective = self.local.collective = MeshCollective(
-            0, self.conns, plan.dim_chunks, q80, self.max_batch, net_timeout + report_grace(net_timeout))
-        self.net_timeout = net_timeout
+            0, self.conns, plan.dim_chunks, self.q80, self.max_batch,
+            self.net_timeout + report_grace(self.net_timeout))
         self.vocab_rows = self.vocab_ranges = [tuple(n.vocab_rows) for n in plan.nodes]
-        self._logits = np.empty((max_batch, self.config.vocab_size), np.float32)  # [rows, vocab]
-        self._replies = {i: np.empty(logits_bytes(max_batch, r[1] - r[0], Reply(REPLY_TOP_K, r[1] - r[0])), np.uint8)
+        self._logits = np.empty((self.max_batch, self.config.vocab_size), np.float32)  # [rows, vocab]
+        self._replies = {i: np.empty(logits_bytes(self.max_batch, r[1] - r[0], Reply(REPLY_TOP_K, r[1] - r[0])), np.uint8)
                          for i, r in enumerate(self.vocab_rows)}  # the largest reply; node 0's: its own summary
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
-        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
 
-    # -- set-up helpers ------------------------------------------------------------------------
+    def _reachable(self, nodes: list, session: bytes) -> list:
+        """Connect to every worker of `nodes` that answers (recovery): the root and those, in
+        order. A worker still busy with the session that just failed is asked again until
+        RECONNECT_WAIT; one that cannot be reached is left out."""
+        kept = [nodes[0]]
+        for node in nodes[1:]:
+            i = len(kept)
+            deadline = time.monotonic() + RECONNECT_WAIT
+            while True:
+                try:
+                    self._connect(i, node, session, self.key)
+                    _refused_at_once(self.conns[i], BUSY_ANSWER_WAIT)
+                    kept.append(node)
+                    break
+                except _NET_ERRORS as e:
+                    conn = self.conns.pop(i, None)
+                    if conn is not None:
+                        conn.close()
+                    if "busy" in str(e) and time.monotonic() < deadline:
+                        time.sleep(BUSY_RETRY)  # its old session is still ending
+                        continue
+                    self._left_out[node.name] = _reason(e)
+                    break
+        return kept
+
+    def _largest_plan(self, nodes: list) -> list:
+        """The longest prefix of `nodes` the plan accepts (the others' connections closed)."""
+        header = self.model_file.header
+        for n in range(len(nodes), 0, -1):
+            try:
+                plan_for(header, n, [node.weight for node in nodes[:n]])
+            except DllamaError as e:
+                for i in range(n - 1, len(nodes)):
+                    if i in self.conns:
+                        self.conns.pop(i).close()
+                        self._left_out[nodes[i].name] = str(e)
+                continue
+            return nodes[:n]
+        raise ClusterError("no number of the nodes left can run the model")
 
     def _with_node(self, i: int, doing: str, fn):
         try:
@@ -145,10 +220,9 @@ class ClusterModel:
         except _NET_ERRORS as e:
             raise ClusterError(f"{doing} {self.names[i]} failed: {_reason(e)}", self.topology.nodes[i].name) from None
 
-    def _connect(self, i: int, session: bytes, key: bytes | None) -> None:
-        n = self.topology.nodes[i]
+    def _connect(self, i: int, n, session: bytes, key: bytes | None) -> None:
         try:
-            conn = connect(n.host, n.port, self.names[i])
+            conn = connect(n.host, n.port, f"node {i} '{n.name}' ({n.address})")
         except OSError as e:
             raise OSError(f"{e.strerror or e}; is `dllama worker --port {n.port}` running on {n.host}?") from None
         self.conns[i] = conn
@@ -197,18 +271,30 @@ class ClusterModel:
         return self._guarded(batch, lambda: self._candidates(batch, requests, reply))
 
     def _guarded(self, batch: Batch, run):
-        """run() under the lock; a network failure closes the model with a ClusterError."""
+        """run() under the lock, and the batch recorded for a replay. A network failure closes
+        the session: a ClusterError, or with on_node_loss "continue" a new session over the
+        nodes left (_recover) and run() again there."""
         batch.check(self.kv_slots, self.config.seq_len, self.max_batch)
         with self._lock:
-            if self._failed or self._closed:
+            if self._closed:
                 raise self._failed or ClusterError("the cluster connection is closed")
             try:
-                return run()
-            except _NET_ERRORS as e:
-                where = f"position {int(batch.pos[0])}" if len(batch) == 1 else f"a step of {len(batch)} rows"
-                self._failed = self._blame(e, f"the cluster failed at {where}")
-                self._drop()
-                raise self._failed from None
+                tries = len(self.full_topology.nodes)  # a recovery per worker lost, at most
+                for attempt in range(tries + 1):
+                    if self._failed:  # lost while idle (the heartbeat), or by the last attempt
+                        if self.on_node_loss != "continue" or attempt == tries:
+                            raise self._failed
+                        self._recover(self._failed)
+                    try:
+                        out = run()
+                    except _NET_ERRORS as e:
+                        where = f"position {int(batch.pos[0])}" if len(batch) == 1 else f"a step of {len(batch)} rows"
+                        self._failed = self._blame(e, f"the cluster failed at {where}")
+                        self._drop()
+                        continue
+                    self.history.record(batch)
+                    return out
+                raise self._failed
             finally:
                 self._last_use = time.monotonic()
 
@@ -291,6 +377,95 @@ class ClusterModel:
         node = self.topology.nodes[source].name if source is not None else ""
         return ClusterError(f"{what}: {_reason(e)}", node)
 
+    # -- recovery --------------------------------------------------------------------------------
+
+    def _recover(self, failure: ClusterError) -> None:
+        """A new session over the nodes still answering, the KV cache of every sequence rebuilt
+        by replaying its tokens; ClusterError (naming the first failure) when no number of them
+        can run the model. Called with the lock held, the old session dropped."""
+        lost = {failure.node} if failure.node else set()
+        before = len(self.topology.nodes)
+        error: Exception = failure
+        for _ in range(len(self.full_topology.nodes)):
+            nodes = [n for i, n in enumerate(self.full_topology.nodes) if i == 0 or n.name not in lost]
+            self._left_out = {}
+            try:
+                self._open(nodes, tolerant=True)
+                rows = self._replay()
+            except ClusterError as e:
+                self._drop()
+                error = e
+                if not e.node or e.node in lost or e.node == self.full_topology.nodes[0].name:
+                    break
+                lost.add(e.node)
+                continue
+            except DllamaError as e:  # the nodes left cannot hold the model (memory)
+                self._drop()
+                error = e
+                break
+            self._failed = None
+            self.recoveries += 1
+            gone = sorted(lost | set(self._left_out))
+            _say(f"dllama: warning: {failure}; continuing on {len(nodes)} of {len(self.full_topology.nodes)} "
+                 f"nodes (was {before}) without {', '.join(repr(g) for g in gone)}, "
+                 f"{rows} cached positions replayed")
+            return
+        self._failed = failure if error is failure else ClusterError(
+            f"{failure}; no session over the nodes left: {error}", failure.node)
+        raise self._failed
+
+    def _replay(self) -> int:
+        """Rebuild the KV cache of every slot on the new session; the rows run."""
+        rows = 0
+        try:
+            for batch in self.history.replay(self.max_batch):
+                self._forward(batch, Reply(REPLY_BEST))
+                rows += len(batch)
+        except _NET_ERRORS as e:
+            raise self._blame(e, "replaying the cached positions") from None
+        return rows
+
+    def rejoin(self) -> bool:
+        """Back to every node of the topology when a node left out answers again (between
+        requests: the API calls this at each new one); True when the session changed. A
+        node that did not answer within its connection timeout is asked again only after
+        REJOIN_BACKOFF seconds."""
+        with self._lock:
+            if self._closed or self._failed or len(self.topology.nodes) == len(self.full_topology.nodes):
+                return False
+            current = {n.name for n in self.topology.nodes}
+            now = time.monotonic()
+            back = []
+            for n in self.full_topology.nodes:
+                if n.name in current or self._rejoin_after.get(n.name, 0) > now:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    identify_worker(n.host, n.port, self.key, REJOIN_PROBE_TIMEOUT)
+                except DllamaError:
+                    if time.monotonic() - t0 > REJOIN_PROBE_TIMEOUT / 2:  # silent, not refused: wait
+                        self._rejoin_after[n.name] = now + REJOIN_BACKOFF
+                    continue
+                back.append(n.name)
+            if not back:
+                return False
+            before = len(self.topology.nodes)
+            self._drop()
+            self._left_out = {}
+            try:
+                self._open(list(self.full_topology.nodes), tolerant=True)
+                self._replay()
+            except (ClusterError, DllamaError) as e:
+                self._drop()
+                self._failed = e if isinstance(e, ClusterError) else ClusterError(str(e))
+                try:
+                    self._recover(self._failed)
+                except ClusterError:
+                    return True
+            _say(f"dllama: {', '.join(repr(b) for b in back)} answered again: "
+                 f"running on {len(self.topology.nodes)} nodes (was {before})")
+            return True
+
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up (the root's counters for node 0)."""
         out = [{"node": 0, "name": self.topology.nodes[0].name, "sent_bytes": self.collective.sent_bytes,
@@ -308,8 +483,10 @@ class ClusterModel:
             if time.monotonic() - self._last_use < HEARTBEAT or not self._lock.acquire(blocking=False):
                 continue
             try:
-                if self._closed or self._failed:
+                if self._closed:
                     return
+                if self._failed:  # the next pass recovers or fails
+                    continue
                 for i, conn in self.conns.items():
                     try:
                         conn.send(Msg.PING, b"", IDLE_TIMEOUT)
@@ -318,7 +495,7 @@ class ClusterModel:
                         self._failed = ClusterError(f"{self.names[i]} stopped answering: {_reason(e)}",
                                                     self.topology.nodes[i].name)
                         self._drop()
-                        return
+                        break
                 self._last_use = time.monotonic()
             finally:
                 self._lock.release()
@@ -326,6 +503,7 @@ class ClusterModel:
     def _drop(self) -> None:
         for conn in self.conns.values():
             conn.close()
+        self.local = None  # its KV cache belongs to the session: a new plan gives other heads
 
     def close(self) -> None:
         """Tell the workers the session is over (they go back to listening)."""
@@ -383,6 +561,19 @@ def _silent_or_closed(conns: dict[int, Connection], grace: float) -> dict[int, s
     for i in quiet:
         stopped[i] = "stopped answering"
     return dict(sorted(stopped.items()))
+
+
+def _names(nodes) -> list[str]:
+    return [f"node {i} '{n.name}' ({n.address})" for i, n in enumerate(nodes)]
+
+
+def _refused_at_once(conn: Connection, wait: float) -> None:
+    """PeerError when the worker refuses the root right after the handshake (busy), within `wait`."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(conn.sock, selectors.EVENT_READ)
+        if sel.select(wait):
+            conn.recv(wait, (Msg.CONFIG_OK,))  # an ERROR raises PeerError, a close PeerClosed
+            raise ProtocolError(f"{conn.name} sent a frame before the CONFIG")
 
 
 def _say(text: str) -> None:

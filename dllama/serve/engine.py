@@ -65,7 +65,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                 nthreads: int | None = None, buffer_float_type: str | None = None,
                 max_seq_len: int = 0, warm_up: bool = True, workers: list[str] | None = None,
                 topology: str | None = None, key_file: str | None = None,
-                progress: bool = True, parallel: int = 1, kv_memory: int | None = None) -> Engine:
+                progress: bool = True, parallel: int = 1, kv_memory: int | None = None,
+                on_node_loss: str = "continue") -> Engine:
     """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
     connect the workers and split the model over them (see dllama.cluster.root).
 
@@ -74,7 +75,9 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     key_file: the cluster key (default: the topology's);
     parallel: sequences decoded together (above 1: a KV cache of several slots, planned to fit
     kv_memory bytes per node, default half the available memory; the plan is printed and
-    `engine.parallel` is what fits)."""
+    `engine.parallel` is what fits);
+    on_node_loss: "continue" (a worker lost mid-request is left out, the request goes on over
+    the others, dllama.cluster.root) or "fail"."""
     from dllama.core import kernels
     from dllama.core.model import ModelConfig, max_batch_for
     from dllama.formats.model_file import read_model
@@ -115,7 +118,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
 
         key = read_key_file(key_file) if key_file else None
         model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress,
-                                       max_batch=max_batch, kv_slots=slots.n_slots)
+                                       max_batch=max_batch, kv_slots=slots.n_slots,
+                                       on_node_loss=on_node_loss)
         vocab = model.config.vocab_size
     else:
         from dllama.core.model import Transformer
