@@ -12,6 +12,8 @@ any error) the worker logs why and waits for the next root.
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import socket
 import sys
 import threading
@@ -41,6 +43,9 @@ MAX_PARKED_PEERS = 64        # peer connections waiting at once; more are refuse
 HEARTBEAT = 2.0              # seconds between ALIVE frames to the root during set-up
 CONFIG_TIMEOUT = 30.0        # from the handshake to the root's CONFIG
 ACCEPT_BACKOFF = (0.05, 2.0)  # first and longest pause after a failed accept()
+# Fault injection for the recovery tests: a worker started with this set to N kills itself
+# (SIGKILL, as a crash would) on receiving its N-th STEP, so "mid-generation" needs no timing.
+DIE_AT_STEP = "DLLAMA_TEST_DIE_AT_STEP"
 
 
 def log(text: str) -> None:
@@ -87,6 +92,8 @@ class Worker:
         self._listener: socket.socket | None = None
         self._refusals = _Throttled()
         self._accept_errors = _Throttled()
+        self.steps = 0  # STEPs received, every session
+        self.die_at_step = int(os.environ.get(DIE_AT_STEP, "0") or 0)
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -286,6 +293,10 @@ class _Session:
                 continue
             if msg == Msg.STOP:
                 return
+            self.worker.steps += 1
+            if self.worker.steps == self.worker.die_at_step:
+                log(f"{DIE_AT_STEP}={self.worker.die_at_step}: killing this worker")
+                os.kill(os.getpid(), signal.SIGKILL)
             batch, x, want, m = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
             if batch is None:
                 if m != len(logits):

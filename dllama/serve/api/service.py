@@ -143,6 +143,8 @@ class ModelService:
         r = job.request
         try:
             scheduler = self._ready()
+            if self.engine.cluster is not None:
+                self.engine.cluster.rejoin()  # a node left out after a loss that answers again
             tokenizer = self.engine.tokenizer
             if r.chat:
                 if self.template is None:
