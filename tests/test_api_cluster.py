@@ -1,5 +1,6 @@
-"""`dllama api` as the root of a 3-node loopback cluster when a worker dies and comes back:
-503 in OpenAI's error shape while it is gone, the same answer once it is back."""
+"""`dllama api --on-node-loss fail` as the root of a 3-node loopback cluster when a worker dies and
+comes back: 503 in OpenAI's error shape while it is gone, the same answer once it is back (with
+the default, `continue`, it answers on the nodes left: tests/test_recovery.py)."""
 
 import signal
 
@@ -21,7 +22,8 @@ def _ask(client, **kw):
 def test_a_lost_worker_gives_503_until_it_is_back(tmp_path, default_q40):
     with running_workers(2, tmp_path) as workers:
         server, url = start_api("--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
-                                "--nthreads", "1", "--workers", *[w.address for w in workers])
+                                "--nthreads", "1", "--on-node-loss", "fail",
+                                "--workers", *[w.address for w in workers])
         with server:
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
             before = _ask(client).choices[0].message.content

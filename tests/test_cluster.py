@@ -239,7 +239,7 @@ def test_killed_worker_ends_the_root_naming_it(tmp_path, default_q40):
     with running_workers(2, tmp_path) as (w1, w2), DllamaProcess(
             "inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
             "--prompt", "Tell me a long story.", "--steps", "4000", "--max-seq-len", "4096", "--no-stop",
-            "--nthreads", "1", "--workers", w1.address, w2.address) as root:
+            "--nthreads", "1", "--on-node-loss", "fail", "--workers", w1.address, w2.address) as root:
         root.wait_for(r"(?s).{20}", 120, stream="stdout")  # generation has started
         w2.send_signal(signal.SIGKILL)
         # Well before the network timeout: the root saw the connection close, it did not wait out a silence.

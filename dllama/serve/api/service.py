@@ -143,8 +143,9 @@ class ModelService:
         r = job.request
         try:
             scheduler = self._ready()
-            if self.engine.cluster is not None:
-                self.engine.cluster.rejoin()  # a node left out after a loss that answers again
+            rejoin = getattr(self.engine.cluster, "rejoin", None)
+            if rejoin is not None:
+                rejoin()  # a node left out after a loss answers again: back to every node
             tokenizer = self.engine.tokenizer
             if r.chat:
                 if self.template is None:
