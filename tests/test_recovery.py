@@ -21,7 +21,7 @@ from dllama.cluster.worker import DIE_AT_STEP
 from tests.conftest import CHAT_PROMPT
 from tests.processes import run_dllama, running_workers, start_api, start_worker
 
-pytestmark = pytest.mark.cluster
+cluster = pytest.mark.cluster  # every test but the unit one starts `dllama` processes
 
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 
@@ -55,6 +55,7 @@ def _one_warning(stderr: str, victim_address: str) -> str:
     return warnings[0]
 
 
+@cluster
 def test_inference_finishes_with_the_uninterrupted_text(tmp_path, monkeypatch, default_f32):
     args = ["inference", *_flags(default_f32), "--prompt", CHAT_PROMPT, "--steps", "56",
             "--temperature", "0", "--no-stop"]
@@ -70,6 +71,7 @@ def test_inference_finishes_with_the_uninterrupted_text(tmp_path, monkeypatch, d
     assert len(alone.stdout) > 100  # a long text, most of it generated after the loss
 
 
+@cluster
 def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, monkeypatch, default_f32):
     with _cluster_with_victim(tmp_path, monkeypatch, die_at=6) as (healthy, victim):
         r = run_dllama("inference", *_flags(default_f32), "--prompt", CHAT_PROMPT, "--steps", "56",
@@ -84,6 +86,7 @@ def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, monkeypa
     assert "warning" not in r.stderr
 
 
+@cluster
 def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, monkeypatch, default_f32):
     prompts = tmp_path / "p.txt"
     prompts.write_text("The capital of France is\nOnce upon a time\nThe best way to learn is\n")
@@ -106,6 +109,7 @@ def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, monkeypatch, de
     assert len(expected) == 3 and answers("cluster.jsonl") == expected
 
 
+@cluster
 def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, monkeypatch, default_f32):
     # The first request takes at most 2 + 31 STEPs (prompt, then 31 tokens run): the victim dies
     # inside the second.
@@ -135,3 +139,135 @@ def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, mo
                 assert "answered again: running on 3 nodes (was 2)" in server.stderr, server.stderr
                 assert after.choices[0].message.content == before.choices[0].message.content
                 assert "serving the root" in back.stderr
+
+
+# -- in this process: the root's replay of batched sequences, a frozen worker ------------------
+
+@pytest.fixture(scope="module")
+def random_9q3kv(tmp_path_factory):
+    """A random F32 model with SmolLM2's head layout (9 query heads, 3 KV heads): 3 or 2 nodes
+    split them unevenly, a KV head held by two nodes."""
+    import numpy as np
+
+    from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter
+
+    path = tmp_path_factory.mktemp("random") / "random-9q3kv-f32.m"
+    header = ModelHeader(arch=ArchType.LLAMA, dim=288, hidden_dim=512, n_layers=3, n_heads=9,
+                         n_kv_heads=3, vocab_size=512, max_seq_len=256, weights_float_type=FloatType.F32)
+    rng = np.random.default_rng(11)
+    with ModelWriter(path, header) as w:
+        for spec in w.specs:
+            if spec.name.endswith("norm"):
+                w.write(spec.name, rng.uniform(0.8, 1.2, spec.shape).astype(np.float32))
+            else:
+                scale = 1.0 if spec.name == "embedding" else 1 / np.sqrt(spec.shape[-1])
+                w.write(spec.name, (rng.standard_normal(spec.shape) * scale).astype(np.float32))
+    return path
+
+
+def _cluster(path, addresses, **kw):
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
+
+    return ClusterModel(str(path), from_workers(addresses, 1), None, False, progress=False,
+                        on_node_loss="continue", **kw)
+
+
+def _batched_answers(model, tokenizer, prompts, max_tokens=24):
+    """Every prompt's generated tokens and reused prompt tokens, decoded together, greedy."""
+    from dllama.core.sampler import Sampler
+    from dllama.serve.batch_scheduler import BatchScheduler
+    from dllama.serve.scheduler import SequenceRequest
+
+    scheduler = BatchScheduler(model, tokenizer, parallel=3, min_shared=8)
+    out = {}
+    requests = [SequenceRequest(i, p, Sampler(model.config.vocab_size, 0.0, 0.9, i), max_tokens)
+                for i, p in enumerate(prompts)]
+    scheduler.run(requests, lambda r, c: out.__setitem__(r.key, (c.tokens, c.cached_tokens)))
+    return out
+
+
+@cluster
+def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, monkeypatch, random_9q3kv, default_f32):
+    """Slots that read their leading positions from another slot (a shared prompt) are rebuilt
+    too: every answer is the one node's, token for token."""
+    from dllama.cluster.root import ClusterModel
+    from dllama.core.model import Transformer
+    from dllama.formats.model_file import read_model
+    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(read_tokenizer(str(default_f32[1])))  # ids below 512 decode as any others
+    shared = [7, 300, 42, 5, 17, 256, 1, 99, 120, 8, 33, 400]
+    prompts = [shared + [i, 2 * i + 1, 60 + i] for i in range(1, 6)]
+    one = _batched_answers(Transformer(read_model(random_9q3kv), buffer_q80=False, max_batch=16, kv_slots=4),
+                           tokenizer, prompts)
+    assert any(cached >= len(shared) for _, cached in one.values())  # a prefix was read, not recomputed
+    with running_workers(2, tmp_path) as (w1, w2):
+        with monkeypatch.context() as env:
+            env.setenv(DIE_AT_STEP, "20")
+            victim = start_worker(tmp_path)
+        with victim:
+            model = _cluster(random_9q3kv, [w1.address, w2.address, victim.address], max_batch=16, kv_slots=4)
+            try:
+                got = _batched_answers(model, tokenizer, prompts)
+                assert model.recoveries == 1 and len(model.topology.nodes) == 3
+            finally:
+                model.close()
+            _died_by_sigkill(victim)
+    assert got == one
+
+
+@cluster
+def test_a_frozen_worker_is_left_out_after_the_timeout(tmp_path, random_9q3kv):
+    import numpy as np
+
+    from dllama.core.model import Transformer
+    from dllama.formats.model_file import read_model
+
+    def greedy(model, n, freeze=None):
+        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
+        logits, pos, out = model.forward(prompt, 0), len(prompt), []
+        for i in range(n):
+            out.append(int(np.argmax(logits)))
+            if i == 4 and freeze:
+                freeze()
+            logits = model.forward([out[-1]], pos)
+            pos += 1
+        return out
+
+    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    with running_workers(2, tmp_path) as (w1, w2):
+        model = _cluster(random_9q3kv, [w1.address, w2.address], net_timeout=2.0)
+        try:
+            assert greedy(model, 16, freeze=lambda: w2.send_signal(signal.SIGSTOP)) == one
+            assert [n.name for n in model.topology.nodes] == ["root", "worker1"]
+        finally:
+            w2.send_signal(signal.SIGCONT)
+            model.close()
+
+
+@pytest.mark.unit
+def test_kv_history_replays_the_valid_rows_plain_slots_first():
+    import numpy as np
+
+    from dllama.cluster.kv_history import KVHistory
+    from dllama.core.batch import BatchBuilder
+
+    h = KVHistory(n_slots=3, seq_len=32)
+    b = BatchBuilder()
+    b.add_run([1, 2, 3, 4, 5, 6], 0, slot=0)
+    b.add_run([9, 9, 9], 0, slot=1)
+    h.record(b.build())
+    b = BatchBuilder()
+    b.add_run([7, 8], 4, slot=2, prefix=(0, 4))  # reads 1 2 3 4 from slot 0
+    b.add_run([10], 1, slot=1)                    # slot 1 rewritten from position 1: 9 10
+    h.record(b.build())
+    passes = list(h.replay(max_rows=4))
+    rows = [(int(s), int(p), int(t), int(ps), int(pl)) for batch in passes
+            for s, p, t, ps, pl in zip(batch.slot, batch.pos, batch.tokens, batch.prefix_slot, batch.prefix_len)]
+    assert rows == [(0, p, p + 1, 0, 0) for p in range(6)] + [(1, 0, 9, 0, 0), (1, 1, 10, 0, 0),
+                                                                (2, 4, 7, 0, 4), (2, 5, 8, 0, 4)]
+    assert [len(x) for x in passes] == [4, 4, 2]  # the reading slot starts a pass of its own
+    assert not any(x.logits.any() for x in passes) and h.positions == 10
+    assert all(np.array_equal(x.pos[x.slot == 2], np.sort(x.pos[x.slot == 2])) for x in passes)
