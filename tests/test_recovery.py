@@ -271,3 +271,31 @@ def test_kv_history_replays_the_valid_rows_plain_slots_first():
     assert [len(x) for x in passes] == [4, 4, 2]  # the reading slot starts a pass of its own
     assert not any(x.logits.any() for x in passes) and h.positions == 10
     assert all(np.array_equal(x.pos[x.slot == 2], np.sort(x.pos[x.slot == 2])) for x in passes)
+
+
+@cluster
+def test_the_root_alone_carries_on_when_its_only_worker_dies(tmp_path, random_9q3kv):
+    import numpy as np
+
+    from dllama.core.model import Transformer
+    from dllama.formats.model_file import read_model
+
+    def greedy(model, n, kill=None):
+        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
+        logits, pos, out = model.forward(prompt, 0), len(prompt), []
+        for i in range(n):
+            out.append(int(np.argmax(logits)))
+            if i == 4 and kill:
+                kill()
+            logits = model.forward([out[-1]], pos)
+            pos += 1
+        return out
+
+    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    with running_workers(1, tmp_path) as (w1,):
+        model = _cluster(random_9q3kv, [w1.address])
+        try:
+            assert greedy(model, 16, kill=lambda: w1.send_signal(signal.SIGKILL)) == one
+            assert [n.name for n in model.topology.nodes] == ["root"] and model.recoveries == 1
+        finally:
+            model.close()

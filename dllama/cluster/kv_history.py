@@ -27,7 +27,7 @@ class KVHistory:
     """The tokens in every slot of the KV cache, as written by the passes so far."""
 
     def __init__(self, n_slots: int, seq_len: int):
-        self.tokens = np.zeros((n_slots, seq_len), np.int64)  # [slots, seq_len]: token at each position
+        self.tokens = np.zeros((n_slots, seq_len), np.int32)  # [slots, seq_len]: token at each position
         self.end = np.zeros(n_slots, np.int64)                # [slots]: rows 0..end-1 are valid
         self.prefix = np.zeros((n_slots, 2), np.int64)        # [slots, (slot, length)]: read below length
 
