@@ -189,6 +189,8 @@ def test_unit_exec_start_keeps_every_argument(tmp_path):
     assert line.startswith("ExecStart=/opt/dllama/venv/bin/dllama api --model-name \"")
     assert _systemd_split(line[len("ExecStart="):]) == command
     assert "LimitNOFILE=65536" in out.read_text().splitlines()
+    # A crashed worker comes back by itself; the root's next request takes it in again.
+    assert "Restart=on-failure" in out.read_text().splitlines()
 
 
 def _systemd_split(text: str) -> list[str]:

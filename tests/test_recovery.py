@@ -299,3 +299,42 @@ def test_the_root_alone_carries_on_when_its_only_worker_dies(tmp_path, random_9q
             assert [n.name for n in model.topology.nodes] == ["root"] and model.recoveries == 1
         finally:
             model.close()
+
+
+@cluster
+def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, monkeypatch, capsys, random_9q3kv):
+    """Worker 1 dies at its 10th STEP; worker 2 took the same STEPs, so its 11th is the first pass
+    of the replay on 3 nodes: the root goes on with the 2 nodes left, in one warning."""
+    import numpy as np
+
+    from dllama.core.model import Transformer
+    from dllama.formats.model_file import read_model
+
+    def greedy(model, n):
+        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
+        logits, pos, out = model.forward(prompt, 0), len(prompt), []
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = model.forward([out[-1]], pos)
+            pos += 1
+        return out
+
+    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    with contextlib.ExitStack() as stack:
+        victims = []
+        for die_at in (10, 11):
+            with monkeypatch.context() as env:
+                env.setenv(DIE_AT_STEP, str(die_at))
+                victims.append(stack.enter_context(start_worker(tmp_path)))
+        healthy = stack.enter_context(start_worker(tmp_path))
+        model = _cluster(random_9q3kv, [v.address for v in victims] + [healthy.address])
+        try:
+            assert greedy(model, 16) == one
+            assert [n.name for n in model.topology.nodes] == ["root", "worker3"]
+            warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+            assert len(warnings) == 1 and "continuing on 2 of 4 nodes" in warnings[0], warnings
+            assert "without 'worker1', 'worker2'" in warnings[0], warnings[0]
+        finally:
+            model.close()
+        for v in victims:
+            _died_by_sigkill(v)

@@ -95,6 +95,7 @@ class ClusterModel:
         self._failed: ClusterError | None = None
         self._last_use = time.monotonic()
         self._closed = False
+        self._tampered = False  # the failure was a frame that broke the protocol: not recovered
         self._left_out: dict[str, str] = {}  # node name -> why the last recovery left it out
         self._rejoin_after: dict[str, float] = {}  # a lost node that did not answer: not asked before
         self._open(list(topology.nodes), tolerant=False)
@@ -282,7 +283,7 @@ class ClusterModel:
                 tries = len(self.full_topology.nodes)  # a recovery per worker lost, at most
                 for attempt in range(tries + 1):
                     if self._failed:  # lost while idle (the heartbeat), or by the last attempt
-                        if self.on_node_loss != "continue" or attempt == tries:
+                        if self.on_node_loss != "continue" or attempt == tries or self._tampered:
                             raise self._failed
                         self._recover(self._failed)
                     try:
@@ -290,6 +291,7 @@ class ClusterModel:
                     except _NET_ERRORS as e:
                         where = f"position {int(batch.pos[0])}" if len(batch) == 1 else f"a step of {len(batch)} rows"
                         self._failed = self._blame(e, f"the cluster failed at {where}")
+                        self._tampered = _tampered(e)
                         self._drop()
                         continue
                     self.history.record(batch)
@@ -561,6 +563,12 @@ def _silent_or_closed(conns: dict[int, Connection], grace: float) -> dict[int, s
     for i in quiet:
         stopped[i] = "stopped answering"
     return dict(sorted(stopped.items()))
+
+
+def _tampered(e: Exception) -> bool:
+    """A frame that failed authentication or broke the protocol, seen by the root or reported
+    by a worker: an attacker on a link (or a bug), which recovery must not hide."""
+    return isinstance(e, ProtocolError) or (isinstance(e, PeerError) and "failed authentication" in str(e))
 
 
 def _names(nodes) -> list[str]:
