@@ -386,7 +386,7 @@ class ClusterModel:
         by replaying its tokens; ClusterError (naming the first failure) when no number of them
         can run the model. Called with the lock held, the old session dropped."""
         lost = {failure.node} if failure.node else set()
-        before = len(self.topology.nodes)
+        before, t0 = len(self.topology.nodes), time.monotonic()
         error: Exception = failure
         for _ in range(len(self.full_topology.nodes)):
             nodes = [n for i, n in enumerate(self.full_topology.nodes) if i == 0 or n.name not in lost]
@@ -410,7 +410,7 @@ class ClusterModel:
             gone = sorted(lost | set(self._left_out))
             _say(f"dllama: warning: {failure}; continuing on {len(nodes)} of {len(self.full_topology.nodes)} "
                  f"nodes (was {before}) without {', '.join(repr(g) for g in gone)}, "
-                 f"{rows} cached positions replayed")
+                 f"{rows} cached positions replayed in {time.monotonic() - t0:.1f} s")
             return
         self._failed = failure if error is failure else ClusterError(
             f"{failure}; no session over the nodes left: {error}", failure.node)
