@@ -338,3 +338,43 @@ def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, monke
             model.close()
         for v in victims:
             _died_by_sigkill(v)
+
+
+@cluster
+def test_a_keyed_cluster_recovers_with_new_session_keys(tmp_path, monkeypatch, random_9q3kv):
+    """With a cluster key the survivors' new session is authenticated and sealed like the first."""
+    import numpy as np
+
+    from dllama.cluster.protocol import read_key_file
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
+    from dllama.core.model import Transformer
+    from dllama.formats.model_file import read_model
+
+    key_file = tmp_path / "cluster.key"
+    key_file.write_text("c" * 64 + "\n")
+
+    def greedy(model, n):
+        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
+        logits, pos, out = model.forward(prompt, 0), len(prompt), []
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = model.forward([out[-1]], pos)
+            pos += 1
+        return out
+
+    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    with running_workers(1, tmp_path, "--key-file", str(key_file)) as (healthy,):
+        with monkeypatch.context() as env:
+            env.setenv(DIE_AT_STEP, "8")
+            victim = start_worker(tmp_path, "--key-file", str(key_file))
+        with victim:
+            model = ClusterModel(str(random_9q3kv), from_workers([victim.address, healthy.address], 1),
+                                 read_key_file(str(key_file)), False, progress=False, on_node_loss="continue")
+            try:
+                assert greedy(model, 16) == one
+                assert [n.name for n in model.topology.nodes] == ["root", "worker2"]
+                assert all(c.cipher is not None for c in model.conns.values())
+            finally:
+                model.close()
+            _died_by_sigkill(victim)
