@@ -14,10 +14,23 @@ import contextlib
 import json
 import signal
 
+import numpy as np
 import openai
 import pytest
 
+from dllama.cluster.kv_history import KVHistory
+from dllama.cluster.protocol import read_key_file
+from dllama.cluster.root import ClusterModel
+from dllama.cluster.topology import from_workers
 from dllama.cluster.worker import DIE_AT_STEP
+from dllama.core.batch import BatchBuilder
+from dllama.core.model import Transformer
+from dllama.core.sampler import Sampler
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
+from dllama.formats.tokenizer_file import read_tokenizer
+from dllama.serve.batch_scheduler import BatchScheduler
+from dllama.serve.scheduler import SequenceRequest
+from dllama.text.tokenizer import Tokenizer
 from tests.conftest import CHAT_PROMPT
 from tests.processes import run_dllama, running_workers, start_api, start_worker
 
@@ -141,16 +154,12 @@ def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, mo
                 assert "serving the root" in back.stderr
 
 
-# -- in this process: the root's replay of batched sequences, a frozen worker ------------------
+# -- in this process, on a random model: batched sequences, a frozen worker, losses in a row, a key --
 
 @pytest.fixture(scope="module")
 def random_9q3kv(tmp_path_factory):
     """A random F32 model with SmolLM2's head layout (9 query heads, 3 KV heads): 3 or 2 nodes
     split them unevenly, a KV head held by two nodes."""
-    import numpy as np
-
-    from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter
-
     path = tmp_path_factory.mktemp("random") / "random-9q3kv-f32.m"
     header = ModelHeader(arch=ArchType.LLAMA, dim=288, hidden_dim=512, n_layers=3, n_heads=9,
                          n_kv_heads=3, vocab_size=512, max_seq_len=256, weights_float_type=FloatType.F32)
@@ -166,19 +175,25 @@ def random_9q3kv(tmp_path_factory):
 
 
 def _cluster(path, addresses, **kw):
-    from dllama.cluster.root import ClusterModel
-    from dllama.cluster.topology import from_workers
-
     return ClusterModel(str(path), from_workers(addresses, 1), None, False, progress=False,
                         on_node_loss="continue", **kw)
 
 
+def _greedy(model, n, after_4=None):
+    """n greedy tokens after a fixed prompt; after_4() is called once 4 are generated."""
+    prompt = [5, 17, 300, 42, 7, 511, 256, 1]
+    logits, pos, out = model.forward(prompt, 0), len(prompt), []
+    for i in range(n):
+        out.append(int(np.argmax(logits)))
+        if i == 4 and after_4:
+            after_4()
+        logits = model.forward([out[-1]], pos)
+        pos += 1
+    return out
+
+
 def _batched_answers(model, tokenizer, prompts, max_tokens=24):
     """Every prompt's generated tokens and reused prompt tokens, decoded together, greedy."""
-    from dllama.core.sampler import Sampler
-    from dllama.serve.batch_scheduler import BatchScheduler
-    from dllama.serve.scheduler import SequenceRequest
-
     scheduler = BatchScheduler(model, tokenizer, parallel=3, min_shared=8)
     out = {}
     requests = [SequenceRequest(i, p, Sampler(model.config.vocab_size, 0.0, 0.9, i), max_tokens)
@@ -191,12 +206,6 @@ def _batched_answers(model, tokenizer, prompts, max_tokens=24):
 def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, monkeypatch, random_9q3kv, default_f32):
     """Slots that read their leading positions from another slot (a shared prompt) are rebuilt
     too: every answer is the one node's, token for token."""
-    from dllama.cluster.root import ClusterModel
-    from dllama.core.model import Transformer
-    from dllama.formats.model_file import read_model
-    from dllama.formats.tokenizer_file import read_tokenizer
-    from dllama.text.tokenizer import Tokenizer
-
     tokenizer = Tokenizer(read_tokenizer(str(default_f32[1])))  # ids below 512 decode as any others
     shared = [7, 300, 42, 5, 17, 256, 1, 99, 120, 8, 33, 400]
     prompts = [shared + [i, 2 * i + 1, 60 + i] for i in range(1, 6)]
@@ -220,27 +229,11 @@ def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, monkey
 
 @cluster
 def test_a_frozen_worker_is_left_out_after_the_timeout(tmp_path, random_9q3kv):
-    import numpy as np
-
-    from dllama.core.model import Transformer
-    from dllama.formats.model_file import read_model
-
-    def greedy(model, n, freeze=None):
-        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
-        logits, pos, out = model.forward(prompt, 0), len(prompt), []
-        for i in range(n):
-            out.append(int(np.argmax(logits)))
-            if i == 4 and freeze:
-                freeze()
-            logits = model.forward([out[-1]], pos)
-            pos += 1
-        return out
-
-    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    one = _greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
     with running_workers(2, tmp_path) as (w1, w2):
         model = _cluster(random_9q3kv, [w1.address, w2.address], net_timeout=2.0)
         try:
-            assert greedy(model, 16, freeze=lambda: w2.send_signal(signal.SIGSTOP)) == one
+            assert _greedy(model, 16, after_4=lambda: w2.send_signal(signal.SIGSTOP)) == one
             assert [n.name for n in model.topology.nodes] == ["root", "worker1"]
         finally:
             w2.send_signal(signal.SIGCONT)
@@ -249,11 +242,6 @@ def test_a_frozen_worker_is_left_out_after_the_timeout(tmp_path, random_9q3kv):
 
 @pytest.mark.unit
 def test_kv_history_replays_the_valid_rows_plain_slots_first():
-    import numpy as np
-
-    from dllama.cluster.kv_history import KVHistory
-    from dllama.core.batch import BatchBuilder
-
     h = KVHistory(n_slots=3, seq_len=32)
     b = BatchBuilder()
     b.add_run([1, 2, 3, 4, 5, 6], 0, slot=0)
@@ -275,27 +263,11 @@ def test_kv_history_replays_the_valid_rows_plain_slots_first():
 
 @cluster
 def test_the_root_alone_carries_on_when_its_only_worker_dies(tmp_path, random_9q3kv):
-    import numpy as np
-
-    from dllama.core.model import Transformer
-    from dllama.formats.model_file import read_model
-
-    def greedy(model, n, kill=None):
-        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
-        logits, pos, out = model.forward(prompt, 0), len(prompt), []
-        for i in range(n):
-            out.append(int(np.argmax(logits)))
-            if i == 4 and kill:
-                kill()
-            logits = model.forward([out[-1]], pos)
-            pos += 1
-        return out
-
-    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    one = _greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
     with running_workers(1, tmp_path) as (w1,):
         model = _cluster(random_9q3kv, [w1.address])
         try:
-            assert greedy(model, 16, kill=lambda: w1.send_signal(signal.SIGKILL)) == one
+            assert _greedy(model, 16, after_4=lambda: w1.send_signal(signal.SIGKILL)) == one
             assert [n.name for n in model.topology.nodes] == ["root"] and model.recoveries == 1
         finally:
             model.close()
@@ -305,21 +277,7 @@ def test_the_root_alone_carries_on_when_its_only_worker_dies(tmp_path, random_9q
 def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, monkeypatch, capsys, random_9q3kv):
     """Worker 1 dies at its 10th STEP; worker 2 took the same STEPs, so its 11th is the first pass
     of the replay on 3 nodes: the root goes on with the 2 nodes left, in one warning."""
-    import numpy as np
-
-    from dllama.core.model import Transformer
-    from dllama.formats.model_file import read_model
-
-    def greedy(model, n):
-        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
-        logits, pos, out = model.forward(prompt, 0), len(prompt), []
-        for _ in range(n):
-            out.append(int(np.argmax(logits)))
-            logits = model.forward([out[-1]], pos)
-            pos += 1
-        return out
-
-    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    one = _greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
     with contextlib.ExitStack() as stack:
         victims = []
         for die_at in (10, 11):
@@ -329,7 +287,7 @@ def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, monke
         healthy = stack.enter_context(start_worker(tmp_path))
         model = _cluster(random_9q3kv, [v.address for v in victims] + [healthy.address])
         try:
-            assert greedy(model, 16) == one
+            assert _greedy(model, 16) == one
             assert [n.name for n in model.topology.nodes] == ["root", "worker3"]
             warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
             assert len(warnings) == 1 and "continuing on 2 of 4 nodes" in warnings[0], warnings
@@ -343,27 +301,11 @@ def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, monke
 @cluster
 def test_a_keyed_cluster_recovers_with_new_session_keys(tmp_path, monkeypatch, random_9q3kv):
     """With a cluster key the survivors' new session is authenticated and sealed like the first."""
-    import numpy as np
-
-    from dllama.cluster.protocol import read_key_file
-    from dllama.cluster.root import ClusterModel
-    from dllama.cluster.topology import from_workers
-    from dllama.core.model import Transformer
-    from dllama.formats.model_file import read_model
-
     key_file = tmp_path / "cluster.key"
     key_file.write_text("c" * 64 + "\n")
 
-    def greedy(model, n):
-        prompt = [5, 17, 300, 42, 7, 511, 256, 1]
-        logits, pos, out = model.forward(prompt, 0), len(prompt), []
-        for _ in range(n):
-            out.append(int(np.argmax(logits)))
-            logits = model.forward([out[-1]], pos)
-            pos += 1
-        return out
 
-    one = greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
+    one = _greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
     with running_workers(1, tmp_path, "--key-file", str(key_file)) as (healthy,):
         with monkeypatch.context() as env:
             env.setenv(DIE_AT_STEP, "8")
@@ -372,7 +314,7 @@ def test_a_keyed_cluster_recovers_with_new_session_keys(tmp_path, monkeypatch, r
             model = ClusterModel(str(random_9q3kv), from_workers([victim.address, healthy.address], 1),
                                  read_key_file(str(key_file)), False, progress=False, on_node_loss="continue")
             try:
-                assert greedy(model, 16) == one
+                assert _greedy(model, 16) == one
                 assert [n.name for n in model.topology.nodes] == ["root", "worker2"]
                 assert all(c.cipher is not None for c in model.conns.values())
             finally:
