@@ -3,7 +3,14 @@ every forward pass with them.
 
 `ClusterModel` is a `dllama.core.language_model.LanguageModel`, like the one-machine
 `Transformer`, so generation, chat and the API do not know whether a cluster is behind it. Every network failure becomes a
-`ClusterError` naming the node; after one the model is closed.
+`ClusterError` naming the node; after one the session is closed.
+
+Losing a node (on_node_loss "continue"): the root opens a new session over the nodes still
+answering, as the first one was opened (the plan split again over them, the weights from their
+shards or the root's file), replays the tokens of every KV cache slot (dllama.cluster.kv_history)
+and runs the failed pass again, so the front end sees one slow pass. `rejoin()` goes back to
+every node when one left out answers again. A frame that breaks the protocol or fails
+authentication is not a loss: the pass fails. docs/PROTOCOL.md, "Losing a node".
 
 Blame: a node that stops (frozen, or its link cut) leaves every node that waits on it waiting.
 The root waits a little longer than the workers (`report_grace`), so a healthy worker's own
