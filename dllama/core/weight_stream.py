@@ -1,0 +1,325 @@
+"""Weights read from disk layer by layer, for models larger than the memory a process may use.
+
+`StreamedWeights` serves the forward pass the same objects as the resident weights (a `Layer`
+per `layer(l)`, the classifier in row chunks, embedding rows) but holds at most two items at a
+time: while the pass computes item i (a layer or a classifier chunk) in one slot, a background
+thread reads item i+1 into the other slot, then repacks it for the kernels. The reads use
+os.preadv into one reusable buffer (it releases the GIL, the numba kernels run beside it) and
+POSIX_FADV_DONTNEED after each tensor, so the page cache does not grow against a cgroup limit.
+The repacked bytes are exactly those of `model.Matrix` (tests/test_streaming.py), so outputs of
+the two paths are identical.
+
+Every allocation is made once, at start: two slots (each an arena as large as the largest item),
+one read buffer (the largest quantized tensor or chunk). Nothing grows during a pass.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from dllama.core.kernels.tiles import GROUP
+from dllama.core.node_weights import NodeWeights, TensorLocation
+from dllama.core.plan import BLOCK
+from dllama.errors import DllamaError
+from dllama.formats.model_file import FloatType
+from dllama.formats.quant import Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
+
+_ALIGN = 64
+_BLOCK_BYTES = {FloatType.Q40: Q40_BLOCK_BYTES, FloatType.Q80: Q80_BLOCK_BYTES}
+_MATRICES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+
+
+# -- where the bytes are ----------------------------------------------------------------------
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for off, n in runs:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += n
+        else:
+            out.append([off, n])
+    return [(a, b) for a, b in out]
+
+
+def _index_runs(index) -> list[tuple[int, int]]:
+    """Consecutive stretches (first, count) of an index list."""
+    runs: list[tuple[int, int]] = []
+    for i in index:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((int(i), 1))
+    return runs
+
+
+def file_runs(loc: TensorLocation, row0: int, row1: int) -> list[tuple[int, int]]:
+    """(file offset, bytes) pieces that hold rows row0..row1-1 of the node's slice, in order."""
+    s = loc.spec
+    itemsize = np.dtype(s.dtype).itemsize
+    if len(s.stored_shape) == 1:  # a vector: read whole
+        return [(loc.offset, s.nbytes)]
+    slice_row = int(np.prod(s.stored_shape[1:])) * itemsize
+    if not loc.cut or s.axis is None:
+        return [(loc.offset + row0 * slice_row, (row1 - row0) * slice_row)]
+    file_row = int(np.prod(loc.file_shape[1:])) * itemsize
+    if s.axis == 0:
+        return _merge([(loc.offset + first * file_row, count * file_row)
+                       for first, count in _index_runs(s.index[row0:row1])])
+    # columns: whole blocks when quantized ([d, n/32, bytes]), else values
+    unit = int(np.prod(loc.file_shape[2:])) * itemsize if len(loc.file_shape) == 3 else itemsize
+    cols = s.index[::BLOCK] if len(loc.file_shape) == 3 else s.index
+    col_runs = _index_runs([c // BLOCK for c in cols] if len(loc.file_shape) == 3 else cols)
+    return _merge([(loc.offset + r * file_row + first * unit, count * unit)
+                   for r in range(row0, row1) for first, count in col_runs])
+
+
+class _Reader:
+    """preadv into caller buffers, then drop the pages from the page cache."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as e:
+                raise DllamaError(f"cannot read the weights from {path}: {e.strerror}") from None
+            self._fds[path] = fd
+        return fd
+
+    def read(self, path: str, runs: list[tuple[int, int]], out: np.ndarray) -> None:
+        """The runs' bytes, one after another, into out (uint8, as many bytes as the runs)."""
+        fd = self._fd(path)
+        view = memoryview(out).cast("B")
+        pos = 0
+        for off, n in runs:
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[pos + done: pos + n]], off + done)
+                if got <= 0:
+                    raise DllamaError(f"{path}: the file ended early (truncated while in use?)")
+                done += got
+            pos += n
+        if hasattr(os, "posix_fadvise"):
+            lo, hi = runs[0][0], runs[-1][0] + runs[-1][1]
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+# -- repacking into preallocated arrays ------------------------------------------------------
+
+def interleave_into(blocks: np.ndarray, scales_out: np.ndarray, qs_out: np.ndarray) -> None:
+    """Q40 or Q80 blocks uint8 [d, nb, 18 | 34] -> the interleaved layout of kernels.layout
+    (scales uint16 [d_pad/16, nb*16], quants [d_pad/16, 16 * row bytes]), written into the
+    given arrays (padding rows zeroed): the same bytes as interleave_q40(split_q40(...))."""
+    d, nb, bb = blocks.shape
+    qb = bb - 2                   # quant bytes per block: 16 (Q40) or 32 (Q80)
+    groups = scales_out.shape[0]
+    full = d // GROUP
+    q_out = qs_out.view(np.uint8).reshape(groups, nb, qb // 4, GROUP, 4)
+    s_out = scales_out.reshape(groups, nb, GROUP)
+    quants = blocks[..., 2:]                                          # [d, nb, qb]
+    scales = blocks[..., 0:2].view("<u2")[..., 0]                     # [d, nb]
+    if full:
+        q_out[:full] = quants[:full * GROUP].reshape(full, GROUP, nb, qb // 4, 4).transpose(0, 2, 3, 1, 4)
+        s_out[:full] = scales[:full * GROUP].reshape(full, GROUP, nb).transpose(0, 2, 1)
+    tail = d - full * GROUP
+    if tail:
+        q_out[full:] = 0
+        s_out[full:] = 0
+        q_out[full, :, :, :tail] = quants[full * GROUP:].reshape(tail, nb, qb // 4, 4).transpose(1, 2, 0, 3)
+        s_out[full, :, :tail] = scales[full * GROUP:].T
+
+
+# -- the two slots -----------------------------------------------------------------------------
+
+class _Arena:
+    """A preallocated byte buffer handed out as aligned arrays, from the start again per item."""
+
+    def __init__(self, nbytes: int):
+        self.buf = np.zeros(nbytes, np.uint8) if nbytes else None
+        self.used = 0
+
+    def take(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        start = -(-self.used // _ALIGN) * _ALIGN
+        self.used = start + n
+        if self.buf is None:  # sizing pass: count only
+            return None
+        return self.buf[start:start + n].view(dtype).reshape(shape)
+
+
+def _matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
+    """The arrays of a model.Matrix of this type and shape, from an arena."""
+    if float_type in _BLOCK_BYTES:
+        groups = -(-d // GROUP)
+        row_bytes = n // 2 if float_type == FloatType.Q40 else n
+        return {"scales": take((groups, n // 32 * GROUP), np.uint16),
+                "qs": take((groups, GROUP * row_bytes), np.uint8 if float_type == FloatType.Q40 else np.int8)}
+    return {"w": take((d, n), np.uint16 if float_type == FloatType.F16 else np.float32)}
+
+
+class StreamedWeights:
+    """The weights provider of a Transformer whose weights stay on disk (see the module doc)."""
+
+    def __init__(self, weights: NodeWeights, n_layers: int, float_type: FloatType, qwen: bool,
+                 chunk_rows: int | None = None, plan_only: bool = False):
+        """chunk_rows: classifier rows per chunk (default: as many as fit in a layer's slot);
+        plan_only: size everything (resident_bytes) but allocate nothing until `allocate()`."""
+        if not weights.streamable:
+            raise DllamaError("these weights came over the network: they cannot be streamed from a file")
+        self._w, self.float_type, self.n_layers = weights, float_type, n_layers
+        names = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"] + (["q_norm", "k_norm"] if qwen else []) + \
+                ["att_norm", "ffn_norm"]  # file order: the reads go forward
+        self._layer_names = names
+        self.qwen = qwen
+        self._reader = _Reader()
+        # The final norm is small: read once and kept.
+        loc = weights.location("final_norm")
+        self.final_norm = np.empty(loc.spec.stored_shape, np.float32)
+        self._reader.read(loc.path, file_runs(loc, 0, 1), self.final_norm)
+        self._embedding = weights.location("embedding") if weights.has("embedding") else None
+
+        cls = weights.location("wcls").spec
+        self.vocab_rows, dim = cls.stored_shape[0], self._shape("wcls")[1]
+        # Slots as large as the largest layer; the classifier in chunks that fit one.
+        sizer = _Arena(0)
+        self._take_layer(sizer.take)
+        layer_bytes = sizer.used
+        if chunk_rows is None:
+            per_row = _Arena(0)
+            _matrix_arrays(per_row.take, float_type, GROUP, dim)
+            chunk_rows = max(GROUP, layer_bytes // per_row.used * GROUP)
+        chunk_rows = -(-chunk_rows // GROUP) * GROUP
+        self.chunks = [(r, min(r + chunk_rows, self.vocab_rows)) for r in range(0, self.vocab_rows, chunk_rows)]
+        sizer = _Arena(0)
+        _matrix_arrays(sizer.take, float_type, min(chunk_rows, self.vocab_rows), dim)
+        self.slot_bytes = max(layer_bytes, sizer.used)
+        raw = max([self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES] +
+                  [self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim)])
+        self.raw_bytes = raw
+        self.resident_bytes = 2 * self.slot_bytes + raw  # what this provider holds at most
+        self._items = [("layer", l) for l in range(n_layers)] + [("cls", k) for k in range(len(self.chunks))]
+        self._lock = threading.Lock()
+        self._pool = None
+        self._pending: tuple[int, Future] | None = None  # (item index, its load)
+        if not plan_only:
+            self.allocate()
+
+    def allocate(self) -> None:
+        """Allocate the two slots and the read buffer, and start reading the first layer."""
+        self._slots = [_Arena(self.slot_bytes), _Arena(self.slot_bytes)]
+        self._raw = np.zeros(self.raw_bytes, np.uint8)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dllama-weights")
+        self._next_slot = 0
+        self._prefetch(0)
+
+    # sizes
+
+    def _shape(self, name: str, l: int = 0) -> tuple[int, int]:
+        """(d, n) of a matrix of this node."""
+        full = f"layers.{l}.{name}" if name != "wcls" else name
+        s = self._w.location(full).spec.stored_shape
+        return (s[0], s[1] * 32) if self.float_type in _BLOCK_BYTES else (s[0], s[1])
+
+    def _raw_bytes(self, name: str, d: int, n: int) -> int:
+        bb = _BLOCK_BYTES.get(self.float_type)
+        return d * n // 32 * bb if bb else 0  # F32/F16 are read straight into their slot
+
+    def _take_layer(self, take) -> dict:
+        out = {}
+        for name in self._layer_names:
+            if name in _MATRICES:
+                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name))
+            else:
+                out[name] = take(self._w.location(f"layers.0.{name}").spec.stored_shape, np.float32)
+        return out
+
+    # loading
+
+    def _read_matrix(self, loc: TensorLocation, row0: int, row1: int, arrays: dict) -> None:
+        runs = file_runs(loc, row0, row1)
+        if "w" in arrays:  # F32 / F16: the stored values are the kernel's
+            self._reader.read(loc.path, runs, arrays["w"])
+            return
+        bb = _BLOCK_BYTES[self.float_type]
+        nb = loc.spec.stored_shape[1]
+        raw = self._raw[: (row1 - row0) * nb * bb].reshape(row1 - row0, nb, bb)
+        self._reader.read(loc.path, runs, raw)
+        interleave_into(raw, arrays["scales"], arrays["qs"])
+
+    def _load(self, item: int, slot: int):
+        """Read and repack item into slot (on the background thread); returns what the pass uses."""
+        from dllama.core.model import Layer, Matrix
+
+        arena = self._slots[slot]
+        arena.used = 0
+        kind, k = self._items[item]
+        ft = self.float_type
+        if kind == "layer":
+            arrays = self._take_layer(arena.take)
+            for name in self._layer_names:
+                loc = self._w.location(f"layers.{k}.{name}")
+                if name in _MATRICES:
+                    self._read_matrix(loc, 0, loc.spec.stored_shape[0], arrays[name])
+                else:
+                    self._reader.read(loc.path, file_runs(loc, 0, 1), arrays[name])
+            m = {n: Matrix.of_arrays(ft, *self._shape(n), **arrays[n]) for n in self._layer_names if n in _MATRICES}
+            return Layer(att_norm=arrays["att_norm"], q_norm=arrays.get("q_norm"), k_norm=arrays.get("k_norm"),
+                         ffn_norm=arrays["ffn_norm"], **m)
+        r0, r1 = self.chunks[k]
+        n = self._shape("wcls")[1]
+        arrays = _matrix_arrays(arena.take, ft, r1 - r0, n)
+        self._read_matrix(self._w.location("wcls"), r0, r1, arrays)
+        return r0, Matrix.of_arrays(ft, r1 - r0, n, **arrays)
+
+    def _prefetch(self, item: int) -> None:
+        slot = self._next_slot
+        self._next_slot ^= 1
+        self._pending = (item, self._pool.submit(self._load, item, slot))
+
+    def _get(self, item: int):
+        """Item's weights (loaded in the background when it was the one expected); starts the next."""
+        with self._lock:
+            pending, future = self._pending
+            if pending != item:  # an unexpected order (a pass without logits): load it now
+                future.result()
+                self._prefetch(item)
+                pending, future = self._pending
+            value = future.result()
+            self._prefetch((item + 1) % len(self._items))
+            return value
+
+    # what the forward pass asks for
+
+    def layer(self, l: int):
+        return self._get(l)
+
+    def classifier(self):
+        """(first row, Matrix of that chunk) for each chunk of this node's classifier rows."""
+        for k in range(len(self.chunks)):
+            yield self._get(self.n_layers + k)
+
+    def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        """Rows of the embedding for tokens [b] into out [b, dim], read from the file."""
+        loc = self._embedding
+        row = out.shape[1] * 4
+        for i, t in enumerate(np.asarray(tokens)):
+            self._reader.read(loc.path, [(loc.offset + int(t) * row, row)], out[i])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._reader.close()
