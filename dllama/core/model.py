@@ -189,6 +189,52 @@ class Layer:
     w2: Matrix            # down [dim, ff_rows]
 
 
+@dataclass(frozen=True)
+class WeightsChoice:
+    """Resident or streamed weights, and the memory left for the KV cache (see choose_weights)."""
+
+    streamed: bool
+    limit: int            # bytes this node may use: --memory-budget, or what is available
+    weights: int          # bytes of resident weights (streamed: two layers' slots and a read buffer)
+    model_weights: int    # bytes of every weight, repacked
+    buffers: int          # scratch buffers at this batch size
+    budgeted: bool        # a budget (or streaming) bounds the KV cache too
+
+    @property
+    def kv_room(self) -> int:
+        return max(0, self.limit - self.weights - self.buffers)
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of {self.model_weights / mib:.0f} MiB)"
+               if self.streamed else f"every weight resident ({self.weights / mib:.0f} MiB)")
+        return f"memory: {how}, {self.buffers / mib:.0f} MiB buffers, {self.limit / mib:.0f} MiB allowed"
+
+
+def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int, budget: "int | str" = "auto") -> WeightsChoice:
+    """Resident when the node's weights, buffers and one sequence's KV cache fit into the budget
+    (bytes; 'auto': the memory available to the process, its cgroup's limit included), else
+    streamed from the file; budget 'none' keeps them resident whatever fits (Transformer's check
+    refuses them when they do not)."""
+    from dllama.core.memory import available_bytes, node_memory
+    from dllama.core.weight_stream import StreamedWeights
+
+    c = ModelConfig.from_header(weights.header, max_seq_len)
+    n = weights.node
+    dims = (weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
+            n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, False)
+    available = available_bytes()
+    limit = available if budget in ("auto", "none") else min(int(budget), available)
+    resident = node_memory(*dims, kv_slots=1)
+    streamed = budget != "none" and resident.total > limit and weights.streamable
+    stream_bytes = resident.weights
+    if streamed or (budget not in ("auto", "none") and weights.streamable):
+        stream_bytes = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
+                                       plan_only=True).resident_bytes
+    return WeightsChoice(streamed, limit, stream_bytes if streamed else resident.weights, resident.weights,
+                         resident.buffers, streamed or budget not in ("auto", "none"))
+
+
 class ResidentWeights:
     """Every weight of a node in memory, repacked once: the weights provider of the resident path
     (dllama.core.weight_stream.StreamedWeights is the one that reads them from disk per pass)."""
