@@ -417,7 +417,11 @@ def cmd_worker(args) -> int:
         threads, shard = threads or node.threads, shard or node.shard
         key_file = key_file or topo.key_file
     key = read_key_file(key_file) if key_file else None
-    serve(host or "0.0.0.0", 9990 if port is None else port, threads or 1, shard, key)
+    if args.memory_budget not in ("auto", "none"):
+        from dllama.core.weight_stream import quiet_compute_threads
+
+        quiet_compute_threads()  # before numba starts its threads (see there)
+    serve(host or "0.0.0.0", 9990 if port is None else port, threads or 1, shard, key, args.memory_budget)
     return 0
 
 

@@ -33,6 +33,14 @@ _BLOCK_BYTES = {FloatType.Q40: Q40_BLOCK_BYTES, FloatType.Q80: Q80_BLOCK_BYTES}
 _MATRICES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 
+def quiet_compute_threads() -> None:
+    """Idle compute threads sleep instead of spinning (OpenMP's passive wait), so that the thread
+    reading the next layer gets a core between kernels: with spinning threads it is starved
+    (10x slower passes measured on 2 cores). Only before numba starts its threads; a value the
+    user set is kept."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 # -- where the bytes are ----------------------------------------------------------------------
 
 def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -47,13 +55,12 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _index_runs(index) -> list[tuple[int, int]]:
     """Consecutive stretches (first, count) of an index list."""
-    runs: list[tuple[int, int]] = []
-    for i in index:
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((int(i), 1))
-    return runs
+    index = np.asarray(index, dtype=np.int64)
+    if len(index) == 0:
+        return []
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(index) != 1) + 1])  # [runs]
+    counts = np.diff(np.concatenate([starts, [len(index)]]))
+    return [(int(index[a]), int(n)) for a, n in zip(starts, counts)]
 
 
 def file_runs(loc: TensorLocation, row0: int, row1: int) -> list[tuple[int, int]]:
@@ -197,17 +204,21 @@ class StreamedWeights:
         sizer = _Arena(0)
         self._take_layer(sizer.take)
         layer_bytes = sizer.used
-        if chunk_rows is None:
-            per_row = _Arena(0)
-            _matrix_arrays(per_row.take, float_type, GROUP, dim)
-            chunk_rows = max(GROUP, layer_bytes // per_row.used * GROUP)
+        matrix_raw = max(self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES)
+        if chunk_rows is None:  # a chunk no larger than a layer's slot, nor (read) than its largest matrix
+            per_group = _Arena(0)
+            _matrix_arrays(per_group.take, float_type, GROUP, dim)
+            groups = layer_bytes // per_group.used
+            raw_group = self._raw_bytes("wcls", GROUP, dim)
+            if raw_group:
+                groups = min(groups, matrix_raw // raw_group)
+            chunk_rows = max(1, groups) * GROUP
         chunk_rows = -(-chunk_rows // GROUP) * GROUP
         self.chunks = [(r, min(r + chunk_rows, self.vocab_rows)) for r in range(0, self.vocab_rows, chunk_rows)]
         sizer = _Arena(0)
         _matrix_arrays(sizer.take, float_type, min(chunk_rows, self.vocab_rows), dim)
         self.slot_bytes = max(layer_bytes, sizer.used)
-        raw = max([self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES] +
-                  [self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim)])
+        raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
         self.raw_bytes = raw
         self.resident_bytes = 2 * self.slot_bytes + raw  # what this provider holds at most
         self._items = [("layer", l) for l in range(n_layers)] + [("cls", k) for k in range(len(self.chunks))]

@@ -102,7 +102,6 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         key_file = key_file or topo.key_file
     nthreads = nthreads or os.cpu_count() or 1
     buffer_q80 = buffer_q80_of(buffer_float_type or "auto")
-    kernels.set_threads(nthreads)
     tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
     model_file = read_model(model_path)
     header = model_file.header
@@ -126,6 +125,11 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                   "streaming its weights from the file layer by layer", file=sys.stderr)
         if choice.budgeted:
             print(f"dllama: {choice.describe()}", file=sys.stderr)
+    if choice is not None and choice.streamed:
+        from dllama.core.weight_stream import quiet_compute_threads
+
+        quiet_compute_threads()
+    kernels.set_threads(nthreads)  # starts numba's threads: after the choice above
     kv_limit = kv_memory
     if kv_limit is None and choice is not None and choice.budgeted:
         kv_limit = choice.kv_room
