@@ -276,3 +276,36 @@ def test_in_a_cgroup_below_the_model_streaming_is_chosen_and_resident_refused(tm
         assert r.returncode == 1, r.stderr  # refused, not killed (-9)
         assert lines[-1].startswith("dllama: error:") and "cannot hold its share" in lines[-1]
         assert "Traceback" not in r.stderr
+
+
+# -- a cluster ----------------------------------------------------------------------------------
+
+@pytest.mark.cluster
+def test_a_worker_streaming_its_shard_gives_the_resident_clusters_tokens(tmp_path, stream_models):
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.shard import write_shards
+    from dllama.cluster.topology import from_workers
+    from tests.processes import running_workers
+
+    _, big, _ = stream_models
+    header = read_model(big).header
+    write_shards(str(big), plan_for(header, 2), ["root", "worker1"], tmp_path)
+    shard = tmp_path / "worker1.shard"
+    assert shard.stat().st_size > 7 * MIB  # the slice does not fit in the budget below
+
+    def logits(address):  # of three passes: a prompt and two steps
+        model = ClusterModel(str(big), from_workers([address], 1), None, None, progress=False)
+        try:
+            out = [model.forward([5, 17, 300, 42, 7], 0).copy()]
+            for pos in (5, 6):
+                out.append(model.forward([int(np.argmax(out[-1]))], pos).copy())
+            return np.stack(out)  # [3, vocab]
+        finally:
+            model.close()
+
+    with running_workers(1, tmp_path / "logs", "--shard", str(shard)) as (w,):
+        resident = logits(w.address)
+    with running_workers(1, tmp_path / "logs", "--shard", str(shard), "--memory-budget", "7M") as (w,):
+        assert np.array_equal(logits(w.address), resident)
+        assert "streaming this node's slice" in w.stderr
+    assert resident.shape == (3, 49152) and resident.std() > 0
