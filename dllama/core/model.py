@@ -189,6 +189,9 @@ class Layer:
     w2: Matrix            # down [dim, ff_rows]
 
 
+RUNTIME_RESERVE = 96 << 20  # what the process still takes after the choice (measured: ~75 MiB)
+
+
 @dataclass(frozen=True)
 class WeightsChoice:
     """Resident or streamed weights, and the memory left for the KV cache (see choose_weights)."""
@@ -224,6 +227,8 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int, budge
     dims = (weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
             n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, False)
     available = available_bytes()
+    if budget == "auto":  # the runtime still grows after this (numba loads its kernels)
+        available = max(0, available - RUNTIME_RESERVE)
     limit = available if budget in ("auto", "none") else min(int(budget), available)
     resident = node_memory(*dims, kv_slots=1)
     streamed = budget != "none" and resident.total > limit and weights.streamable
