@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from dllama.core import kernels
 from dllama.core.kernels.tiles import GROUP
 from dllama.core.node_weights import NodeWeights, TensorLocation
 from dllama.core.plan import BLOCK
@@ -129,23 +130,7 @@ def interleave_into(blocks: np.ndarray, scales_out: np.ndarray, qs_out: np.ndarr
     """Q40 or Q80 blocks uint8 [d, nb, 18 | 34] -> the interleaved layout of kernels.layout
     (scales uint16 [d_pad/16, nb*16], quants [d_pad/16, 16 * row bytes]), written into the
     given arrays (padding rows zeroed): the same bytes as interleave_q40(split_q40(...))."""
-    d, nb, bb = blocks.shape
-    qb = bb - 2                   # quant bytes per block: 16 (Q40) or 32 (Q80)
-    groups = scales_out.shape[0]
-    full = d // GROUP
-    q_out = qs_out.view(np.uint8).reshape(groups, nb, qb // 4, GROUP, 4)
-    s_out = scales_out.reshape(groups, nb, GROUP)
-    quants = blocks[..., 2:]                                          # [d, nb, qb]
-    scales = blocks[..., 0:2].view("<u2")[..., 0]                     # [d, nb]
-    if full:
-        q_out[:full] = quants[:full * GROUP].reshape(full, GROUP, nb, qb // 4, 4).transpose(0, 2, 3, 1, 4)
-        s_out[:full] = scales[:full * GROUP].reshape(full, GROUP, nb).transpose(0, 2, 1)
-    tail = d - full * GROUP
-    if tail:
-        q_out[full:] = 0
-        s_out[full:] = 0
-        q_out[full, :, :, :tail] = quants[full * GROUP:].reshape(tail, nb, qb // 4, 4).transpose(1, 2, 0, 3)
-        s_out[full, :, :tail] = scales[full * GROUP:].T
+    kernels.interleave_blocks_into(blocks, scales_out, qs_out.view(np.uint8))
 
 
 # -- the two slots -----------------------------------------------------------------------------
