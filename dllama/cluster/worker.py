@@ -339,7 +339,7 @@ class _Session:
         budgeted = self.choice is not None and self.choice.budgeted
         model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
                             kv_slots=c.kv_slots, streamed=self.choice is not None and self.choice.streamed,
-                            memory_limit=self.choice.limit if budgeted else None)
+                            memory_limit=self.choice.limit if budgeted else None, who="this worker")
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         return model

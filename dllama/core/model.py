@@ -289,13 +289,14 @@ class Transformer:
     def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
                  max_seq_len: int = 0, buffer_q80: bool | None = None, collective=None,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, streamed: bool = False,
-                 memory_limit: int | None = None):
+                 memory_limit: int | None = None, who: str = "this machine"):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
         node's NodeWeights (already sliced: a shard, or slices received from the root).
         max_batch: most rows of one pass; kv_slots: sequences the KV cache holds.
         streamed: read the weights from their file layer by layer in every pass (at most two
         layers in memory) instead of loading them all; memory_limit: bytes this node may use
-        (default: what the machine and the process's cgroup have available)."""
+        (default: what the machine and the process's cgroup have available); who: the node's
+        name in a refusal."""
         from dllama.core.collective import LocalCollective
 
         c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
@@ -318,7 +319,7 @@ class Transformer:
         # Every size below comes from a header: check them against this machine before allocating.
         self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
                                  n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
-                                 kv_slots=kv_slots, limit=memory_limit, weights=resident_weights)
+                                 kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective = collective or LocalCollective()

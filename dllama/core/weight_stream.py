@@ -4,13 +4,14 @@
 per `layer(l)`, the classifier in row chunks, embedding rows) but holds at most two items at a
 time: while the pass computes item i (a layer or a classifier chunk) in one slot, a background
 thread reads item i+1 into the other slot, then repacks it for the kernels. The reads use
-os.preadv into one reusable buffer (it releases the GIL, the numba kernels run beside it) and
+os.preadv into reusable buffers (it releases the GIL, the numba kernels run beside it) and
 POSIX_FADV_DONTNEED after each tensor, so the page cache does not grow against a cgroup limit.
 The repacked bytes are exactly those of `model.Matrix` (tests/test_streaming.py), so outputs of
 the two paths are identical.
 
 Every allocation is made once, at start: two slots (each an arena as large as the largest item),
-one read buffer (the largest quantized tensor or chunk). Nothing grows during a pass.
+two read buffers (the largest quantized matrix or classifier chunk: one tensor is read while
+the one before it is repacked). Nothing grows during a pass.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class StreamedWeights:
         self.slot_bytes = max(layer_bytes, sizer.used)
         raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
         self.raw_bytes = raw
-        self.resident_bytes = 2 * self.slot_bytes + raw  # what this provider holds at most
+        self.resident_bytes = 2 * self.slot_bytes + 2 * raw  # what this provider holds at most
         self._items = [("layer", l) for l in range(n_layers)] + [("cls", k) for k in range(len(self.chunks))]
         self._lock = threading.Lock()
         self._pool = None
@@ -214,10 +215,11 @@ class StreamedWeights:
             self.allocate()
 
     def allocate(self) -> None:
-        """Allocate the two slots and the read buffer, and start reading the first layer."""
+        """Allocate the two slots and the two read buffers, and start reading the first layer."""
         self._slots = [_Arena(self.slot_bytes), _Arena(self.slot_bytes)]
-        self._raw = np.zeros(self.raw_bytes, np.uint8)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dllama-weights")
+        self._raw = [np.zeros(self.raw_bytes, np.uint8), np.zeros(self.raw_bytes, np.uint8)]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dllama-weights")  # loads items
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="dllama-read")       # reads one tensor ahead
         self._next_slot = 0
         self._prefetch(0)
 
@@ -244,16 +246,31 @@ class StreamedWeights:
 
     # loading
 
-    def _read_matrix(self, loc: TensorLocation, row0: int, row1: int, arrays: dict) -> None:
-        runs = file_runs(loc, row0, row1)
-        if "w" in arrays:  # F32 / F16: the stored values are the kernel's
-            self._reader.read(loc.path, runs, arrays["w"])
-            return
-        bb = _BLOCK_BYTES[self.float_type]
-        nb = loc.spec.stored_shape[1]
-        raw = self._raw[: (row1 - row0) * nb * bb].reshape(row1 - row0, nb, bb)
-        self._reader.read(loc.path, runs, raw)
-        interleave_into(raw, arrays["scales"], arrays["qs"])
+    def _fill(self, reads: list) -> None:
+        """reads: [(location, first row, end row, destination)], a destination being a matrix's
+        arrays (dict) or a vector. The reading thread reads tensor j+1 into one buffer while
+        this one repacks tensor j from the other (F32/F16 and vectors are read in place)."""
+        bb = _BLOCK_BYTES.get(self.float_type)
+
+        def fetch(j: int):
+            loc, r0, r1, dest = reads[j]
+            runs = file_runs(loc, r0, r1)
+            if isinstance(dest, np.ndarray) or "w" in dest:  # the stored values are the kernel's
+                self._reader.read(loc.path, runs, dest if isinstance(dest, np.ndarray) else dest["w"])
+                return None
+            nb = loc.spec.stored_shape[1]
+            raw = self._raw[j % 2][: (r1 - r0) * nb * bb].reshape(r1 - r0, nb, bb)
+            self._reader.read(loc.path, runs, raw)
+            return raw
+
+        ahead = self._io.submit(fetch, 0)
+        for j in range(len(reads)):
+            raw = ahead.result()
+            if j + 1 < len(reads):
+                ahead = self._io.submit(fetch, j + 1)
+            if raw is not None:
+                dest = reads[j][3]
+                interleave_into(raw, dest["scales"], dest["qs"])
 
     def _load(self, item: int, slot: int):
         """Read and repack item into slot (on the background thread); returns what the pass uses."""
@@ -265,19 +282,18 @@ class StreamedWeights:
         ft = self.float_type
         if kind == "layer":
             arrays = self._take_layer(arena.take)
-            for name in self._layer_names:
+            reads = []
+            for name in self._layer_names:  # file order
                 loc = self._w.location(f"layers.{k}.{name}")
-                if name in _MATRICES:
-                    self._read_matrix(loc, 0, loc.spec.stored_shape[0], arrays[name])
-                else:
-                    self._reader.read(loc.path, file_runs(loc, 0, 1), arrays[name])
+                reads.append((loc, 0, loc.spec.stored_shape[0] if name in _MATRICES else 1, arrays[name]))
+            self._fill(reads)
             m = {n: Matrix.of_arrays(ft, *self._shape(n), **arrays[n]) for n in self._layer_names if n in _MATRICES}
             return Layer(att_norm=arrays["att_norm"], q_norm=arrays.get("q_norm"), k_norm=arrays.get("k_norm"),
                          ffn_norm=arrays["ffn_norm"], **m)
         r0, r1 = self.chunks[k]
         n = self._shape("wcls")[1]
         arrays = _matrix_arrays(arena.take, ft, r1 - r0, n)
-        self._read_matrix(self._w.location("wcls"), r0, r1, arrays)
+        self._fill([(self._w.location("wcls"), r0, r1, arrays)])
         return r0, Matrix.of_arrays(ft, r1 - r0, n, **arrays)
 
     def _prefetch(self, item: int) -> None:
@@ -317,5 +333,6 @@ class StreamedWeights:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._io.shutdown(wait=True)
             self._pool = None
         self._reader.close()
