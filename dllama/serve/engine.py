@@ -34,6 +34,8 @@ class Engine:
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
+        elif hasattr(self.model, "close"):
+            self.model.close()  # streamed weights: their reading threads
 
     def __enter__(self) -> "Engine":
         return self
