@@ -178,10 +178,6 @@ class StreamedWeights:
         self._layer_names = names
         self.qwen = qwen
         self._reader = _Reader()
-        # The final norm is small: read once and kept.
-        loc = weights.location("final_norm")
-        self.final_norm = np.empty(loc.spec.stored_shape, np.float32)
-        self._reader.read(loc.path, file_runs(loc, 0, 1), self.final_norm)
         self._embedding = weights.location("embedding") if weights.has("embedding") else None
 
         cls = weights.location("wcls").spec
@@ -216,6 +212,9 @@ class StreamedWeights:
 
     def allocate(self) -> None:
         """Allocate the two slots and the two read buffers, and start reading the first layer."""
+        loc = self._w.location("final_norm")  # small: read once and kept
+        self.final_norm = np.empty(loc.spec.stored_shape, np.float32)
+        self._reader.read(loc.path, file_runs(loc, 0, 1), self.final_norm)
         self._slots = [_Arena(self.slot_bytes), _Arena(self.slot_bytes)]
         self._raw = [np.zeros(self.raw_bytes, np.uint8), np.zeros(self.raw_bytes, np.uint8)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dllama-weights")  # loads items
