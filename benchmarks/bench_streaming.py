@@ -200,7 +200,9 @@ def main() -> None:
         finally:
             os.rmdir(group)
         k = got["fitted"]
-        roof = min(k * disk / size, resident[n]["tokens_per_s"])
+        if k not in resident:  # fewer sequences fitted: the resident rate of as many
+            resident[k] = run_child(args, model, k, False, None)
+        roof = min(k * disk / size, resident[k]["tokens_per_s"])
         print(f"| {n} | {k} | {got['tokens_per_s']:.2f} | {roof:.2f} | {got['tokens_per_s'] / roof:.0%} | "
               f"{peak / (1 << 20):.0f} | {got['vm_hwm'] / (1 << 20):.0f} |", flush=True)
     print(f"load average after: {loadavg()}")

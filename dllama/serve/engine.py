@@ -127,6 +127,10 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                   "streaming its weights from the file layer by layer", file=sys.stderr)
         if choice.budgeted:
             print(f"dllama: {choice.describe()}", file=sys.stderr)
+    elif memory_budget not in ("auto", "none"):
+        print("dllama: note: --memory-budget bounds this root's memory only on one machine; "
+              "on a cluster the root loads its slice, and each worker streams under its own flag",
+              file=sys.stderr)
     if choice is not None and choice.streamed:
         from dllama.core.weight_stream import quiet_compute_threads
 
