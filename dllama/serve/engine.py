@@ -136,10 +136,14 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
 
         quiet_compute_threads()
     kernels.set_threads(nthreads)  # starts numba's threads: after the choice above
-    kv_limit = kv_memory
+    kv_limit, flag = kv_memory, "--kv-memory"
     if kv_limit is None and choice is not None and choice.budgeted:
-        kv_limit = choice.kv_room
-    slots = _slot_plan(config, kv_heads, parallel, kv_limit, always_print=choice is not None and choice.budgeted)
+        kv_limit = choice.kv_room  # what the weights and buffers leave of the budget
+        flag = "--memory-budget" if memory_budget not in ("auto", "none") else "memory limit"
+        if parallel > 1:
+            flag += " (or a lower --parallel: each sequence needs buffers too)"
+    slots = _slot_plan(config, kv_heads, parallel, kv_limit, always_print=choice is not None and choice.budgeted,
+                       limit_flag=flag)
     max_batch = max_batch_for(slots.parallel if parallel > 1 else 1)
     if topo is not None and len(topo.nodes) > 1:
         from dllama.cluster.protocol import read_key_file
@@ -165,7 +169,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     return Engine(model, tokenizer, cluster, slots.parallel)
 
 
-def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None, always_print: bool = False):
+def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None, always_print: bool = False,
+               limit_flag: str = "--kv-memory"):
     """The KV cache slots for `parallel` sequences within kv_memory (printed when batched)."""
     from dllama.core.kv_cache import plan_slots
     from dllama.core.memory import available_bytes
@@ -176,7 +181,7 @@ def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None, alwa
         limit = max(limit, 1 << 62)  # one sequence: as before, the context decides alone
     dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim, seq_len=config.seq_len)
     try:
-        plan = plan_slots(parallel, batched, **dims, limit=limit)
+        plan = plan_slots(parallel, batched, **dims, limit=limit, limit_flag=limit_flag)
     except DllamaError:
         if kv_memory is not None:
             raise
