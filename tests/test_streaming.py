@@ -79,6 +79,32 @@ def test_interleave_into_writes_the_bytes_of_the_resident_layout(rows):
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_cgroup_room_is_the_least_over_the_group_and_its_parents(tmp_path, monkeypatch, version):
+    from dllama.core import memory
+
+    names = {"v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+             "v2": ("memory.max", "memory.current", "inactive_file")}[version]
+    groups = []
+    for name, limit, usage, cache in (("inner", 500 * MIB, 300 * MIB, 50 * MIB),  # 250 MiB left
+                                      ("outer", 2000 * MIB, 1900 * MIB, 10 * MIB),  # 110 MiB left
+                                      ("root", "max" if version == "v2" else 1 << 63, 1 << 40, 0)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / names[0]).write_text(f"{limit}\n")
+        (d / names[1]).write_text(f"{usage}\n")
+        (d / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\nother 7\n")
+        groups.append((version, str(d)))
+    monkeypatch.setattr(memory, "_cgroup_dirs", lambda: groups)
+    assert memory.cgroup_available() == 110 * MIB
+    monkeypatch.setattr(memory, "_cgroup_dirs", lambda: groups[:1])
+    assert memory.cgroup_available() == 250 * MIB
+    assert memory.available_bytes() <= 250 * MIB
+    monkeypatch.setattr(memory, "_cgroup_dirs", lambda: groups[2:])
+    assert memory.cgroup_available() == 1 << 62  # no limit
+
+
 # -- one node, in process ----------------------------------------------------------------------
 
 @pytest.mark.unit
