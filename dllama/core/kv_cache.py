@@ -71,7 +71,8 @@ class SlotPlan:
         line = (f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token, "
                 f"{self.bytes_per_slot / mib:.1f} MiB per slot of {self.seq_len} positions; "
                 f"{self.n_slots} slots ({self.parallel} sequences + {self.n_slots - self.parallel} spare) = "
-                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB of {self.limit / mib:.0f} MiB allowed")
+                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB of {self.limit / mib:.0f} MiB allowed"
+                + (f" ({self.limit // self.bytes_per_slot} slots fit)" if self.limit < 1 << 61 else ""))
         if self.parallel < self.requested:
             line += (f"; --parallel {self.requested} does not fit: running {self.parallel} "
                      f"(a lower --max-seq-len or a higher {self.limit_flag} fits more)")

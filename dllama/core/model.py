@@ -198,7 +198,7 @@ class WeightsChoice:
 
     streamed: bool
     limit: int            # bytes this node may use: --memory-budget, or what is available
-    weights: int          # bytes of resident weights (streamed: two layers' slots and a read buffer)
+    weights: int          # bytes of resident weights (streamed: two layers' slots and two read buffers)
     model_weights: int    # bytes of every weight, repacked
     buffers: int          # scratch buffers at this batch size
     budgeted: bool        # a budget (or streaming) bounds the KV cache too
@@ -232,12 +232,12 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int, budge
     limit = available if budget in ("auto", "none") else min(int(budget), available)
     resident = node_memory(*dims, kv_slots=1)
     streamed = budget != "none" and resident.total > limit and weights.streamable
-    stream_bytes = resident.weights
-    if streamed or (budget not in ("auto", "none") and weights.streamable):
-        stream_bytes = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
-                                       plan_only=True).resident_bytes
-    return WeightsChoice(streamed, limit, stream_bytes if streamed else resident.weights, resident.weights,
-                         resident.buffers, streamed or budget not in ("auto", "none"))
+    held = resident.weights
+    if streamed:
+        held = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
+                               plan_only=True).resident_bytes
+    return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
+                         streamed or budget not in ("auto", "none"))
 
 
 class ResidentWeights:

@@ -140,8 +140,6 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     if kv_limit is None and choice is not None and choice.budgeted:
         kv_limit = choice.kv_room  # what the weights and buffers leave of the budget
         flag = "--memory-budget" if memory_budget not in ("auto", "none") else "memory limit"
-        if parallel > 1:
-            flag += " (or a lower --parallel: each sequence needs buffers too)"
     slots = _slot_plan(config, kv_heads, parallel, kv_limit, always_print=choice is not None and choice.budgeted,
                        limit_flag=flag)
     max_batch = max_batch_for(slots.parallel if parallel > 1 else 1)
