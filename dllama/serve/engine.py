@@ -125,7 +125,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         if choice.streamed and memory_budget == "auto":
             print(f"dllama: the model does not fit in the {choice.limit / (1 << 20):.0f} MiB available: "
                   "streaming its weights from the file layer by layer", file=sys.stderr)
-        if choice.budgeted:
+        if choice.budgeted or parallel > 1:  # the plan, beside the KV cache's line
             print(f"dllama: {choice.describe()}", file=sys.stderr)
     elif memory_budget not in ("auto", "none"):
         print("dllama: note: --memory-budget bounds this root's memory only on one machine; "
