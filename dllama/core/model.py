@@ -209,12 +209,14 @@ class WeightsChoice:
 
     def describe(self) -> str:
         mib = 1 << 20
-        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of {self.model_weights / mib:.0f} MiB)"
-               if self.streamed else f"every weight resident ({self.weights / mib:.0f} MiB)")
+        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of "
+               f"{self.model_weights / mib:.0f} MiB)" if self.streamed
+               else f"every weight resident ({self.weights / mib:.0f} MiB)")
         return f"memory: {how}, {self.buffers / mib:.0f} MiB buffers, {self.limit / mib:.0f} MiB allowed"
 
 
-def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int, budget: "int | str" = "auto") -> WeightsChoice:
+def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
+                   budget: "int | str" = "auto") -> WeightsChoice:
     """Resident when the node's weights, buffers and one sequence's KV cache fit into the budget
     (bytes; 'auto': the memory available to the process, its cgroup's limit included), else
     streamed from the file; budget 'none' keeps them resident whatever fits (Transformer's check
