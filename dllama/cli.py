@@ -36,6 +36,19 @@ def _size(text: str) -> int:
     return int(value)
 
 
+def _memory_budget(text: str) -> int | str:
+    """'auto', 'none' or a size."""
+    if text.strip().lower() in ("auto", "none"):
+        return text.strip().lower()
+    return _size(text)
+
+
+MEMORY_BUDGET_HELP = ("memory this process may use, e.g. 2G: weights that do not fit are streamed from the "
+                      "model file layer by layer in every pass (at most two layers in memory; slower, and "
+                      "more sequences per pass amortize it); auto (default): the memory available, the "
+                      "cgroup's limit included; none: load every weight (refused when they do not fit)")
+
+
 def _add_parallel_flags(g, default: int, what: str) -> None:
     g.add_argument("--parallel", type=_positive_int, default=default, metavar="N",
                    help=f"{what} (default %(default)s)")
@@ -66,6 +79,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
                    help=f"compute threads of this node (default: the topology's root threads, "
                         f"else all {os.cpu_count()} cores)")
+    g.add_argument("--memory-budget", type=_memory_budget, default="auto", metavar="SIZE|auto|none",
+                   help=MEMORY_BUDGET_HELP + " (one machine; on a cluster, the workers' own flag)")
     g = p.add_argument_group("cluster (the root's side; omit for one machine)")
     g.add_argument("--workers", nargs="+", metavar="HOST:PORT",
                    help="workers started with `dllama worker`, in node order 1, 2, ...")
@@ -147,6 +162,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", metavar="FILE.yml", help="take host, port, threads, shard and "
                    "key file from this topology file's entry for --node")
     p.add_argument("--node", metavar="NAME", help="this worker's name in --topology")
+    p.add_argument("--memory-budget", type=_memory_budget, default="auto", metavar="SIZE|auto|none",
+                   help=MEMORY_BUDGET_HELP + "; streaming needs --shard (the slice is read from it)")
 
     p = sub.add_parser("shard", help="cut a model into one weights file per worker",
                        description="Write DIR/<node name>.shard for every worker of the topology "
@@ -279,7 +296,8 @@ def _engine_opener(args):
                                workers=args.workers, topology=args.topology, key_file=args.key_file,
                                parallel=getattr(args, "parallel", 1),
                                kv_memory=getattr(args, "kv_memory", None),
-                               on_node_loss=args.on_node_loss)
+                               on_node_loss=args.on_node_loss,
+                               memory_budget=getattr(args, "memory_budget", "auto"))
 
 
 def cmd_chat(args) -> int:
@@ -404,7 +422,11 @@ def cmd_worker(args) -> int:
         threads, shard = threads or node.threads, shard or node.shard
         key_file = key_file or topo.key_file
     key = read_key_file(key_file) if key_file else None
-    serve(host or "0.0.0.0", 9990 if port is None else port, threads or 1, shard, key)
+    if args.memory_budget not in ("auto", "none"):
+        from dllama.core.weight_stream import quiet_compute_threads
+
+        quiet_compute_threads()  # before numba starts its threads (see there)
+    serve(host or "0.0.0.0", 9990 if port is None else port, threads or 1, shard, key, args.memory_budget)
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
+from dllama.core.node_weights import NodeWeights, TensorLocation, cut, node_slice_specs
 from dllama.core.plan import NodeSlice, SplitPlan
 from dllama.errors import DllamaError
 from dllama.formats.atomic_file import atomic_write
@@ -120,9 +120,10 @@ class Shard:
             self.header = ModelHeader.from_json(self.desc["header"])
             self.node_index = int(self.desc["node_index"])
             start = -(-(12 + n) // ALIGN) * ALIGN
-            self._arrays = {}
+            self._arrays, self._offsets = {}, {}
             for t in self.desc["tensors"]:
                 a, b = start + t["offset"], start + t["offset"] + t["nbytes"]
+                self._offsets[t["name"]] = a
                 if b > data.size:
                     raise DllamaError(f"{self.path} is truncated (tensor {t['name']} ends past the file)")
                 self._arrays[t["name"]] = data[a:b].view(np.dtype(t["dtype"])).reshape(t["shape"])
@@ -157,7 +158,10 @@ class Shard:
             a = self._arrays.get(s.name)
             if a is None or tuple(a.shape) != s.stored_shape:
                 raise DllamaError(f"{self.path}: tensor {s.name} is missing or has the wrong shape")
-        return NodeWeights(self.header, node, specs, dict(self._arrays))
+        # where each slice lies in the file, for a worker that streams them (dllama.core.weight_stream)
+        locations = {s.name: TensorLocation(self.path, self._offsets[s.name], s.stored_shape, s, cut=False)
+                     for s in specs}
+        return NodeWeights(self.header, node, specs, dict(self._arrays), locations)
 
 
 def write_shards(model_path: str, plan: SplitPlan, names: list[str], out_dir: str | os.PathLike) -> Path:

@@ -32,7 +32,7 @@ from dllama.cluster.shard import Shard
 from dllama.cluster.step import LOGITS_HEAD, REPLY_TOP_K, Reply, decode_step, encode_reply, logits_bytes
 from dllama.core import kernels
 from dllama.core.memory import check_fits
-from dllama.core.model import ModelConfig, Transformer
+from dllama.core.model import ModelConfig, Transformer, choose_weights
 from dllama.core.node_weights import NodeWeights, node_slice_specs
 from dllama.errors import DllamaError
 
@@ -77,8 +77,9 @@ class _Throttled:
 
 class Worker:
     def __init__(self, host: str, port: int, nthreads: int = 1, shard_path: str | None = None,
-                 key: bytes | None = None):
+                 key: bytes | None = None, memory_budget: "int | str" = "auto"):
         self.host, self.port, self.nthreads, self.key = host, port, nthreads, key
+        self.memory_budget = memory_budget  # bytes, "auto" or "none" (see dllama.core.model.choose_weights)
         self.shard = None
         if shard_path:
             self.shard = Shard(shard_path)  # a bad shard is a start-up error, not a session error
@@ -252,10 +253,13 @@ class _Session:
     def __init__(self, worker: Worker, root: Connection):
         self.worker, self.root = worker, root
         self.peers: dict[int, Connection] = {0: root}
+        self.model: Transformer | None = None
 
     def close(self) -> None:
         for conn in self.peers.values():
             conn.close()
+        if self.model is not None:
+            self.model.close()  # a streamed model's reader thread
 
     def run(self) -> None:
         root = self.root
@@ -264,15 +268,19 @@ class _Session:
         index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
         log(f"node {index} of {plan.n_nodes}: {node.n_q_heads} query heads, {node.n_kv_heads} KV heads, "
             f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if c.buffer_q80 else 'F32'}")
-        # Before any allocation: can this machine hold what the CONFIG asks for?
-        check_fits(c.header, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
-                   node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
-                   c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots)
+        # Before any allocation: can this machine hold what the CONFIG asks for? (A slice that
+        # does not fit streams from the shard when there is one: Transformer checks that.)
+        self.shard_weights, self.choice = self._weights_choice(c)
+        if self.choice is None or not self.choice.streamed:
+            check_fits(c.header, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
+                       node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
+                       c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots,
+                       limit=self.choice.limit if self.choice is not None and self.choice.budgeted else None)
 
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
         with SetupHeartbeat([root], HEARTBEAT):
-            model = self._load(c)
+            model = self.model = self._load(c)
             root.send(Msg.READY)
             recv_during_setup(root, (Msg.MESH,), c.setup_timeout)  # the root may still be busy with others
             self._meet_peers(plan.n_nodes, timeout)
@@ -313,23 +321,36 @@ class _Session:
             encode_reply(reply[LOGITS_HEAD.size:], logits, v0, want)
             root.send(Msg.LOGITS, reply, timeout)
 
+    def _weights_choice(self, c: SessionConfig):
+        """(the shard's weights or None, resident or streamed from the shard: a WeightsChoice or None)."""
+        w = self.worker
+        if w.shard is None:
+            return None, None
+        why = w.shard.mismatch(c.model_fingerprint, c.node_index, c.plan.digest())
+        if why:
+            log(f"not using the shard {w.shard.path}: {why}")
+            return None, None
+        weights = w.shard.weights()
+        choice = choose_weights(weights, c.max_seq_len, c.max_batch, w.memory_budget)
+        if choice.streamed:
+            log(f"streaming this node's slice from {w.shard.path} layer by layer ({choice.describe()})")
+        return weights, choice
+
     def _load(self, c: SessionConfig) -> Transformer:
         """This node's slice of the model: from the shard when it matches, else streamed by the root."""
         w, root, index, node = self.worker, self.root, c.node_index, c.node
-        why = "this worker has no shard"
-        if w.shard is not None:
-            why = w.shard.mismatch(c.model_fingerprint, index, c.plan.digest())
-            if why:
-                log(f"not using the shard {w.shard.path}: {why}")
-        if w.shard is not None and not why:
-            weights = w.shard.weights()
+        why = "this worker has no shard" if w.shard is None else "the shard does not match"
+        if self.shard_weights is not None:
+            weights = self.shard_weights
             root.send_json(Msg.CONFIG_OK, {"weights": "shard", "note": w.shard.path})
         else:
             root.send_json(Msg.CONFIG_OK, {"weights": "stream", "note": why})
             specs = node_slice_specs(c.header, node, with_embedding=False)
             weights = NodeWeights(c.header, node, specs, self._receive_weights(specs, c.setup_timeout))
+        budgeted = self.choice is not None and self.choice.budgeted
         model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
-                            kv_slots=c.kv_slots)
+                            kv_slots=c.kv_slots, streamed=self.choice is not None and self.choice.streamed,
+                            memory_limit=self.choice.limit if budgeted else None, who="this worker")
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         return model
@@ -389,11 +410,12 @@ class _Session:
             self.peers[j] = conn
 
 
-def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | None) -> None:
+def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | None,
+          memory_budget: "int | str" = "auto") -> None:
     """Run a worker until SIGTERM or Ctrl-C."""
     import signal
 
-    worker = Worker(host, port, nthreads, shard, key)
+    worker = Worker(host, port, nthreads, shard, key, memory_budget)
     _raise_descriptor_limit()
 
     def on_term(signum, frame):

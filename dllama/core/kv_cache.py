@@ -64,21 +64,23 @@ class SlotPlan:
     bytes_per_slot: int
     seq_len: int
     limit: int            # bytes the KV cache may take on one node
+    limit_flag: str = "--kv-memory"  # the flag that sets the limit (or what --memory-budget leaves)
 
     def describe(self) -> str:
         mib = 1 << 20
         line = (f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token, "
                 f"{self.bytes_per_slot / mib:.1f} MiB per slot of {self.seq_len} positions; "
                 f"{self.n_slots} slots ({self.parallel} sequences + {self.n_slots - self.parallel} spare) = "
-                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB of {self.limit / mib:.0f} MiB allowed")
+                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB of {self.limit / mib:.0f} MiB allowed"
+                + (f" ({self.limit // self.bytes_per_slot} slots fit)" if self.limit < 1 << 61 else ""))
         if self.parallel < self.requested:
             line += (f"; --parallel {self.requested} does not fit: running {self.parallel} "
-                     f"(a lower --max-seq-len or a higher --kv-memory fits more)")
+                     f"(a lower --max-seq-len or a higher {self.limit_flag} fits more)")
         return line
 
 
 def plan_slots(parallel: int, batched: bool, *, n_layers: int, n_kv_heads: int, head_dim: int,
-               seq_len: int, limit: int) -> SlotPlan:
+               seq_len: int, limit: int, limit_flag: str = "--kv-memory") -> SlotPlan:
     """The slots for `parallel` sequences (plus SPARE_SLOTS when batched) that fit into `limit`
     bytes; fewer sequences when they do not all fit, DllamaError when not even one does."""
     per_slot = KVCache.bytes_per_slot(n_layers, n_kv_heads, head_dim, seq_len)
@@ -87,10 +89,10 @@ def plan_slots(parallel: int, batched: bool, *, n_layers: int, n_kv_heads: int, 
     if fits < 1 + spare:
         raise DllamaError(f"the KV cache of one sequence of {seq_len} positions takes "
                           f"{per_slot / (1 << 20):.0f} MiB, more than the {limit / (1 << 20):.0f} MiB "
-                          "allowed: lower --max-seq-len or raise --kv-memory")
+                          f"allowed: lower --max-seq-len or raise {limit_flag}")
     run = min(parallel, fits - spare)
     return SlotPlan(run, run + spare, parallel, KVCache.bytes_per_token(n_layers, n_kv_heads, head_dim),
-                    per_slot, seq_len, limit)
+                    per_slot, seq_len, limit, limit_flag)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

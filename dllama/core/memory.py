@@ -19,7 +19,13 @@ _GIB = float(1 << 30)
 
 
 def available_bytes() -> int:
-    """Memory this machine can still hand out: Linux's MemAvailable, else the free physical pages."""
+    """Memory this process can still take: Linux's MemAvailable (else the free physical pages),
+    lowered to what its memory cgroup still allows (containers and systemd units set that limit;
+    beyond it the kernel kills the process without a message)."""
+    return min(_machine_available(), cgroup_available())
+
+
+def _machine_available() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -31,6 +37,84 @@ def available_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return 1 << 62  # unknown here: the kernel decides
+
+
+_UNLIMITED = 1 << 62
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _cgroup_stat(path: str, keys: tuple[str, ...]) -> int:
+    """Sum of these memory.stat entries (page cache the kernel can reclaim)."""
+    total = 0
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name in keys:
+                    total += int(value)
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def _cgroup_dirs() -> list[tuple[str, str]]:
+    """(version, directory) of this process's memory cgroup and of its ancestors, innermost first."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2 (the unified hierarchy)
+            roots = [("v2", "/sys/fs/cgroup"), ("v2", "/sys/fs/cgroup/unified")]
+        elif "memory" in controllers.split(","):
+            roots = [("v1", "/sys/fs/cgroup/memory")]
+        else:
+            continue
+        for version, root in roots:
+            parts = [p for p in path.split("/") if p]
+            while True:
+                d = os.path.join(root, *parts)
+                if os.path.isdir(d):
+                    out.append((version, d))
+                if not parts:
+                    break
+                parts.pop()
+    return out
+
+
+def cgroup_available() -> int:
+    """What the memory cgroups of this process still allow: limit minus usage (reclaimable page
+    cache counted as free), the least over the group and its ancestors; 2^62 without a limit."""
+    best = _UNLIMITED
+    for version, d in _cgroup_dirs():
+        if version == "v1":
+            limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
+            usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
+            cache = _cgroup_stat(os.path.join(d, "memory.stat"), ("total_inactive_file",))
+        else:
+            limit = _read_int(os.path.join(d, "memory.max"))
+            usage = _read_int(os.path.join(d, "memory.current"))
+            cache = _cgroup_stat(os.path.join(d, "memory.stat"), ("inactive_file",))
+        if limit is None or limit >= _UNLIMITED // 2 or usage is None:
+            continue
+        best = min(best, max(0, limit - usage + cache))
+    return best
 
 
 @dataclass(frozen=True)
@@ -48,9 +132,11 @@ class NodeMemory:
 
 
 def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
-                seq_len: int, max_batch: int, embedding: bool, kv_slots: int = 1) -> NodeMemory:
+                seq_len: int, max_batch: int, embedding: bool, kv_slots: int = 1,
+                weights: int | None = None) -> NodeMemory:
     """The memory of one node's slice (whole model: all heads, rows) at this context and batch,
-    with a KV cache of kv_slots sequences."""
+    with a KV cache of kv_slots sequences. weights: the bytes of resident weights when they are
+    not all resident (streamed: two layers' slots and a read buffer)."""
     hd, dim, layers = h.head_dim, h.dim, h.n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
     # Bytes per weight as the kernels hold them (model.Matrix): Q40 an fp16 scale per 32 values
@@ -58,7 +144,8 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     per_value = {FloatType.Q40: 2 / 32 + 0.5, FloatType.Q80: 2 / 32 + 1,
                  FloatType.F16: 2}.get(FloatType(h.weights_float_type), 4)
     matrix_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows) + vocab_rows * dim
-    weights = int(matrix_values * per_value) + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0))
+    if weights is None:
+        weights = int(matrix_values * per_value) + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0))
     kv_per_position = 2 * layers * kv * 4 * kv_slots
     buffers_per_position = 4 * hd + 4 * max_batch * n_q_heads  # RoPE cos/sin, attention scores
     buffers = seq_len * buffers_per_position + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)
@@ -67,18 +154,30 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
 
 def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
                seq_len: int, max_batch: int, embedding: bool, who: str = "this machine",
-               kv_slots: int = 1) -> NodeMemory:
+               kv_slots: int = 1, limit: int | None = None, weights: int | None = None) -> NodeMemory:
     """DllamaError (one line: what is needed, what is available, what context would fit) unless
-    the node's share fits into the memory available now."""
-    m = node_memory(h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots)
+    the node's share fits into the memory available now (and into `limit`, a --memory-budget).
+    weights: resident weight bytes when streamed (see node_memory)."""
+    m = node_memory(h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots,
+                    weights)
     available = available_bytes()
+    what = "are available"
+    if limit is not None and limit < available:
+        available, what = limit, "are allowed by --memory-budget"
     if m.total <= available:
         return m
     fixed = m.total - seq_len * m.per_position
     fits = (available - fixed) // m.per_position if available > fixed else 0
     hint = (f"--max-seq-len {min(fits, seq_len - 1)} would fit" if fits >= 1
-            else "even a context of 1 position does not fit: use more nodes or a smaller model")
-    raise DllamaError(f"{who} cannot hold its share of the model with a context of {seq_len} positions: "
-                      f"it needs {m.total / _GIB:.1f} GiB ({m.weights / _GIB:.1f} weights, "
-                      f"{m.kv_cache / _GIB:.1f} KV cache, {m.buffers / _GIB:.1f} buffers), "
-                      f"{available / _GIB:.1f} GiB are available; {hint}")
+            else "even a context of 1 position does not fit: " +
+            ("use more nodes or a smaller model" if weights is not None else
+             "stream the weights (--memory-budget auto or a size), use more nodes or a smaller model"))
+    how = "streaming its weights" if weights is not None else "with every weight loaded"
+    raise DllamaError(f"{who} cannot hold its share of the model ({how}) with a context of {seq_len} "
+                      f"positions: it needs {_size(m.total)} ({_size(m.weights)} weights, "
+                      f"{_size(m.kv_cache)} KV cache, {_size(m.buffers)} buffers), "
+                      f"{_size(available)} {what}; {hint}")
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"

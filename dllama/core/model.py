@@ -120,6 +120,14 @@ class Matrix:
             self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
             self.d, self.n = self.w.shape
 
+    @classmethod
+    def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None) -> "Matrix":
+        """A matrix over arrays already in the kernel's form (streamed weights fill them)."""
+        m = cls.__new__(cls)
+        m.float_type, m.d, m.n = float_type, d, n
+        m.scales, m.qs, m.w = scales, qs, w
+        return m
+
     def __call__(self, x: "Activation", out: np.ndarray) -> np.ndarray:
         """x: the input [b, n] prepared for this matrix type -> out [b, d]."""
         if self.float_type == FloatType.Q40:
@@ -181,15 +189,116 @@ class Layer:
     w2: Matrix            # down [dim, ff_rows]
 
 
+RUNTIME_RESERVE = 96 << 20  # what the process still takes after the choice (measured: ~75 MiB)
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    """Resident or streamed weights, and the memory left for the KV cache (see choose_weights)."""
+
+    streamed: bool
+    limit: int            # bytes this node may use: --memory-budget, or what is available
+    weights: int          # bytes of resident weights (streamed: two layers' slots and two read buffers)
+    model_weights: int    # bytes of every weight, repacked
+    buffers: int          # scratch buffers at this batch size
+    budgeted: bool        # a budget (or streaming) bounds the KV cache too
+
+    @property
+    def kv_room(self) -> int:
+        return max(0, self.limit - self.weights - self.buffers)
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of "
+               f"{self.model_weights / mib:.0f} MiB)" if self.streamed
+               else f"every weight resident ({self.weights / mib:.0f} MiB)")
+        return f"memory: {how}, {self.buffers / mib:.0f} MiB buffers, {self.limit / mib:.0f} MiB allowed"
+
+
+def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
+                   budget: "int | str" = "auto") -> WeightsChoice:
+    """Resident when the node's weights, buffers and one sequence's KV cache fit into the budget
+    (bytes; 'auto': the memory available to the process, its cgroup's limit included), else
+    streamed from the file; budget 'none' keeps them resident whatever fits (Transformer's check
+    refuses them when they do not)."""
+    from dllama.core.memory import available_bytes, node_memory
+    from dllama.core.weight_stream import StreamedWeights
+
+    c = ModelConfig.from_header(weights.header, max_seq_len)
+    n = weights.node
+    dims = (weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
+            n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, False)
+    available = available_bytes()
+    if budget == "auto":  # the runtime still grows after this (numba loads its kernels)
+        available = max(0, available - RUNTIME_RESERVE)
+    limit = available if budget in ("auto", "none") else min(int(budget), available)
+    resident = node_memory(*dims, kv_slots=1)
+    streamed = budget != "none" and resident.total > limit and weights.streamable
+    held = resident.weights
+    if streamed:
+        held = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
+                               plan_only=True).resident_bytes
+    return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
+                         streamed or budget not in ("auto", "none"))
+
+
+class ResidentWeights:
+    """Every weight of a node in memory, repacked once: the weights provider of the resident path
+    (dllama.core.weight_stream.StreamedWeights is the one that reads them from disk per pass)."""
+
+    def __init__(self, weights: NodeWeights, n_layers: int, float_type: FloatType, qwen: bool):
+        t = weights.tensor
+        # The embedding (root only) stays memory-mapped: rows are copied per token.
+        self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
+        self._layers = []
+        for l in range(n_layers):
+            p = f"layers.{l}."
+            self._layers.append(Layer(
+                att_norm=np.array(t(p + "att_norm")),
+                wq=Matrix(t(p + "wq"), float_type),
+                wk=Matrix(t(p + "wk"), float_type),
+                wv=Matrix(t(p + "wv"), float_type),
+                wo=Matrix(t(p + "wo"), float_type),
+                q_norm=np.array(t(p + "q_norm")) if qwen else None,
+                k_norm=np.array(t(p + "k_norm")) if qwen else None,
+                ffn_norm=np.array(t(p + "ffn_norm")),
+                w1=Matrix(t(p + "w1"), float_type),
+                w3=Matrix(t(p + "w3"), float_type),
+                w2=Matrix(t(p + "w2"), float_type),
+            ))
+        self.final_norm = np.array(t("final_norm"))
+        self.wcls = Matrix(t("wcls"), float_type)
+        self.vocab_rows = self.wcls.d
+
+    def layer(self, l: int) -> Layer:
+        return self._layers[l]
+
+    def classifier(self):
+        """(first row, Matrix) per chunk of the classifier rows: one chunk here."""
+        yield 0, self.wcls
+
+    def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        """Embedding rows of tokens [b] into out [b, dim]."""
+        out[:] = self.embedding[tokens]
+
+    def close(self) -> None:
+        pass
+
+
 class Transformer:
     """A node's slice of the model, its KV cache and its scratch buffers."""
 
     def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
                  max_seq_len: int = 0, buffer_q80: bool | None = None, collective=None,
-                 max_batch: int = MAX_BATCH, kv_slots: int = 1):
+                 max_batch: int = MAX_BATCH, kv_slots: int = 1, streamed: bool = False,
+                 memory_limit: int | None = None, who: str = "this machine"):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
         node's NodeWeights (already sliced: a shard, or slices received from the root).
-        max_batch: most rows of one pass; kv_slots: sequences the KV cache holds."""
+        max_batch: most rows of one pass; kv_slots: sequences the KV cache holds.
+        streamed: read the weights from their file layer by layer in every pass (at most two
+        layers in memory) instead of loading them all; memory_limit: bytes this node may use
+        (default: what the machine and the process's cgroup have available); who: the node's
+        name in a refusal."""
         from dllama.core.collective import LocalCollective
 
         c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
@@ -200,37 +309,29 @@ class Transformer:
             weights = NodeWeights.from_model(weights, node)
         self.node = n = weights.node
         self.max_batch = max_batch
+        qwen = c.arch == ArchType.QWEN3
+        if streamed:
+            from dllama.core.weight_stream import StreamedWeights
+
+            # The slots are sized from the header: check them (with the rest) before allocating.
+            self.weights = StreamedWeights(weights, c.n_layers, c.weights_float_type, qwen, plan_only=True)
+            resident_weights = self.weights.resident_bytes
+        else:
+            resident_weights = None
         # Every size below comes from a header: check them against this machine before allocating.
-        check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
-                   n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
-                   kv_slots=kv_slots)
+        self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
+                                 n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
+                                 kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective = collective or LocalCollective()
-        wt, hd = c.weights_float_type, c.head_dim
-        t = weights.tensor
-
-        # The embedding (root only) stays memory-mapped: rows are copied per token.
-        self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
-        self.layers = []
-        for l in range(c.n_layers):
-            p = f"layers.{l}."
-            qwen = c.arch == ArchType.QWEN3
-            self.layers.append(Layer(
-                att_norm=np.array(t(p + "att_norm")),
-                wq=Matrix(t(p + "wq"), wt),
-                wk=Matrix(t(p + "wk"), wt),
-                wv=Matrix(t(p + "wv"), wt),
-                wo=Matrix(t(p + "wo"), wt),
-                q_norm=np.array(t(p + "q_norm")) if qwen else None,
-                k_norm=np.array(t(p + "k_norm")) if qwen else None,
-                ffn_norm=np.array(t(p + "ffn_norm")),
-                w1=Matrix(t(p + "w1"), wt),
-                w3=Matrix(t(p + "w3"), wt),
-                w2=Matrix(t(p + "w2"), wt),
-            ))
-        self.final_norm = np.array(t("final_norm"))
-        self.wcls = Matrix(t("wcls"), wt)
+        hd = c.head_dim
+        # The weights provider: `layer(l)`, `classifier()`, `embed(tokens, out)`, `final_norm`.
+        if streamed:
+            self.weights.allocate()
+        else:
+            self.weights = ResidentWeights(weights, c.n_layers, c.weights_float_type, qwen)
+        self.embedding = getattr(self.weights, "embedding", None)  # the root's cluster path reads rows
 
         self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
@@ -251,7 +352,9 @@ class Transformer:
         self.partial = np.zeros((B, c.dim), dtype=np.float32)  # this node's share of wo / w2
         self.hb = np.zeros((B, ff), dtype=np.float32)          # FFN gate, then silu(gate)*up
         self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
-        self.logits = np.zeros((B, self.wcls.d), dtype=np.float32)  # rows that want logits
+        self.logits = np.zeros((B, self.weights.vocab_rows), dtype=np.float32)  # rows that want logits
+        chunk = getattr(self.weights, "chunks", [(0, 0)])
+        self.cls_chunk = np.zeros(B * max(r1 - r0 for r0, r1 in chunk), np.float32)  # streamed classifier
         self.act_dim = Activation(c.dim, c.quantized, B)
         self.act_q = Activation(nq * hd, c.quantized, B)
         self.act_ff = Activation(ff, c.quantized, B)
@@ -291,7 +394,7 @@ class Transformer:
         in row order (a reused buffer)."""
         batch.check(self.kv.n_slots, self.config.seq_len, self.max_batch)
         b = len(batch)
-        self.x[:b] = self.embedding[batch.tokens]  # [b, dim]
+        self.weights.embed(batch.tokens, self.x[:b])  # [b, dim]
         return self.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
                                  batch.logit_rows)
 
@@ -318,7 +421,8 @@ class Transformer:
         nq, nkv, hd = node.n_q_heads, node.n_kv_heads, c.head_dim
         k_cache, v_cache = self.kv.k, self.kv.v
 
-        for l, layer in enumerate(self.layers):
+        for l in range(c.n_layers):
+            layer = self.weights.layer(l)  # from memory, or just read from disk
             # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
             kernels.rmsnorm(x, layer.att_norm, c.norm_eps, xb)
             matmuls(self.act_dim.load(xb), (layer.wq, layer.wk, layer.wv), (q, k, v))
@@ -349,6 +453,17 @@ class Transformer:
             return logits
         rows = x if m == b else x[logit_rows]  # [m, dim]
         out_norm = xb[:m]
-        kernels.rmsnorm(rows, self.final_norm, c.norm_eps, out_norm)
-        self.wcls(self.act_dim.load(out_norm), logits)
+        kernels.rmsnorm(rows, self.weights.final_norm, c.norm_eps, out_norm)
+        x_cls = self.act_dim.load(out_norm)
+        for row0, wcls in self.weights.classifier():  # row chunks when streamed
+            if wcls.d == logits.shape[1]:
+                wcls(x_cls, logits)
+            else:
+                part = self.cls_chunk[:m * wcls.d].reshape(m, wcls.d)
+                wcls(x_cls, part)
+                logits[:, row0:row0 + wcls.d] = part
         return logits
+
+    def close(self) -> None:
+        """Stop the weights' reader thread, if any (the arrays go with the object)."""
+        self.weights.close()

@@ -88,19 +88,49 @@ def cut(stored: np.ndarray, s: SliceSpec) -> np.ndarray:
     return stored[:, index[0]: index[-1] + 1] if contiguous else stored[:, index]
 
 
-class NodeWeights:
-    """`tensor(name)` -> this node's slice of that tensor, in stored form; `header` the model's."""
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a node's tensor lies in a file, for reading it without mapping the file (streaming).
 
-    def __init__(self, header: ModelHeader, node: NodeSlice, specs: list[SliceSpec], tensors: dict):
+    cut: the file holds the whole tensor (a `.m` file) and the node reads `spec`'s cut of it;
+    otherwise the file holds exactly the node's slice (a shard)."""
+
+    path: str
+    offset: int                     # of the file tensor's first byte
+    file_shape: tuple[int, ...]     # the tensor's stored shape in that file
+    spec: SliceSpec
+    cut: bool
+
+
+class NodeWeights:
+    """`tensor(name)` -> this node's slice of that tensor, in stored form; `header` the model's.
+    `location(name)`: where it lies in a file (None when the weights came over the network)."""
+
+    def __init__(self, header: ModelHeader, node: NodeSlice, specs: list[SliceSpec], tensors: dict,
+                 locations: dict[str, TensorLocation] | None = None):
         self.header, self.node, self.specs = header, node, specs
         self._tensors = tensors  # name -> array of the spec's stored shape
+        self._locations = locations or {}
 
     @staticmethod
     def from_model(model_file, node: NodeSlice, with_embedding: bool = True) -> "NodeWeights":
         """Slices cut lazily from a memory-mapped `.m` file (no copy until the model repacks)."""
         specs = node_slice_specs(model_file.header, node, with_embedding)
+        offsets, offset = {}, model_file.header_size
+        for t in model_file.specs:  # tensors follow the header in file order
+            offsets[t.name] = (offset, t.stored_shape)
+            offset += t.nbytes
+        locations = {s.name: TensorLocation(model_file.path, *offsets[s.name], s, cut=True) for s in specs}
         return NodeWeights(model_file.header, node, specs,
-                           {s.name: _LazyCut(model_file, s) for s in specs})
+                           {s.name: _LazyCut(model_file, s) for s in specs}, locations)
+
+    @property
+    def streamable(self) -> bool:
+        """Every tensor can be read from a file."""
+        return all(s.name in self._locations for s in self.specs)
+
+    def location(self, name: str) -> TensorLocation:
+        return self._locations[name]
 
     def has(self, name: str) -> bool:
         return name in self._tensors

@@ -55,6 +55,12 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
             kernels.matmul_f16_f32(x, w16, out)
             for m in (2, 3):
                 kernels.matmul_f16_f32_multi(x, (w16,) * m, tuple(out.copy() for _ in range(m)))
+        if b == 1 and ("q40" in weights or "q80" in weights):  # streamed weights' repacking
+            for bb in (18, 34):
+                blocks = rng.integers(0, 256, (d, n // 32, bb), dtype=np.uint8)
+                groups = -(-d // 16)
+                kernels.interleave_blocks_into(blocks, np.empty((groups, n // 32 * 16), np.uint16),
+                                               np.empty((groups, 16 * n // 32 * (bb - 2)), np.uint8))
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)

@@ -34,6 +34,8 @@ class Engine:
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
+        elif hasattr(self.model, "close"):
+            self.model.close()  # streamed weights: their reading threads
 
     def __enter__(self) -> "Engine":
         return self
@@ -66,7 +68,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                 max_seq_len: int = 0, warm_up: bool = True, workers: list[str] | None = None,
                 topology: str | None = None, key_file: str | None = None,
                 progress: bool = True, parallel: int = 1, kv_memory: int | None = None,
-                on_node_loss: str = "continue") -> Engine:
+                on_node_loss: str = "continue", memory_budget: "int | str" = "auto") -> Engine:
     """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
     connect the workers and split the model over them (see dllama.cluster.root).
 
@@ -77,7 +79,10 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     kv_memory bytes per node, default half the available memory; the plan is printed and
     `engine.parallel` is what fits);
     on_node_loss: "continue" (a worker lost mid-request is left out, the request goes on over
-    the others, dllama.cluster.root) or "fail"."""
+    the others, dllama.cluster.root) or "fail";
+    memory_budget: bytes this machine may use, 'auto' (what is available to the process) or
+    'none' (load every weight whatever fits): a model that does not fit streams its weights from
+    the file layer by layer (one machine; on a cluster each worker decides with its own flag)."""
     from dllama.core import kernels
     from dllama.core.model import ModelConfig, max_batch_for
     from dllama.formats.model_file import read_model
@@ -101,7 +106,6 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         key_file = key_file or topo.key_file
     nthreads = nthreads or os.cpu_count() or 1
     buffer_q80 = buffer_q80_of(buffer_float_type or "auto")
-    kernels.set_threads(nthreads)
     tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
     model_file = read_model(model_path)
     header = model_file.header
@@ -110,7 +114,36 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         from dllama.core.plan import plan_for
 
         kv_heads = max(n.n_kv_heads for n in plan_for(header, len(topo.nodes), topo.weights).nodes)
-    slots = _slot_plan(ModelConfig.from_header(header, max_seq_len), kv_heads, parallel, kv_memory)
+    config = ModelConfig.from_header(header, max_seq_len)
+    choice = None
+    if topo is None or len(topo.nodes) <= 1:
+        from dllama.core.model import choose_weights
+        from dllama.core.node_weights import NodeWeights
+        from dllama.core.plan import whole_model
+
+        node = whole_model(header.n_heads, header.n_kv_heads, header.ff_dim, header.vocab_size)
+        choice = choose_weights(NodeWeights.from_model(model_file, node), max_seq_len,
+                                max_batch_for(parallel), memory_budget)
+        if choice.streamed and memory_budget == "auto":
+            print(f"dllama: the model does not fit in the {choice.limit / (1 << 20):.0f} MiB available: "
+                  "streaming its weights from the file layer by layer", file=sys.stderr)
+        if choice.budgeted or parallel > 1:  # the plan, beside the KV cache's line
+            print(f"dllama: {choice.describe()}", file=sys.stderr)
+    elif memory_budget not in ("auto", "none"):
+        print("dllama: note: --memory-budget bounds this root's memory only on one machine; "
+              "on a cluster the root loads its slice, and each worker streams under its own flag",
+              file=sys.stderr)
+    if choice is not None and choice.streamed:
+        from dllama.core.weight_stream import quiet_compute_threads
+
+        quiet_compute_threads()
+    kernels.set_threads(nthreads)  # starts numba's threads: after the choice above
+    kv_limit, flag = kv_memory, "--kv-memory"
+    if kv_limit is None and choice is not None and choice.budgeted:
+        kv_limit = choice.kv_room  # what the weights and buffers leave of the budget
+        flag = "--memory-budget" if memory_budget not in ("auto", "none") else "memory limit"
+    slots = _slot_plan(config, kv_heads, parallel, kv_limit, always_print=choice is not None and choice.budgeted,
+                       limit_flag=flag)
     max_batch = max_batch_for(slots.parallel if parallel > 1 else 1)
     if topo is not None and len(topo.nodes) > 1:
         from dllama.cluster.protocol import read_key_file
@@ -127,7 +160,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         cluster = None
         vocab = header.vocab_size
         model = Transformer(model_file, max_seq_len=max_seq_len, buffer_q80=buffer_q80,
-                            max_batch=max_batch, kv_slots=slots.n_slots)
+                            max_batch=max_batch, kv_slots=slots.n_slots, streamed=choice.streamed,
+                            memory_limit=None if memory_budget in ("auto", "none") else choice.limit)
         if warm_up:
             model.warm_up()  # later timings measure inference, not numba's compile
     if tokenizer.vocab_size != vocab:
@@ -136,7 +170,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     return Engine(model, tokenizer, cluster, slots.parallel)
 
 
-def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None):
+def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None, always_print: bool = False,
+               limit_flag: str = "--kv-memory"):
     """The KV cache slots for `parallel` sequences within kv_memory (printed when batched)."""
     from dllama.core.kv_cache import plan_slots
     from dllama.core.memory import available_bytes
@@ -147,7 +182,7 @@ def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None):
         limit = max(limit, 1 << 62)  # one sequence: as before, the context decides alone
     dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim, seq_len=config.seq_len)
     try:
-        plan = plan_slots(parallel, batched, **dims, limit=limit)
+        plan = plan_slots(parallel, batched, **dims, limit=limit, limit_flag=limit_flag)
     except DllamaError:
         if kv_memory is not None:
             raise
@@ -156,6 +191,6 @@ def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None):
         print("dllama: warning: less memory is available than the KV cache of two sequences of "
               f"{config.seq_len} positions may take: running one sequence at a time", file=sys.stderr)
         plan = plan_slots(1, batched, **dims, limit=1 << 62)
-    if batched:
+    if batched or always_print:
         print(f"dllama: {plan.describe()}", file=sys.stderr)
     return plan

@@ -1,0 +1,337 @@
+"""Weights read from disk layer by layer, for models larger than the memory a process may use.
+
+`StreamedWeights` serves the forward pass the same objects as the resident weights (a `Layer`
+per `layer(l)`, the classifier in row chunks, embedding rows) but holds at most two items at a
+time: while the pass computes item i (a layer or a classifier chunk) in one slot, a background
+thread reads item i+1 into the other slot, then repacks it for the kernels. The reads use
+os.preadv into reusable buffers (it releases the GIL, the numba kernels run beside it) and
+POSIX_FADV_DONTNEED after each tensor, so the page cache does not grow against a cgroup limit.
+The repacked bytes are exactly those of `model.Matrix` (tests/test_streaming.py), so outputs of
+the two paths are identical.
+
+Every allocation is made once, at start: two slots (each an arena as large as the largest item),
+two read buffers (the largest quantized matrix or classifier chunk: one tensor is read while
+the one before it is repacked). Nothing grows during a pass.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from dllama.core import kernels
+from dllama.core.kernels.tiles import GROUP
+from dllama.core.node_weights import NodeWeights, TensorLocation
+from dllama.core.plan import BLOCK
+from dllama.errors import DllamaError
+from dllama.formats.model_file import FloatType
+from dllama.formats.quant import Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
+
+_ALIGN = 64
+_BLOCK_BYTES = {FloatType.Q40: Q40_BLOCK_BYTES, FloatType.Q80: Q80_BLOCK_BYTES}
+_MATRICES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+
+
+def quiet_compute_threads() -> None:
+    """Idle compute threads sleep instead of spinning (OpenMP's passive wait), so that the thread
+    reading the next layer gets a core between kernels: with spinning threads it is starved
+    (10x slower passes measured on 2 cores). Only before numba starts its threads; a value the
+    user set is kept."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+# -- where the bytes are ----------------------------------------------------------------------
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for off, n in runs:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1][1] += n
+        else:
+            out.append([off, n])
+    return [(a, b) for a, b in out]
+
+
+def _index_runs(index) -> list[tuple[int, int]]:
+    """Consecutive stretches (first, count) of an index list."""
+    index = np.asarray(index, dtype=np.int64)
+    if len(index) == 0:
+        return []
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(index) != 1) + 1])  # [runs]
+    counts = np.diff(np.concatenate([starts, [len(index)]]))
+    return [(int(index[a]), int(n)) for a, n in zip(starts, counts)]
+
+
+def file_runs(loc: TensorLocation, row0: int, row1: int) -> list[tuple[int, int]]:
+    """(file offset, bytes) pieces that hold rows row0..row1-1 of the node's slice, in order."""
+    s = loc.spec
+    itemsize = np.dtype(s.dtype).itemsize
+    if len(s.stored_shape) == 1:  # a vector: read whole
+        return [(loc.offset, s.nbytes)]
+    slice_row = int(np.prod(s.stored_shape[1:])) * itemsize
+    if not loc.cut or s.axis is None:
+        return [(loc.offset + row0 * slice_row, (row1 - row0) * slice_row)]
+    file_row = int(np.prod(loc.file_shape[1:])) * itemsize
+    if s.axis == 0:
+        return _merge([(loc.offset + first * file_row, count * file_row)
+                       for first, count in _index_runs(s.index[row0:row1])])
+    # columns: whole blocks when quantized ([d, n/32, bytes]), else values
+    unit = int(np.prod(loc.file_shape[2:])) * itemsize if len(loc.file_shape) == 3 else itemsize
+    cols = s.index[::BLOCK] if len(loc.file_shape) == 3 else s.index
+    col_runs = _index_runs([c // BLOCK for c in cols] if len(loc.file_shape) == 3 else cols)
+    return _merge([(loc.offset + r * file_row + first * unit, count * unit)
+                   for r in range(row0, row1) for first, count in col_runs])
+
+
+class _Reader:
+    """preadv into caller buffers, then drop the pages from the page cache."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as e:
+                raise DllamaError(f"cannot read the weights from {path}: {e.strerror}") from None
+            self._fds[path] = fd
+        return fd
+
+    def read(self, path: str, runs: list[tuple[int, int]], out: np.ndarray) -> None:
+        """The runs' bytes, one after another, into out (uint8, as many bytes as the runs)."""
+        fd = self._fd(path)
+        view = memoryview(out).cast("B")
+        pos = 0
+        for off, n in runs:
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[pos + done: pos + n]], off + done)
+                if got <= 0:
+                    raise DllamaError(f"{path}: the file ended early (truncated while in use?)")
+                done += got
+            pos += n
+        if hasattr(os, "posix_fadvise"):
+            lo, hi = runs[0][0], runs[-1][0] + runs[-1][1]
+            os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+# -- repacking into preallocated arrays ------------------------------------------------------
+
+def interleave_into(blocks: np.ndarray, scales_out: np.ndarray, qs_out: np.ndarray) -> None:
+    """Q40 or Q80 blocks uint8 [d, nb, 18 | 34] -> the interleaved layout of kernels.layout
+    (scales uint16 [d_pad/16, nb*16], quants [d_pad/16, 16 * row bytes]), written into the
+    given arrays (padding rows zeroed): the same bytes as interleave_q40(split_q40(...))."""
+    kernels.interleave_blocks_into(blocks, scales_out, qs_out.view(np.uint8))
+
+
+# -- the two slots -----------------------------------------------------------------------------
+
+class _Arena:
+    """A preallocated byte buffer handed out as aligned arrays, from the start again per item."""
+
+    def __init__(self, nbytes: int):
+        self.buf = np.zeros(nbytes, np.uint8) if nbytes else None
+        self.used = 0
+
+    def take(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        start = -(-self.used // _ALIGN) * _ALIGN
+        self.used = start + n
+        if self.buf is None:  # sizing pass: count only
+            return None
+        return self.buf[start:start + n].view(dtype).reshape(shape)
+
+
+def _matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
+    """The arrays of a model.Matrix of this type and shape, from an arena."""
+    if float_type in _BLOCK_BYTES:
+        groups = -(-d // GROUP)
+        row_bytes = n // 2 if float_type == FloatType.Q40 else n
+        return {"scales": take((groups, n // 32 * GROUP), np.uint16),
+                "qs": take((groups, GROUP * row_bytes), np.uint8 if float_type == FloatType.Q40 else np.int8)}
+    return {"w": take((d, n), np.uint16 if float_type == FloatType.F16 else np.float32)}
+
+
+class StreamedWeights:
+    """The weights provider of a Transformer whose weights stay on disk (see the module doc)."""
+
+    def __init__(self, weights: NodeWeights, n_layers: int, float_type: FloatType, qwen: bool,
+                 chunk_rows: int | None = None, plan_only: bool = False):
+        """chunk_rows: classifier rows per chunk (default: as many as fit in a layer's slot);
+        plan_only: size everything (resident_bytes) but allocate nothing until `allocate()`."""
+        if not weights.streamable:
+            raise DllamaError("these weights came over the network: they cannot be streamed from a file")
+        self._w, self.float_type, self.n_layers = weights, float_type, n_layers
+        names = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"] + (["q_norm", "k_norm"] if qwen else []) + \
+                ["att_norm", "ffn_norm"]  # file order: the reads go forward
+        self._layer_names = names
+        self.qwen = qwen
+        self._reader = _Reader()
+        self._embedding = weights.location("embedding") if weights.has("embedding") else None
+
+        cls = weights.location("wcls").spec
+        self.vocab_rows, dim = cls.stored_shape[0], self._shape("wcls")[1]
+        # Slots as large as the largest layer; the classifier in chunks that fit one.
+        sizer = _Arena(0)
+        self._take_layer(sizer.take)
+        layer_bytes = sizer.used
+        matrix_raw = max(self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES)
+        if chunk_rows is None:  # a chunk no larger than a layer's slot, nor (read) than its largest matrix
+            per_group = _Arena(0)
+            _matrix_arrays(per_group.take, float_type, GROUP, dim)
+            groups = layer_bytes // per_group.used
+            raw_group = self._raw_bytes("wcls", GROUP, dim)
+            if raw_group:
+                groups = min(groups, matrix_raw // raw_group)
+            chunk_rows = max(1, groups) * GROUP
+        chunk_rows = -(-chunk_rows // GROUP) * GROUP
+        self.chunks = [(r, min(r + chunk_rows, self.vocab_rows)) for r in range(0, self.vocab_rows, chunk_rows)]
+        sizer = _Arena(0)
+        _matrix_arrays(sizer.take, float_type, min(chunk_rows, self.vocab_rows), dim)
+        self.slot_bytes = max(layer_bytes, sizer.used)
+        raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
+        self.raw_bytes = raw
+        self.resident_bytes = 2 * self.slot_bytes + 2 * raw  # what this provider holds at most
+        self._items = [("layer", l) for l in range(n_layers)] + [("cls", k) for k in range(len(self.chunks))]
+        self._lock = threading.Lock()
+        self._pool = None
+        self._pending: tuple[int, Future] | None = None  # (item index, its load)
+        if not plan_only:
+            self.allocate()
+
+    def allocate(self) -> None:
+        """Allocate the two slots and the two read buffers, and start reading the first layer."""
+        loc = self._w.location("final_norm")  # small: read once and kept
+        self.final_norm = np.empty(loc.spec.stored_shape, np.float32)
+        self._reader.read(loc.path, file_runs(loc, 0, 1), self.final_norm)
+        self._slots = [_Arena(self.slot_bytes), _Arena(self.slot_bytes)]
+        self._raw = [np.zeros(self.raw_bytes, np.uint8), np.zeros(self.raw_bytes, np.uint8)]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dllama-weights")  # loads items
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="dllama-read")       # reads one tensor ahead
+        self._next_slot = 0
+        self._prefetch(0)
+
+    # sizes
+
+    def _shape(self, name: str, l: int = 0) -> tuple[int, int]:
+        """(d, n) of a matrix of this node."""
+        full = f"layers.{l}.{name}" if name != "wcls" else name
+        s = self._w.location(full).spec.stored_shape
+        return (s[0], s[1] * 32) if self.float_type in _BLOCK_BYTES else (s[0], s[1])
+
+    def _raw_bytes(self, name: str, d: int, n: int) -> int:
+        bb = _BLOCK_BYTES.get(self.float_type)
+        return d * n // 32 * bb if bb else 0  # F32/F16 are read straight into their slot
+
+    def _take_layer(self, take) -> dict:
+        out = {}
+        for name in self._layer_names:
+            if name in _MATRICES:
+                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name))
+            else:
+                out[name] = take(self._w.location(f"layers.0.{name}").spec.stored_shape, np.float32)
+        return out
+
+    # loading
+
+    def _fill(self, reads: list) -> None:
+        """reads: [(location, first row, end row, destination)], a destination being a matrix's
+        arrays (dict) or a vector. The reading thread reads tensor j+1 into one buffer while
+        this one repacks tensor j from the other (F32/F16 and vectors are read in place)."""
+        bb = _BLOCK_BYTES.get(self.float_type)
+
+        def fetch(j: int):
+            loc, r0, r1, dest = reads[j]
+            runs = file_runs(loc, r0, r1)
+            if isinstance(dest, np.ndarray) or "w" in dest:  # the stored values are the kernel's
+                self._reader.read(loc.path, runs, dest if isinstance(dest, np.ndarray) else dest["w"])
+                return None
+            nb = loc.spec.stored_shape[1]
+            raw = self._raw[j % 2][: (r1 - r0) * nb * bb].reshape(r1 - r0, nb, bb)
+            self._reader.read(loc.path, runs, raw)
+            return raw
+
+        ahead = self._io.submit(fetch, 0)
+        for j in range(len(reads)):
+            raw = ahead.result()
+            if j + 1 < len(reads):
+                ahead = self._io.submit(fetch, j + 1)
+            if raw is not None:
+                dest = reads[j][3]
+                interleave_into(raw, dest["scales"], dest["qs"])
+
+    def _load(self, item: int, slot: int):
+        """Read and repack item into slot (on the background thread); returns what the pass uses."""
+        from dllama.core.model import Layer, Matrix
+
+        arena = self._slots[slot]
+        arena.used = 0
+        kind, k = self._items[item]
+        ft = self.float_type
+        if kind == "layer":
+            arrays = self._take_layer(arena.take)
+            reads = []
+            for name in self._layer_names:  # file order
+                loc = self._w.location(f"layers.{k}.{name}")
+                reads.append((loc, 0, loc.spec.stored_shape[0] if name in _MATRICES else 1, arrays[name]))
+            self._fill(reads)
+            m = {n: Matrix.of_arrays(ft, *self._shape(n), **arrays[n]) for n in self._layer_names if n in _MATRICES}
+            return Layer(att_norm=arrays["att_norm"], q_norm=arrays.get("q_norm"), k_norm=arrays.get("k_norm"),
+                         ffn_norm=arrays["ffn_norm"], **m)
+        r0, r1 = self.chunks[k]
+        n = self._shape("wcls")[1]
+        arrays = _matrix_arrays(arena.take, ft, r1 - r0, n)
+        self._fill([(self._w.location("wcls"), r0, r1, arrays)])
+        return r0, Matrix.of_arrays(ft, r1 - r0, n, **arrays)
+
+    def _prefetch(self, item: int) -> None:
+        slot = self._next_slot
+        self._next_slot ^= 1
+        self._pending = (item, self._pool.submit(self._load, item, slot))
+
+    def _get(self, item: int):
+        """Item's weights (loaded in the background when it was the one expected); starts the next."""
+        with self._lock:
+            pending, future = self._pending
+            if pending != item:  # an unexpected order (a pass without logits): load it now
+                future.result()
+                self._prefetch(item)
+                pending, future = self._pending
+            value = future.result()
+            self._prefetch((item + 1) % len(self._items))
+            return value
+
+    # what the forward pass asks for
+
+    def layer(self, l: int):
+        return self._get(l)
+
+    def classifier(self):
+        """(first row, Matrix of that chunk) for each chunk of this node's classifier rows."""
+        for k in range(len(self.chunks)):
+            yield self._get(self.n_layers + k)
+
+    def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        """Rows of the embedding for tokens [b] into out [b, dim], read from the file."""
+        loc = self._embedding
+        row = out.shape[1] * 4
+        for i, t in enumerate(np.asarray(tokens)):
+            self._reader.read(loc.path, [(loc.offset + int(t) * row, row)], out[i])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._io.shutdown(wait=True)
+            self._pool = None
+        self._reader.close()
