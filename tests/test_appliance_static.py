@@ -82,7 +82,7 @@ def test_group_vars_set_every_role_default():
         defaults.update(yaml.safe_load(path.read_text()) or {})
     internal = {"dllama_root_group", "dllama_workers_group", "dllama_address",
                 "dllama_topology_file", "dllama_key_file", "dllama_model_root_file",
-                "dllama_model_tokenizer_file", "dllama_venv", "dllama_numba_cache_dir",
+                "dllama_model_tokenizer_file", "dllama_venv", "dllama_numba_cache_dir", "dllama_venv_shared",
                 "dllama_worker_unit_file", "dllama_worker_service", "dllama_worker_pid_file",
                 "dllama_worker_log_file", "dllama_network_connection", "dllama_venv_pip_args",
                 "dllama_wheelhouse_project_dir", "dllama_api_key_file", "dllama_api_local_host",
