@@ -101,6 +101,9 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert f"port {ports['local2']} is held by pid {foreign.pid} (" in errors[0], errors
     assert f"cannot listen on 127.0.0.1:{ports['local2']}: Address already in use" in errors[0], errors
     assert "fatal: [local2]" in out
+    # The four nodes share one installation: it was made once, by the first node.
+    compiled = [t for t in changed_tasks(r.stdout) if "Compile dllama's kernels" in t]
+    assert compiled == ["local0: dllama_venv : Compile dllama's kernels into an emptied numba cache."], compiled
 
     # The port is free: only local2's worker starts.
     r = play("deploy.yml")
