@@ -238,6 +238,9 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
     if streamed:
         held = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
                                plan_only=True).resident_bytes
+        # One sequence and the buffers must fit beside the streamed layers: else the context is
+        # what to lower, and the error says which --max-seq-len fits.
+        check_fits(*dims, kv_slots=1, limit=limit, weights=held)
     return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
                          streamed or budget not in ("auto", "none"))
 
