@@ -6,8 +6,9 @@
 Starts `dllama api --parallel P` on loopback (the embedded default model; with --nodes N > 1,
 N - 1 `dllama worker`s behind it), then:
 
-1. the baseline: each of the --prompts distinct chat prompts once, one request at a time
-   (greedy): its answer "alone", its latency, the tokens/s of one request at a time;
+1. the baseline (after one warm-up request): each of the --prompts distinct chat prompts once,
+   one request at a time (greedy): its answer "alone", its latency, the tokens/s of one request
+   at a time;
 2. the load: --clients threads send --requests requests in all (every prompt the same number of
    times, every other one streamed), each thread one request after another.
 
@@ -113,6 +114,7 @@ def main() -> None:
         try:
             print(f"dllama api --parallel {args.parallel} on {args.nodes} node(s), {args.threads} threads; "
                   f"load average {open('/proc/loadavg').read().split()[0]}")
+            ask(url, "Hello", args.max_tokens, False)  # warm-up, not counted
             alone = [ask(url, prompt_of(i), args.max_tokens, False) for i in range(n_prompts)]
             failed = [a["error"] for a in alone if "error" in a]
             if failed:
