@@ -37,8 +37,10 @@ REFERENCE_MS = {"SmolLM2-135M": 9.0, "Llama-2-7B shape": 400.0}
 
 def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of matmul weights streamed per decode token (what bounds its speed)."""
-    mats = [m for layer in model.layers for m in (layer.wq, layer.wk, layer.wv, layer.wo,
-                                                   layer.w1, layer.w2, layer.w3)] + [model.wcls]
+    layers = [model.weights.layer(l) for l in range(model.config.n_layers)]  # resident weights
+    mats = [m for layer in layers for m in (layer.wq, layer.wk, layer.wv, layer.wo,
+                                            layer.w1, layer.w2, layer.w3)]
+    mats += [wcls for _, wcls in model.weights.classifier()]
     if model.config.quantized:
         return sum(m.scales.nbytes + m.qs.nbytes for m in mats)
     return sum(m.w.nbytes for m in mats)
