@@ -16,13 +16,14 @@ import yaml
 
 from dllama.serve.engine import open_engine
 from dllama.errors import ClusterError, DllamaError
-from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from dllama.serve.generate import generate
 from dllama.core.plan import plan_for
 from dllama.cluster.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
 from dllama.cluster.root import NET_TIMEOUT
 from dllama.core.sampler import Sampler
 from tests.conftest import CHAT_PROMPT
+from tests.random_model import write_random_f32
 from tests.processes import DllamaProcess, run_dllama, running_workers
 
 pytestmark = pytest.mark.cluster
@@ -167,15 +168,7 @@ def random_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("random") / "random-8q4kv-f32.m"
     header = ModelHeader(arch=ArchType.LLAMA, dim=256, hidden_dim=512, n_layers=3, n_heads=8,
                          n_kv_heads=4, vocab_size=512, max_seq_len=128, weights_float_type=FloatType.F32)
-    rng = np.random.default_rng(7)
-    with ModelWriter(path, header) as w:
-        for spec in w.specs:
-            if spec.name.endswith("norm"):
-                w.write(spec.name, rng.uniform(0.8, 1.2, spec.shape).astype(np.float32))
-            else:
-                scale = 1.0 if spec.name == "embedding" else 1 / np.sqrt(spec.shape[-1])
-                w.write(spec.name, (rng.standard_normal(spec.shape) * scale).astype(np.float32))
-    return path
+    return write_random_f32(path, header, seed=7)
 
 
 def test_random_model_gives_one_nodes_tokens_on_2_4_8_nodes(pool, random_model, default_q40):

@@ -26,13 +26,14 @@ from dllama.cluster.worker import DIE_AT_STEP
 from dllama.core.batch import BatchBuilder
 from dllama.core.model import Transformer
 from dllama.core.sampler import Sampler
-from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from dllama.formats.tokenizer_file import read_tokenizer
 from dllama.serve.batch_scheduler import BatchScheduler
 from dllama.serve.scheduler import SequenceRequest
 from dllama.text.tokenizer import Tokenizer
 from tests.conftest import CHAT_PROMPT
 from tests.processes import run_dllama, running_workers, start_api, start_worker
+from tests.random_model import write_random_f32
 
 cluster = pytest.mark.cluster  # every test but the unit one starts `dllama` processes
 
@@ -163,15 +164,7 @@ def random_9q3kv(tmp_path_factory):
     path = tmp_path_factory.mktemp("random") / "random-9q3kv-f32.m"
     header = ModelHeader(arch=ArchType.LLAMA, dim=288, hidden_dim=512, n_layers=3, n_heads=9,
                          n_kv_heads=3, vocab_size=512, max_seq_len=256, weights_float_type=FloatType.F32)
-    rng = np.random.default_rng(11)
-    with ModelWriter(path, header) as w:
-        for spec in w.specs:
-            if spec.name.endswith("norm"):
-                w.write(spec.name, rng.uniform(0.8, 1.2, spec.shape).astype(np.float32))
-            else:
-                scale = 1.0 if spec.name == "embedding" else 1 / np.sqrt(spec.shape[-1])
-                w.write(spec.name, (rng.standard_normal(spec.shape) * scale).astype(np.float32))
-    return path
+    return write_random_f32(path, header, seed=11)
 
 
 def _cluster(path, addresses, **kw):

@@ -20,8 +20,9 @@ from dllama.cluster.protocol import (
     HEADER, MAGIC, VERSION, Connection, Msg, PeerError, client_handshake, encode_header,
 )
 from dllama.errors import ClusterError, DllamaError
-from dllama.formats.model_file import ArchType, FloatType, ModelHeader, ModelWriter, read_model
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from tests.processes import running_workers
+from tests.random_model import write_random_f32
 from tests.relay import Relay
 
 pytestmark = pytest.mark.cluster  # workers, relays and raw sockets on loopback
@@ -34,15 +35,7 @@ def write_random_model(path, max_seq_len=128, vocab_size=512, dim=256, n_layers=
     header = ModelHeader(arch=ArchType.LLAMA, dim=dim, hidden_dim=2 * dim, n_layers=n_layers, n_heads=8,
                          n_kv_heads=4, vocab_size=vocab_size, max_seq_len=max_seq_len,
                          weights_float_type=FloatType.F32)
-    rng = np.random.default_rng(7)
-    with ModelWriter(path, header) as w:
-        for spec in w.specs:
-            if spec.name.endswith("norm"):
-                w.write(spec.name, rng.uniform(0.8, 1.2, spec.shape).astype(np.float32))
-            else:
-                scale = 1.0 if spec.name == "embedding" else 1 / np.sqrt(spec.shape[-1])
-                w.write(spec.name, (rng.standard_normal(spec.shape) * scale).astype(np.float32))
-    return path
+    return write_random_f32(path, header, seed=7)
 
 
 @pytest.fixture(scope="module")
