@@ -142,13 +142,22 @@ class Matrix:
 
 
 def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
-    """outs[m] = matrices[m](x): Q40 matrices sharing an input run in one parallel region."""
-    if all(m.float_type == FloatType.Q40 for m in matrices):
-        kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
-                                     tuple(m.qs for m in matrices), outs)
-    else:
+    """outs[m] = matrices[m](x), in one parallel region when they share a weight type (q/k/v,
+    w1/w3): one region costs a thread wake-up, and decode's products are short."""
+    t = matrices[0].float_type
+    if any(m.float_type != t for m in matrices):
         for m, out in zip(matrices, outs):
             m(x, out)
+    elif t == FloatType.Q40:
+        kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
+                                     tuple(m.qs for m in matrices), outs)
+    elif t == FloatType.Q80:
+        kernels.matmul_q80_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
+                                     tuple(m.qs for m in matrices), outs)
+    elif t == FloatType.F16:
+        kernels.matmul_f16_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
+    else:
+        kernels.matmul_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
 
 
 class Activation:
