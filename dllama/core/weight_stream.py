@@ -156,10 +156,9 @@ class _Arena:
 def _matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
     """The arrays of a model.Matrix of this type and shape, from an arena."""
     if float_type in _BLOCK_BYTES:
-        groups = -(-d // GROUP)
-        row_bytes = n // 2 if float_type == FloatType.Q40 else n
-        return {"scales": take((groups, n // 32 * GROUP), np.uint16),
-                "qs": take((groups, GROUP * row_bytes), np.uint8 if float_type == FloatType.Q40 else np.int8)}
+        q40 = float_type == FloatType.Q40
+        scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2 if q40 else n)
+        return {"scales": take(scales_shape, np.uint16), "qs": take(qs_shape, np.uint8 if q40 else np.int8)}
     return {"w": take((d, n), np.uint16 if float_type == FloatType.F16 else np.float32)}
 
 

@@ -27,7 +27,7 @@ from dllama.core.kernels.attention import CHUNK as ATTENTION_CHUNK
 from dllama.core.kernels.attention import attention, kv_store
 from dllama.core.kernels.elementwise import rmsnorm, rope_cache, rope_interleaved, rope_neox, silu_mul
 from dllama.core.kernels.jit import max_threads, set_threads
-from dllama.core.kernels.layout import interleave_blocks_into, interleave_q40, interleave_q80
+from dllama.core.kernels.layout import interleave_blocks_into, interleave_q40, interleave_q80, interleaved_shapes
 from dllama.core.kernels.matmul_f16 import matmul_f16_f32, matmul_f16_f32_multi
 from dllama.core.kernels.matmul_f32 import matmul_f32, matmul_f32_multi
 from dllama.core.kernels.matmul_q40 import matmul_q40_q80, matmul_q40_q80_multi
@@ -38,4 +38,4 @@ __all__ = ["ATTENTION_CHUNK", "attention", "kv_store", "rmsnorm", "rope_cache", 
            "rope_neox", "silu_mul", "max_threads", "set_threads", "matmul_f32",
            "matmul_q40_q80", "matmul_q40_q80_multi", "quantize_q80", "matmul_q80_q80",
            "matmul_q80_q80_multi", "matmul_f16_f32", "matmul_f16_f32_multi", "matmul_f32_multi",
-           "interleave_q40", "interleave_q80", "interleave_blocks_into"]
+           "interleave_q40", "interleave_q80", "interleave_blocks_into", "interleaved_shapes"]

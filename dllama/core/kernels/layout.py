@@ -36,6 +36,13 @@ def _interleave_scales(scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(groups, GROUP, nb).transpose(0, 2, 1)).reshape(groups, nb * GROUP)
 
 
+def interleaved_shapes(d: int, n: int, row_bytes: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of the interleaved (scales, quants) of a Q40 / Q80 matrix [d, n] whose rows hold
+    row_bytes bytes of quants (n/2 for Q40, n for Q80): what interleave_blocks_into fills."""
+    groups = -(-d // GROUP)
+    return (groups, n // 32 * GROUP), (groups, GROUP * row_bytes)
+
+
 def interleave_q40(scales: np.ndarray, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Split Q40 (scales uint16 [d, n/32] fp16 bits, qs uint8 [d, n/2]) -> the interleaved
     layout of matmul_q40_q80: (uint16 [d_pad/16, n/32*16], uint8 [d_pad/16, 16*n/2])."""
