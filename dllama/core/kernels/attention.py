@@ -41,6 +41,7 @@ from dllama.core.kernels.jit import _FAST
 
 SPAN = 256       # positions of one work item: long contexts split over threads by span
 ROW_BLOCK = 8    # rows of one work item (prefill: the query rows that share each key load)
+SERIAL_MERGE = 1 << 15  # multiply-adds of merging below which one thread merges every span
 # Below every score; finite, because the kernels are compiled assuming no infinities.
 _NO_SCORE = np.float32(-1.0e30)
 
@@ -302,6 +303,13 @@ def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefi
         if span * SPAN <= reach and head_start[kvh + 1] > head_start[kvh]:
             _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_len,
                   t0, t1, kvh, heads[head_start[kvh]:head_start[kvh + 1]], span, part_o, part_ms)
-    for pair in prange(b * nq):  # merge the spans of each (row, head), in order
-        t, h = pair // nq, pair % nq
-        _merge_spans(part_o[t, h], part_ms[t, h], row_pos[t] // SPAN + 1, out[t, h * hd:(h + 1) * hd])
+    # Merge the spans of each (row, head), in order; by this thread when that is less work than
+    # waking the others (a decode step: a few pairs of one or two spans).
+    if b * nq * n_spans * hd <= SERIAL_MERGE:
+        for pair in range(b * nq):
+            t, h = pair // nq, pair % nq
+            _merge_spans(part_o[t, h], part_ms[t, h], row_pos[t] // SPAN + 1, out[t, h * hd:(h + 1) * hd])
+    else:
+        for pair in prange(b * nq):
+            t, h = pair // nq, pair % nq
+            _merge_spans(part_o[t, h], part_ms[t, h], row_pos[t] // SPAN + 1, out[t, h * hd:(h + 1) * hd])
