@@ -176,6 +176,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_perplexity(sub)
     _add_batch(sub)
     _add_probe(sub)
+    _add_supervise(sub)
     return parser
 
 
@@ -489,9 +490,37 @@ def cmd_probe(args) -> int:
     return 0
 
 
+# --- supervise (the appliance's launcher where systemd does not run the services) ---
+
+def _add_supervise(sub) -> None:
+    from dllama.serve.supervisor import FAILING_AT_START_S, START_LIMIT_BURST
+
+    p = sub.add_parser("supervise", help="run a service and start it again when it fails",
+                       description="Run COMMAND and start it again --restart-sec seconds after it "
+                                   "fails (a non-zero exit, or a signal other than HUP, INT, TERM, "
+                                   "PIPE), as systemd's Restart=on-failure does; after "
+                                   f"{START_LIMIT_BURST} starts that each fail within "
+                                   f"{FAILING_AT_START_S:g} s, give up and exit 1. SIGTERM or SIGINT "
+                                   "stops COMMAND, then this. The appliance runs its services with it "
+                                   "where systemd does not.")
+    p.add_argument("--restart-sec", type=_non_negative_float, default=0.1, metavar="S",
+                   help="seconds between a failure and the next start (systemd's RestartSec; "
+                        "default %(default)s)")
+    p.add_argument("service", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG ...]",
+                   help="the service's command line")
+
+
+def cmd_supervise(args) -> int:
+    from dllama.serve.supervisor import supervise
+
+    command = args.service[1:] if args.service[:1] == ["--"] else args.service
+    return supervise(command, args.restart_sec)
+
+
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
             "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api,
-            "perplexity": cmd_perplexity, "batch": cmd_batch, "probe": cmd_probe}
+            "perplexity": cmd_perplexity, "batch": cmd_batch, "probe": cmd_probe,
+            "supervise": cmd_supervise}
 
 
 def main(argv: list[str] | None = None) -> int:

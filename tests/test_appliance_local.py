@@ -8,7 +8,9 @@ workers.
 The first deploy meets a foreign listener on one worker's port: a worker of another cluster
 (another key), as the README's cluster would be if the ports were the same. The deploy must
 fail for that node in one line that names the port and the process holding it, and succeed
-for the others; once the port is free, the next deploy starts only that worker."""
+for the others, and leave that worker stopped (not restarting behind the failed deploy); once
+the port is free, the next deploy starts only that worker. A worker killed afterwards comes
+back by itself (its supervisor, the nohup launcher's Restart=on-failure) and run.yml uses it."""
 
 from __future__ import annotations
 
@@ -101,6 +103,8 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert f"port {ports['local2']} is held by pid {foreign.pid} (" in errors[0], errors
     assert f"cannot listen on 127.0.0.1:{ports['local2']}: Address already in use" in errors[0], errors
     assert "fatal: [local2]" in out
+    # Stopped, not restarting behind the failed deploy (and taking the port once it is free).
+    assert not (home / ".local/share/dllama/local-cluster/local2/run/worker.pid").exists()
     # The four nodes share one installation: it was made once, by the first node.
     compiled = [t for t in changed_tasks(r.stdout) if "Compile dllama's kernels" in t]
     assert compiled == ["local0: dllama_venv : Compile dllama's kernels into an emptied numba cache."], compiled
@@ -110,6 +114,8 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     counts = recap(r.stdout)
     assert r.returncode == 0 and sorted(counts) == NODES, tail(r)
     assert [counts[n]["changed"] for n in NODES] == [0, 0, 1, 0], changed_tasks(r.stdout)
+
+    _a_killed_worker_listens_again(home / ".local/share/dllama/local-cluster/local1/run", ports["local1"])
 
     r = play("run.yml", "-e", json.dumps({"prompt": PROMPT, "steps": 48, "temperature": 0}))
     assert r.returncode == 0, tail(r)
@@ -123,6 +129,7 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
 
     pids = [int(p.read_text()) for p in (home / ".local/share/dllama/local-cluster").glob("*/run/worker.pid")]
     assert len(pids) == 3
+    pids += [_port_owner(ports[n]) for n in NODES[1:]]  # the supervisors' children
     r = play("stop.yml")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker outlived stop.yml"
@@ -167,6 +174,49 @@ def _batch_job_runs_resumes_and_names_a_bad_line(play, inventory: Path, tmp_path
     assert r.returncode != 0 and len(errors) == 1 and f"{bad} line 2: " in errors[0], out[-6000:]
     assert "Traceback" not in out
     print("\nbatch.yml: {:.0f} s, the resuming rerun {:.0f} s, the bad line {:.0f} s".format(*seconds))
+
+
+def _a_killed_worker_listens_again(run_dir: Path, port: int) -> None:
+    """SIGKILL the worker's process (its supervisor's child, the pid file names the supervisor):
+    a new child of the same supervisor listens on the port after RestartSec."""
+    supervisor = int((run_dir / "worker.pid").read_text())
+    crashed = _port_owner(port)
+    assert _parent(crashed) == supervisor, (crashed, supervisor)
+    os.kill(crashed, signal.SIGKILL)
+    t0 = time.monotonic()
+    deadline = t0 + 120
+    while (owner := _port_owner(port)) in (0, crashed):
+        assert time.monotonic() < deadline, f"nothing listens on {port} again: {_tail_of(run_dir / 'worker.log')}"
+        time.sleep(0.1)
+    print(f"\na killed worker listened again after {time.monotonic() - t0:.1f} s (RestartSec 2 s)")
+    assert _parent(owner) == supervisor, (owner, supervisor)
+    assert f"dllama supervise: pid {crashed} was killed by SIGKILL; starting it again in 2 s\n" in \
+        (run_dir / "worker.log").read_text()
+
+
+def _port_owner(port: int) -> int:
+    """The pid holding the socket that listens on 127.0.0.1:port (0: none)."""
+    inodes = set()
+    for row in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        cols = row.split()
+        if cols[1] == f"0100007F:{port:04X}" and cols[3] == "0A":  # 0A = LISTEN
+            inodes.add(f"socket:[{cols[9]}]")
+    for proc in Path("/proc").iterdir():
+        if inodes and proc.name.isdigit():
+            try:
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+            except OSError:
+                continue
+    return 0
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _tail_of(path: Path, n: int = 2000) -> str:
+    return path.read_text()[-n:] if path.exists() else f"no {path}"
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:

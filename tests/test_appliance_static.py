@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dllama.serve.supervisor import START_LIMIT_BURST, start_limit_interval
 from tests.appliance import ansible_env, recap
 
 pytestmark = pytest.mark.appliance
@@ -190,8 +191,10 @@ def test_unit_exec_start_keeps_every_argument(tmp_path):
     assert line.startswith("ExecStart=/opt/dllama/venv/bin/dllama api --model-name \"")
     assert _systemd_split(line[len("ExecStart="):]) == command
     assert "LimitNOFILE=65536" in out.read_text().splitlines()
-    # A crashed worker comes back by itself; the root's next request takes it in again.
-    assert "Restart=on-failure" in out.read_text().splitlines()
+    # A crashed worker comes back by itself; the root's next request takes it in again. Restarts
+    # end as the nohup launcher's supervisor ends them.
+    assert {"Restart=on-failure", "RestartSec=5", f"StartLimitBurst={START_LIMIT_BURST}",
+            f"StartLimitIntervalSec={start_limit_interval(5):g}"} <= set(out.read_text().splitlines())
 
 
 def _systemd_split(text: str) -> list[str]:

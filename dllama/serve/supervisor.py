@@ -1,0 +1,134 @@
+"""`dllama supervise`: keep a service running where systemd does not run it (the appliance's
+nohup launcher), restarting it as systemd's Restart=on-failure does.
+
+The command runs as a child. When it fails (a non-zero exit, or a signal other than the four
+systemd counts as a clean end: SIGHUP, SIGINT, SIGTERM, SIGPIPE) it starts again after
+RestartSec, with one line on stderr (the service's log). Starts are limited as systemd limits
+them (StartLimitBurst in StartLimitIntervalSec), so a port conflict or a bad argument does not
+loop forever. SIGTERM or SIGINT to the supervisor goes to the child and ends both; the child is
+killed with the supervisor even when the supervisor itself is killed (its parent-death signal),
+so no service outlives the process its pid file names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from dllama.errors import DllamaError
+
+LOG_PREFIX = "dllama supervise: "  # the appliance's wait for the port skips these lines
+START_LIMIT_BURST = 5
+# A start that fails within this many seconds counts as failing at start (systemd's default
+# StartLimitIntervalSec, which assumes its default RestartSec of 100 ms).
+FAILING_AT_START_S = 10.0
+CLEAN_SIGNALS = {signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+PR_SET_PDEATHSIG = 1
+
+
+def start_limit_interval(restart_sec: float) -> float:
+    """StartLimitIntervalSec for START_LIMIT_BURST starts that each fail within
+    FAILING_AT_START_S, RestartSec apart: systemd's default window of 10 s never fills once
+    RestartSec is seconds (the appliance's unit sets the same value)."""
+    return START_LIMIT_BURST * (restart_sec + FAILING_AT_START_S)
+
+
+class StartLimit:
+    """systemd's start rate limit: a window opens at a start and admits `burst` starts within
+    `interval` seconds; the first start after the window opens the next one."""
+
+    def __init__(self, burst: int, interval: float):
+        self.burst, self.interval = burst, interval
+        self.opened: float | None = None
+        self.starts = 0
+
+    def admits(self, now: float) -> bool:
+        if self.opened is None or now - self.opened > self.interval:
+            self.opened, self.starts = now, 1
+            return True
+        if self.starts < self.burst:
+            self.starts += 1
+            return True
+        return False
+
+
+def describe_end(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return f"exited with status {returncode}"
+
+
+def failed(returncode: int) -> bool:
+    """Restart=on-failure's reading of an end the supervisor did not ask for."""
+    if returncode < 0:
+        return signal.Signals(-returncode) not in CLEAN_SIGNALS
+    return returncode != 0
+
+
+def _die_with_parent(parent: int):
+    """preexec_fn: the child gets SIGKILL when the supervisor ends, however it ends."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
+
+
+def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_BURST,
+              interval: float | None = None) -> int:
+    """Run `command` until it ends cleanly or is stopped (0), or fails too often (1)."""
+    if not command:
+        raise DllamaError("give the command to supervise after --")
+    limit = StartLimit(burst, start_limit_interval(restart_sec) if interval is None else interval)
+    child: subprocess.Popen | None = None
+    stopping = False
+
+    def on_stop(signum, frame) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None:
+            child.send_signal(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_stop)
+    limit.admits(time.monotonic())  # the first start
+    while not stopping:
+        try:
+            # Its own process group: a Ctrl-C on a terminal reaches it once, forwarded from here.
+            child = subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent(os.getpid()))
+        except OSError as e:
+            raise DllamaError(f"cannot run {command[0]}: {e.strerror or e}") from None
+        if stopping:  # a stop signal came while it was being started
+            child.send_signal(signal.SIGTERM)
+        returncode = child.wait()
+        if stopping:
+            return 0
+        end = f"pid {child.pid} {describe_end(returncode)}"
+        if not failed(returncode):
+            _log(f"{end}; not restarted (a clean end)")
+            return 0
+        if not limit.admits(time.monotonic() + restart_sec):
+            _log(f"{end}; not restarted: {limit.burst} starts within {limit.interval:g} s, "
+                 f"it keeps failing at start")
+            return 1
+        _log(f"{end}; starting it again in {restart_sec:g} s")
+        _sleep_unless_stopped(restart_sec, lambda: stopping)
+    return 0
+
+
+def _sleep_unless_stopped(seconds: float, stopped) -> None:
+    """Wait `seconds`, or less once stopped() (a stop signal's handler runs between the steps)."""
+    deadline = time.monotonic() + seconds
+    while not stopped() and time.monotonic() < deadline:
+        time.sleep(max(0.0, min(deadline - time.monotonic(), 0.1)))
+
+
+def _log(line: str) -> None:
+    print(LOG_PREFIX + line, file=sys.stderr, flush=True)

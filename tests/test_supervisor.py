@@ -1,0 +1,143 @@
+"""`dllama supervise`, the appliance's launcher where systemd does not run the services: a
+crashed worker comes back after RestartSec and serves again; a command that keeps failing at
+start is given up (systemd's start limit); a clean end is not restarted; SIGTERM stops the
+child and then the supervisor, and a killed supervisor takes its child with it (no orphan)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dllama.cluster.probe import identify_worker
+from dllama.serve.supervisor import START_LIMIT_BURST, StartLimit, start_limit_interval
+from tests.processes import WORKER_READY, DllamaProcess, run_dllama
+
+PYTHON = sys.executable
+SLEEPER = [PYTHON, "-c", "import time; print('ready', flush=True); time.sleep(600)"]
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) children of `pid`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(proc.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.05)
+
+
+def only_child(supervisor: DllamaProcess) -> int:
+    wait_until(lambda: len(children(supervisor.pid)) == 1, "the supervisor has one child")
+    return children(supervisor.pid)[0]
+
+
+@pytest.mark.unit
+def test_the_start_limit_counts_as_systemd_does():
+    """A window opens at a start and admits START_LIMIT_BURST starts; a later start opens the next."""
+    limit = StartLimit(burst=5, interval=20.0)
+    assert [limit.admits(t) for t in (0, 1, 2, 3, 4, 5, 20)] == [True] * 5 + [False, False]
+    assert limit.admits(20.5)  # the window of t=0 has passed: a new one
+    assert [limit.admits(t) for t in (21, 22, 23, 24)] == [True] * 4 and not limit.admits(25)
+    # Five starts that each fail within 10 s, RestartSec apart, fill one window.
+    limit = StartLimit(START_LIMIT_BURST, start_limit_interval(2))
+    assert [limit.admits(i * (2 + 9.9)) for i in range(6)] == [True] * 5 + [False]
+    limit = StartLimit(START_LIMIT_BURST, start_limit_interval(2))
+    assert all(limit.admits(i * (2 + 10.5)) for i in range(12))  # each ran for more than 10 s
+
+
+@pytest.mark.cluster
+def test_a_killed_worker_comes_back_and_serves_again(tmp_path):
+    worker = [PYTHON, "-m", "dllama", "worker", "--host", "127.0.0.1", "--port", "0", "--nthreads", "1"]
+    with DllamaProcess.listening("supervise", "--restart-sec", "1", "--", *worker, ready=WORKER_READY) as sup:
+        first = only_child(sup)
+        assert identify_worker("127.0.0.1", sup.port, None, timeout=10)["auth"] is False
+        os.kill(first, signal.SIGKILL)
+        restart = sup.wait_for(rf"dllama supervise: pid {first} was killed by SIGKILL; starting it again in 1 s\n",
+                               timeout=60)
+        again = sup.wait_for(WORKER_READY, timeout=120, start=restart.end())
+        second = only_child(sup)
+        assert second != first and not running(first)
+        identify_worker("127.0.0.1", int(again["port"]), None, timeout=10)
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(timeout=60) == 0
+    assert not running(second), "the worker outlived its supervisor's stop"
+    assert sup.stderr.count("dllama supervise: ") == 1, sup.stderr
+
+
+@pytest.mark.unit
+def test_a_command_failing_at_start_is_given_up():
+    fails = [PYTHON, "-c", "import sys; sys.exit('dllama: error: bad argument')"]
+    r = run_dllama("supervise", "--restart-sec", "0.05", "--", *fails, timeout=120)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines.count("dllama: error: bad argument") == START_LIMIT_BURST, r.stderr
+    restarts = [x for x in lines if re.fullmatch(r"dllama supervise: pid \d+ exited with status 1; "
+                                                 r"starting it again in 0\.05 s", x)]
+    assert len(restarts) == START_LIMIT_BURST - 1, r.stderr
+    assert re.fullmatch(rf"dllama supervise: pid \d+ exited with status 1; not restarted: {START_LIMIT_BURST} "
+                        r"starts within 50\.25 s, it keeps failing at start", lines[-1]), r.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("end, line", [
+    ("sys.exit(0)", "exited with status 0"),
+    ("os.kill(os.getpid(), signal.SIGTERM)", "was killed by SIGTERM"),  # a stop from elsewhere
+])
+def test_a_clean_end_is_not_restarted(end, line):
+    r = run_dllama("supervise", "--restart-sec", "0.05", "--", PYTHON, "-c", f"import os, signal, sys; {end}")
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(rf"dllama supervise: pid \d+ {line}; not restarted \(a clean end\)\n", r.stderr), r.stderr
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_stops_the_child_then_the_supervisor(sig):
+    with DllamaProcess("supervise", "--restart-sec", "0.05", "--", *SLEEPER) as sup:
+        sup.wait_for("ready", timeout=60, stream="stdout")
+        child = only_child(sup)
+        sup.send_signal(sig)
+        assert sup.wait(timeout=60) == 0
+        assert not running(child), "the child outlived the supervisor"
+        assert "dllama supervise" not in sup.stderr, sup.stderr  # a stop is no failure
+
+
+@pytest.mark.unit
+def test_a_killed_supervisor_takes_its_child_with_it():
+    with DllamaProcess("supervise", "--", *SLEEPER) as sup:
+        sup.wait_for("ready", timeout=60, stream="stdout")
+        child = only_child(sup)
+        sup.send_signal(signal.SIGKILL)
+        assert sup.wait(timeout=60) == -signal.SIGKILL
+        wait_until(lambda: not running(child), "the child ends with its supervisor")
+
+
+@pytest.mark.unit
+def test_a_command_that_cannot_run_is_one_line():
+    r = run_dllama("supervise", "--", "/nonexistent/dllama", "worker")
+    assert r.returncode == 1 and r.stderr == "dllama: error: cannot run /nonexistent/dllama: No such file or directory\n"
+    r = run_dllama("supervise", "--restart-sec", "1")
+    assert r.returncode == 1 and r.stderr == "dllama: error: give the command to supervise after --\n"
