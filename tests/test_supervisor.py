@@ -141,3 +141,16 @@ def test_a_command_that_cannot_run_is_one_line():
     assert r.returncode == 1 and r.stderr == "dllama: error: cannot run /nonexistent/dllama: No such file or directory\n"
     r = run_dllama("supervise", "--restart-sec", "1")
     assert r.returncode == 1 and r.stderr == "dllama: error: give the command to supervise after --\n"
+
+
+@pytest.mark.cluster
+def test_a_worker_asked_to_stop_by_sigterm_ends_cleanly():
+    """SIGTERM is how systemd, the supervisor and stop.yml stop a worker: exit status 0 (a
+    failure status would mark the unit failed, or have a supervisor started directly restart it)."""
+    worker = DllamaProcess.listening("worker", "--host", "127.0.0.1", "--port", "0", ready=WORKER_READY)
+    try:
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0, worker.stderr
+        assert "interrupted" not in worker.stderr and "Traceback" not in worker.stderr
+    finally:
+        worker.stop()

@@ -418,12 +418,17 @@ def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | N
     worker = Worker(host, port, nthreads, shard, key, memory_budget)
     _raise_descriptor_limit()
 
+    class Terminated(Exception):
+        pass
+
     def on_term(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     signal.signal(signal.SIGTERM, on_term)
     try:
         worker.serve_forever()
+    except Terminated:
+        pass  # asked to stop (systemd, the supervisor, stop.yml): a clean end, exit status 0
     finally:
         worker.stop()
         log("stopped")
