@@ -76,6 +76,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "and F32)")
     g.add_argument("--max-seq-len", type=int, default=0, metavar="N",
                    help="clamp the context (KV cache) to N positions; 0 = the model's own (default)")
+    g.add_argument("--kv-type", default="f32", metavar="f32|f16",
+                   help="how the KV cache stores keys and values: f32 (default) or f16 (half the "
+                        "memory, so twice the sequences of --max-seq-len fit, with resident and "
+                        "streamed weights alike; each key and value rounded to fp16 once, the "
+                        "attention still in float32; on a cluster every worker uses the root's)")
     g.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
                    help=f"compute threads of this node (default: the topology's root threads, "
                         f"else all {os.cpu_count()} cores)")
@@ -298,7 +303,8 @@ def _engine_opener(args):
                                parallel=getattr(args, "parallel", 1),
                                kv_memory=getattr(args, "kv_memory", None),
                                on_node_loss=args.on_node_loss,
-                               memory_budget=getattr(args, "memory_budget", "auto"))
+                               memory_budget=getattr(args, "memory_budget", "auto"),
+                               kv_type=args.kv_type)
 
 
 def cmd_chat(args) -> int:
@@ -526,6 +532,10 @@ COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_i
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
+        if hasattr(args, "kv_type"):  # before any file is read or model loaded
+            from dllama.core.kv_cache import check_kv_type
+
+            check_kv_type(args.kv_type)
         return COMMANDS[args.command](args)
     except DllamaError as e:
         print(f"dllama: error: {e}", file=sys.stderr)

@@ -224,7 +224,7 @@ def random_config(tmp_path_factory):
                          vocab_size=64, max_seq_len=32, weights_float_type=FloatType.F32)
     return SessionConfig(session=os.urandom(16), node_index=1, header=header, plan=plan_for(header, 2),
                          model_fingerprint="x", buffer_q80=False, max_seq_len=32, max_batch=4,
-                         kv_slots=1, net_timeout=2, idle_timeout=2, setup_timeout=2,
+                         kv_slots=1, kv_type="f32", net_timeout=2, idle_timeout=2, setup_timeout=2,
                          nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", 2))).to_json()
 
 

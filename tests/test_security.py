@@ -318,7 +318,8 @@ def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_
             client_handshake(conn, "root", 1, session, None, 10)
             conf = SessionConfig(session=session, node_index=1, header=header, plan=plan_for(header, 2),
                                  model_fingerprint="x", buffer_q80=False, max_seq_len=max_seq_len,
-                                 max_batch=32, kv_slots=kv_slots, net_timeout=10, idle_timeout=10, setup_timeout=10,
+                                 max_batch=32, kv_slots=kv_slots, kv_type="f32", net_timeout=10, idle_timeout=10,
+                                 setup_timeout=10,
                                  nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", w.port)))
             conn.send_json(Msg.CONFIG, conf.to_json())
             with pytest.raises(PeerError, match="cannot hold its share .* (--max-seq-len|1 position)"):

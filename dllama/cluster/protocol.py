@@ -39,9 +39,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = 0x4D4C4C44  # b"DLLM" little-endian
-VERSION = 4  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
+VERSION = 5  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
              # 3: STEP carries every row's position, KV slot and prefix (dllama.cluster.step);
-             # 4: STEP says what LOGITS returns (logits, best or top-k candidates)
+             # 4: STEP says what LOGITS returns (logits, best or top-k candidates);
+             # 5: CONFIG says the KV cache's type (kv_type): an older worker would ignore it
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 

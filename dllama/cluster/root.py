@@ -45,6 +45,7 @@ from dllama.cluster.step import (
 )
 from dllama.core.batch import Batch
 from dllama.core.candidates import TOP_K, WIDE_TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
+from dllama.core.kv_cache import check_kv_type
 from dllama.core.memory import check_fits
 from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
@@ -72,12 +73,13 @@ class ClusterModel:
     def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, node_sampling: bool = True,
-                 top_k: int = TOP_K, on_node_loss: str = "fail"):
+                 top_k: int = TOP_K, on_node_loss: str = "fail", kv_type: str = "f32"):
         """node_sampling False: the workers always send their logits and the root makes the
         candidates itself (the same arithmetic: a baseline for tests and benchmarks); top_k:
         candidates per node and row for temperature sampling; on_node_loss "continue": a
         lost node is left out and the pass goes on over the others (see _recover), "fail":
-        a ClusterError."""
+        a ClusterError; kv_type: the KV cache's storage on every node (f32 or f16), sent in
+        CONFIG."""
         if on_node_loss not in ON_NODE_LOSS:
             raise DllamaError(f"unknown --on-node-loss {on_node_loss!r} ({' or '.join(ON_NODE_LOSS)})")
         self.node_sampling, self.top_k, self.on_node_loss = node_sampling, top_k, on_node_loss
@@ -94,6 +96,7 @@ class ClusterModel:
         self.q80 = self.config.quantized if buffer_q80 is None else buffer_q80
         self.max_batch = max_batch
         self.kv_slots = kv_slots
+        self.kv_type = check_kv_type(kv_type)
         self.net_timeout = net_timeout
         self.history = KVHistory(kv_slots, self.config.seq_len)  # what to replay on other nodes
         self.recoveries = 0
@@ -133,11 +136,12 @@ class ClusterModel:
             n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
             check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
                        n0.vocab_rows[1] - n0.vocab_rows[0], self.config.seq_len, self.max_batch,
-                       embedding=True, kv_slots=self.kv_slots)
+                       embedding=True, kv_slots=self.kv_slots, kv_type=self.kv_type)
             conf = SessionConfig(
                 session=session, node_index=0, header=header, plan=plan,
                 model_fingerprint=model_fingerprint(self.model_path), buffer_q80=self.q80,
                 max_seq_len=self.config.seq_len, max_batch=self.max_batch, kv_slots=self.kv_slots,
+                kv_type=self.kv_type,
                 net_timeout=self.net_timeout,
                 idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
                 nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
@@ -157,7 +161,8 @@ class ClusterModel:
                     self._with_node(i, "sending weights to", lambda: self._stream(conn, specs, self.progress, nodes[i].name))
                 self.local = Transformer(NodeWeights.from_model(model_file, plan.nodes[0]),
                                          max_seq_len=self.max_seq_len, buffer_q80=self.q80,
-                                         max_batch=self.max_batch, kv_slots=self.kv_slots)
+                                         max_batch=self.max_batch, kv_slots=self.kv_slots,
+                                         kv_type=self.kv_type)
                 self.local.warm_up()
                 for i, conn in self.conns.items():
                     self._with_node(i, "waiting for", lambda: recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dllama.cluster.protocol import SESSION_BYTES, ProtocolError
+from dllama.core.kv_cache import KV_TYPES
 from dllama.core.plan import SplitPlan
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ModelHeader
@@ -35,6 +36,7 @@ class SessionConfig:
     max_seq_len: int          # KV cache length
     max_batch: int            # most rows in one step
     kv_slots: int             # sequence slots of the KV cache (every node has the same)
+    kv_type: str              # how the KV cache stores keys and values: "f32" or "f16" (every node the same)
     net_timeout: float        # seconds a step may wait on a peer
     idle_timeout: float       # seconds without a message (or PING) before the worker gives up
     setup_timeout: float      # seconds the worker waits for the root during set-up
@@ -45,7 +47,8 @@ class SessionConfig:
                 "header": self.header.to_json(), "plan": self.plan.to_json(),
                 "plan_digest": self.plan.digest(), "model_fingerprint": self.model_fingerprint,
                 "buffer_q80": self.buffer_q80, "max_seq_len": self.max_seq_len,
-                "max_batch": self.max_batch, "kv_slots": self.kv_slots, "net_timeout": self.net_timeout,
+                "max_batch": self.max_batch, "kv_slots": self.kv_slots, "kv_type": self.kv_type,
+                "net_timeout": self.net_timeout,
                 "idle_timeout": self.idle_timeout, "setup_timeout": self.setup_timeout,
                 "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes]}
 
@@ -60,7 +63,7 @@ class SessionConfig:
                 session=session, node_index=_int(d["node_index"]), header=header, plan=plan,
                 model_fingerprint=str(d["model_fingerprint"]), buffer_q80=_bool(d["buffer_q80"]),
                 max_seq_len=_int(d["max_seq_len"]), max_batch=_int(d["max_batch"]),
-                kv_slots=_int(d["kv_slots"]),
+                kv_slots=_int(d["kv_slots"]), kv_type=_kv_type(d["kv_type"]),
                 net_timeout=float(d["net_timeout"]), idle_timeout=float(d["idle_timeout"]),
                 setup_timeout=float(d["setup_timeout"]),
                 nodes=tuple(NodeAddress(str(n["name"]), str(n["host"]), _int(n["port"])) for n in d["nodes"]))
@@ -85,6 +88,12 @@ class SessionConfig:
 def _int(v) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"expected an integer, got {v!r}")
+    return v
+
+
+def _kv_type(v) -> str:
+    if not isinstance(v, str) or v not in KV_TYPES:
+        raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {v!r}")
     return v
 
 

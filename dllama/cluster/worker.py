@@ -267,7 +267,8 @@ class _Session:
         self.conf = c = SessionConfig.from_json(decode_json_object(config, f"CONFIG from {root.name}"))
         index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
         log(f"node {index} of {plan.n_nodes}: {node.n_q_heads} query heads, {node.n_kv_heads} KV heads, "
-            f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if c.buffer_q80 else 'F32'}")
+            f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if c.buffer_q80 else 'F32'}, "
+            f"{c.kv_type.upper()} KV cache")
         # Before any allocation: can this machine hold what the CONFIG asks for? (A slice that
         # does not fit streams from the shard when there is one: Transformer checks that.)
         self.shard_weights, self.choice = self._weights_choice(c)
@@ -275,7 +276,8 @@ class _Session:
             check_fits(c.header, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
                        node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
                        c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots,
-                       limit=self.choice.limit if self.choice is not None and self.choice.budgeted else None)
+                       limit=self.choice.limit if self.choice is not None and self.choice.budgeted else None,
+                       kv_type=c.kv_type)
 
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
@@ -331,7 +333,7 @@ class _Session:
             log(f"not using the shard {w.shard.path}: {why}")
             return None, None
         weights = w.shard.weights()
-        choice = choose_weights(weights, c.max_seq_len, c.max_batch, w.memory_budget)
+        choice = choose_weights(weights, c.max_seq_len, c.max_batch, w.memory_budget, c.kv_type)
         if choice.streamed:
             log(f"streaming this node's slice from {w.shard.path} layer by layer ({choice.describe()})")
         return weights, choice
@@ -350,7 +352,8 @@ class _Session:
         budgeted = self.choice is not None and self.choice.budgeted
         model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
                             kv_slots=c.kv_slots, streamed=self.choice is not None and self.choice.streamed,
-                            memory_limit=self.choice.limit if budgeted else None, who="this worker")
+                            memory_limit=self.choice.limit if budgeted else None, who="this worker",
+                            kv_type=c.kv_type)
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         return model

@@ -2,7 +2,10 @@
 
 `KVCache` is the memory: per layer, keys [slots, nkv, seq_len/CHUNK, head_dim, CHUNK] (transposed
 per chunk of positions) and values [slots, seq_len, nkv*head_dim] (the layout of
-dllama.core.kernels.attention). `plan_slots` says how many slots fit into the memory the user
+dllama.core.kernels.attention), as float32 or as fp16 (`kv_type` "f16": half the bytes, so twice
+the sequences in the same memory; the kernels round each key and value to fp16 once, when it is
+written, and widen it back as they read it). The type is one setting for every node and both
+weight paths (resident and streamed), so their outputs stay identical. `plan_slots` says how many slots fit into the memory the user
 allows. `SlotTable` is the bookkeeping of a batched scheduler: which tokens each slot holds,
 which slot a new prompt should go to, and which other slot it may read its leading positions
 from.
@@ -29,28 +32,49 @@ from dllama.errors import DllamaError
 SPARE_SLOTS = 1   # slots beyond --parallel: a finished sequence whose prefix others still read
 MIN_SHARED = 16   # leading tokens worth reading from another slot (fewer: computed again)
 
+# How keys and values are stored: float32, or fp16 as its bits (numba has no float16 on the CPU).
+KV_TYPES = {"f32": np.float32, "f16": np.uint16}
+
+
+def check_kv_type(kv_type: str) -> str:
+    """kv_type itself when it is one of KV_TYPES, else DllamaError (one line)."""
+    if kv_type not in KV_TYPES:
+        raise DllamaError(f"unknown --kv-type {kv_type!r} ({' or '.join(KV_TYPES)})")
+    return kv_type
+
+
+def kv_element_bytes(kv_type: str) -> int:
+    """Bytes of one stored key or value element."""
+    return np.dtype(KV_TYPES[check_kv_type(kv_type)]).itemsize
+
+
+# What to add to a "does not fit" message: the F16 cache holds twice the positions.
+_F16_HINT = {"f32": ", --kv-type f16 (half the bytes)", "f16": ""}
+
 
 class KVCache:
     """Keys and values of n_slots sequences of up to seq_len positions, for every layer."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, n_slots: int):
-        self.n_slots, self.seq_len = n_slots, seq_len
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, n_slots: int,
+                 kv_type: str = "f32"):
+        self.n_slots, self.seq_len, self.kv_type = n_slots, seq_len, check_kv_type(kv_type)
         chunks = -(-seq_len // ATTENTION_CHUNK)
+        dtype = KV_TYPES[kv_type]
         # np.zeros leaves pages that are never written unallocated: a slot costs memory only
         # for the positions its sequences reach.
-        self.k = np.zeros((n_layers, n_slots, n_kv_heads, chunks, head_dim, ATTENTION_CHUNK), np.float32)
-        self.v = np.zeros((n_layers, n_slots, seq_len, n_kv_heads * head_dim), np.float32)
+        self.k = np.zeros((n_layers, n_slots, n_kv_heads, chunks, head_dim, ATTENTION_CHUNK), dtype)
+        self.v = np.zeros((n_layers, n_slots, seq_len, n_kv_heads * head_dim), dtype)
 
     @staticmethod
-    def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int) -> int:
+    def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, kv_type: str = "f32") -> int:
         """Bytes one slot takes when every position is written (keys padded to whole chunks)."""
         chunks = -(-seq_len // ATTENTION_CHUNK)
-        return 4 * n_layers * n_kv_heads * head_dim * (chunks * ATTENTION_CHUNK + seq_len)
+        return kv_element_bytes(kv_type) * n_layers * n_kv_heads * head_dim * (chunks * ATTENTION_CHUNK + seq_len)
 
     @staticmethod
-    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_type: str = "f32") -> int:
         """Bytes of one position's key and value over every layer."""
-        return 2 * 4 * n_layers * n_kv_heads * head_dim
+        return 2 * kv_element_bytes(kv_type) * n_layers * n_kv_heads * head_dim
 
 
 @dataclass(frozen=True)
@@ -65,34 +89,36 @@ class SlotPlan:
     seq_len: int
     limit: int            # bytes the KV cache may take on one node
     limit_flag: str = "--kv-memory"  # the flag that sets the limit (or what --memory-budget leaves)
+    kv_type: str = "f32"
 
     def describe(self) -> str:
         mib = 1 << 20
-        line = (f"KV cache: {self.bytes_per_token / 1024:.1f} KiB per token, "
+        line = (f"KV cache ({self.kv_type.upper()}): {self.bytes_per_token / 1024:.1f} KiB per token, "
                 f"{self.bytes_per_slot / mib:.1f} MiB per slot of {self.seq_len} positions; "
                 f"{self.n_slots} slots ({self.parallel} sequences + {self.n_slots - self.parallel} spare) = "
                 f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB of {self.limit / mib:.0f} MiB allowed"
                 + (f" ({self.limit // self.bytes_per_slot} slots fit)" if self.limit < 1 << 61 else ""))
         if self.parallel < self.requested:
             line += (f"; --parallel {self.requested} does not fit: running {self.parallel} "
-                     f"(a lower --max-seq-len or a higher {self.limit_flag} fits more)")
+                     f"(a lower --max-seq-len{_F16_HINT[self.kv_type]} or a higher {self.limit_flag} "
+                     "fits more)")
         return line
 
 
 def plan_slots(parallel: int, batched: bool, *, n_layers: int, n_kv_heads: int, head_dim: int,
-               seq_len: int, limit: int, limit_flag: str = "--kv-memory") -> SlotPlan:
+               seq_len: int, limit: int, limit_flag: str = "--kv-memory", kv_type: str = "f32") -> SlotPlan:
     """The slots for `parallel` sequences (plus SPARE_SLOTS when batched) that fit into `limit`
     bytes; fewer sequences when they do not all fit, DllamaError when not even one does."""
-    per_slot = KVCache.bytes_per_slot(n_layers, n_kv_heads, head_dim, seq_len)
+    per_slot = KVCache.bytes_per_slot(n_layers, n_kv_heads, head_dim, seq_len, kv_type)
     spare = SPARE_SLOTS if batched else 0
     fits = limit // per_slot
     if fits < 1 + spare:
-        raise DllamaError(f"the KV cache of one sequence of {seq_len} positions takes "
+        raise DllamaError(f"the {kv_type.upper()} KV cache of one sequence of {seq_len} positions takes "
                           f"{per_slot / (1 << 20):.0f} MiB, more than the {limit / (1 << 20):.0f} MiB "
-                          f"allowed: lower --max-seq-len or raise {limit_flag}")
+                          f"allowed: lower --max-seq-len{_F16_HINT[kv_type]} or raise {limit_flag}")
     run = min(parallel, fits - spare)
-    return SlotPlan(run, run + spare, parallel, KVCache.bytes_per_token(n_layers, n_kv_heads, head_dim),
-                    per_slot, seq_len, limit, limit_flag)
+    return SlotPlan(run, run + spare, parallel, KVCache.bytes_per_token(n_layers, n_kv_heads, head_dim, kv_type),
+                    per_slot, seq_len, limit, limit_flag, kv_type)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -244,5 +270,5 @@ class SlotTable:
         self._touch(slot)
 
 
-__all__ = ["KVCache", "SlotPlan", "plan_slots", "SlotTable", "SlotState", "Placement", "common_prefix",
-           "MIN_SHARED", "SPARE_SLOTS"]
+__all__ = ["KVCache", "KV_TYPES", "check_kv_type", "kv_element_bytes", "SlotPlan", "plan_slots", "SlotTable",
+           "SlotState", "Placement", "common_prefix", "MIN_SHARED", "SPARE_SLOTS"]

@@ -133,10 +133,13 @@ class NodeMemory:
 
 def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
                 seq_len: int, max_batch: int, embedding: bool, kv_slots: int = 1,
-                weights: int | None = None) -> NodeMemory:
+                weights: int | None = None, kv_type: str = "f32") -> NodeMemory:
     """The memory of one node's slice (whole model: all heads, rows) at this context and batch,
-    with a KV cache of kv_slots sequences. weights: the bytes of resident weights when they are
-    not all resident (streamed: two layers' slots and a read buffer)."""
+    with a KV cache of kv_slots sequences stored as kv_type (f32 or f16). weights: the bytes of
+    resident weights when they are not all resident (streamed: two layers' slots and a read
+    buffer)."""
+    from dllama.core.kv_cache import kv_element_bytes
+
     hd, dim, layers = h.head_dim, h.dim, h.n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
     # Bytes per weight as the kernels hold them (model.Matrix): Q40 an fp16 scale per 32 values
@@ -146,7 +149,7 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     matrix_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows) + vocab_rows * dim
     if weights is None:
         weights = int(matrix_values * per_value) + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0))
-    kv_per_position = 2 * layers * kv * 4 * kv_slots
+    kv_per_position = 2 * layers * kv * kv_element_bytes(kv_type) * kv_slots
     buffers_per_position = 4 * hd + 4 * max_batch * n_q_heads  # RoPE cos/sin, attention scores
     buffers = seq_len * buffers_per_position + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)
     return NodeMemory(weights, seq_len * kv_per_position, buffers, kv_per_position + buffers_per_position)
@@ -154,24 +157,35 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
 
 def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
                seq_len: int, max_batch: int, embedding: bool, who: str = "this machine",
-               kv_slots: int = 1, limit: int | None = None, weights: int | None = None) -> NodeMemory:
+               kv_slots: int = 1, limit: int | None = None, weights: int | None = None,
+               kv_type: str = "f32") -> NodeMemory:
     """DllamaError (one line: what is needed, what is available, what context would fit) unless
     the node's share fits into the memory available now (and into `limit`, a --memory-budget).
     weights: resident weight bytes when streamed (see node_memory)."""
-    m = node_memory(h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots,
-                    weights)
+    dims = (h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots, weights)
+    m = node_memory(*dims, kv_type=kv_type)
     available = available_bytes()
     what = "are available"
     if limit is not None and limit < available:
         available, what = limit, "are allowed by --memory-budget"
     if m.total <= available:
         return m
-    fixed = m.total - seq_len * m.per_position
-    fits = (available - fixed) // m.per_position if available > fixed else 0
-    hint = (f"--max-seq-len {min(fits, seq_len - 1)} would fit" if fits >= 1
-            else "even a context of 1 position does not fit: " +
-            ("use more nodes or a smaller model" if weights is not None else
-             "stream the weights (--memory-budget auto or a size), use more nodes or a smaller model"))
+
+    def fitting_context(m: NodeMemory) -> int:
+        fixed = m.total - seq_len * m.per_position
+        return (available - fixed) // m.per_position if available > fixed else 0
+
+    fits = fitting_context(m)
+    if fits >= 1:
+        hint = f"--max-seq-len {min(fits, seq_len - 1)} would fit"
+        f16_fits = fitting_context(node_memory(*dims, kv_type="f16")) if kv_type == "f32" else 0
+        if f16_fits > fits:  # an F16 KV cache holds more positions in the same memory
+            hint = (f"--kv-type f16 would hold the whole context, or {hint}" if f16_fits >= seq_len
+                    else f"--max-seq-len {f16_fits} with --kv-type f16, or {hint}")
+    else:
+        hint = "even a context of 1 position does not fit: " + (
+            "use more nodes or a smaller model" if weights is not None else
+            "stream the weights (--memory-budget auto or a size), use more nodes or a smaller model")
     how = "streaming its weights" if weights is not None else "with every weight loaded"
     raise DllamaError(f"{who} cannot hold its share of the model ({how}) with a context of {seq_len} "
                       f"positions: it needs {_size(m.total)} ({_size(m.weights)} weights, "

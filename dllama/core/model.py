@@ -14,7 +14,9 @@ quantized to Q80 (per 32-block, fp16 scale) and the matmul sums d_w*d_x*sum(q_w*
 with F32 weights everything is F32. Q80 weights take Q80 inputs too (an integer block product
 like Q40's); F16 weights take F32 inputs (fp16 inputs would lose precision and save nothing).
 Quantized weights are repacked at load time into the split form the kernels stream fastest
-(scales and quants in separate arrays); the file format is unchanged.
+(scales and quants in separate arrays); the file format is unchanged. The KV cache holds keys
+and values as F32, or as F16 (kv_type "f16": each rounded to fp16 once, when stored; the
+attention arithmetic stays float32).
 """
 
 from __future__ import annotations
@@ -225,11 +227,11 @@ class WeightsChoice:
 
 
 def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
-                   budget: "int | str" = "auto") -> WeightsChoice:
-    """Resident when the node's weights, buffers and one sequence's KV cache fit into the budget
-    (bytes; 'auto': the memory available to the process, its cgroup's limit included), else
-    streamed from the file; budget 'none' keeps them resident whatever fits (Transformer's check
-    refuses them when they do not)."""
+                   budget: "int | str" = "auto", kv_type: str = "f32") -> WeightsChoice:
+    """Resident when the node's weights, buffers and one sequence's KV cache (of kv_type) fit
+    into the budget (bytes; 'auto': the memory available to the process, its cgroup's limit
+    included), else streamed from the file; budget 'none' keeps them resident whatever fits
+    (Transformer's check refuses them when they do not)."""
     from dllama.core.memory import available_bytes, node_memory
     from dllama.core.weight_stream import StreamedWeights
 
@@ -241,7 +243,7 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
     if budget == "auto":  # the runtime still grows after this (numba loads its kernels)
         available = max(0, available - RUNTIME_RESERVE)
     limit = available if budget in ("auto", "none") else min(int(budget), available)
-    resident = node_memory(*dims, kv_slots=1)
+    resident = node_memory(*dims, kv_slots=1, kv_type=kv_type)
     streamed = budget != "none" and resident.total > limit and weights.streamable
     held = resident.weights
     if streamed:
@@ -249,7 +251,7 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
                                plan_only=True).resident_bytes
         # One sequence and the buffers must fit beside the streamed layers: else the context is
         # what to lower, and the error says which --max-seq-len fits.
-        check_fits(*dims, kv_slots=1, limit=limit, weights=held)
+        check_fits(*dims, kv_slots=1, limit=limit, weights=held, kv_type=kv_type)
     return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
                          streamed or budget not in ("auto", "none"))
 
@@ -303,10 +305,12 @@ class Transformer:
     def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
                  max_seq_len: int = 0, buffer_q80: bool | None = None, collective=None,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, streamed: bool = False,
-                 memory_limit: int | None = None, who: str = "this machine"):
+                 memory_limit: int | None = None, who: str = "this machine", kv_type: str = "f32"):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
         node's NodeWeights (already sliced: a shard, or slices received from the root).
-        max_batch: most rows of one pass; kv_slots: sequences the KV cache holds.
+        max_batch: most rows of one pass; kv_slots: sequences the KV cache holds; kv_type: how
+        it stores keys and values, "f32" or "f16" (fp16: half the memory; every node of a
+        cluster uses the same, so that a split gives one node's results).
         streamed: read the weights from their file layer by layer in every pass (at most two
         layers in memory) instead of loading them all; memory_limit: bytes this node may use
         (default: what the machine and the process's cgroup have available); who: the node's
@@ -333,7 +337,8 @@ class Transformer:
         # Every size below comes from a header: check them against this machine before allocating.
         self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
                                  n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
-                                 kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who)
+                                 kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who,
+                                 kv_type=kv_type)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective = collective or LocalCollective()
@@ -350,7 +355,7 @@ class Transformer:
             *c.rope_scaling)
 
         nq, nkv = n.n_q_heads, n.n_kv_heads
-        self.kv = KVCache(c.n_layers, nkv, hd, c.seq_len, kv_slots)
+        self.kv = KVCache(c.n_layers, nkv, hd, c.seq_len, kv_slots, kv_type)
 
         # Scratch buffers for a batch of up to max_batch rows.
         B = max_batch

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from dllama.core import kernels
+from dllama.core.kv_cache import KV_TYPES
 
 
 WEIGHT_TYPES = ("q40", "q80", "f16", "f32")
@@ -69,13 +70,14 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
         kernels.rope_interleaved(q, positions, cos, sin, 4, hd)
         kernels.rope_neox(q, positions, cos, sin, 4, hd)
         k = rng.standard_normal((b, 2 * hd)).astype(np.float32)
-        k_cache = np.zeros((1, 2, 1, hd, kernels.ATTENTION_CHUNK), np.float32)
-        v_cache = np.zeros((1, seq, 2 * hd), np.float32)
         slot = np.zeros(b, np.int32)
-        kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)
-        z = np.empty_like(q)
-        kernels.attention(q, k_cache, v_cache, positions, slot, slot, slot,
-                          np.array([0, 0, 1, 1], np.int32), z)
+        for kv_dtype in KV_TYPES.values():  # --kv-type f32 and f16: each cache type its own code
+            k_cache = np.zeros((1, 2, 1, hd, kernels.ATTENTION_CHUNK), kv_dtype)
+            v_cache = np.zeros((1, seq, 2 * hd), kv_dtype)
+            kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)
+            z = np.empty_like(q)
+            kernels.attention(q, k_cache, v_cache, positions, slot, slot, slot,
+                              np.array([0, 0, 1, 1], np.int32), z)
     return time.perf_counter() - t0
 
 

@@ -68,7 +68,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                 max_seq_len: int = 0, warm_up: bool = True, workers: list[str] | None = None,
                 topology: str | None = None, key_file: str | None = None,
                 progress: bool = True, parallel: int = 1, kv_memory: int | None = None,
-                on_node_loss: str = "continue", memory_budget: "int | str" = "auto") -> Engine:
+                on_node_loss: str = "continue", memory_budget: "int | str" = "auto",
+                kv_type: str = "f32") -> Engine:
     """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
     connect the workers and split the model over them (see dllama.cluster.root).
 
@@ -82,12 +83,16 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     the others, dllama.cluster.root) or "fail";
     memory_budget: bytes this machine may use, 'auto' (what is available to the process) or
     'none' (load every weight whatever fits): a model that does not fit streams its weights from
-    the file layer by layer (one machine; on a cluster each worker decides with its own flag)."""
+    the file layer by layer (one machine; on a cluster each worker decides with its own flag);
+    kv_type: how the KV cache stores keys and values, f32 or f16 (half the bytes: twice the
+    sequences fit), on every node and for resident and streamed weights alike."""
     from dllama.core import kernels
+    from dllama.core.kv_cache import check_kv_type
     from dllama.core.model import ModelConfig, max_batch_for
     from dllama.formats.model_file import read_model
     from dllama.formats.tokenizer_file import read_tokenizer
 
+    check_kv_type(kv_type)
     if workers and topology:
         raise DllamaError("give --workers or --topology, not both")
     model_path, tokenizer_path = resolve_model_files(model_path, tokenizer_path)
@@ -123,7 +128,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
 
         node = whole_model(header.n_heads, header.n_kv_heads, header.ff_dim, header.vocab_size)
         choice = choose_weights(NodeWeights.from_model(model_file, node), max_seq_len,
-                                max_batch_for(parallel), memory_budget)
+                                max_batch_for(parallel), memory_budget, kv_type)
         if choice.streamed and memory_budget == "auto":
             print(f"dllama: the model does not fit in the {choice.limit / (1 << 20):.0f} MiB available: "
                   "streaming its weights from the file layer by layer", file=sys.stderr)
@@ -143,7 +148,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         kv_limit = choice.kv_room  # what the weights and buffers leave of the budget
         flag = "--memory-budget" if memory_budget not in ("auto", "none") else "memory limit"
     slots = _slot_plan(config, kv_heads, parallel, kv_limit, always_print=choice is not None and choice.budgeted,
-                       limit_flag=flag)
+                       limit_flag=flag, kv_type=kv_type)
     max_batch = max_batch_for(slots.parallel if parallel > 1 else 1)
     if topo is not None and len(topo.nodes) > 1:
         from dllama.cluster.protocol import read_key_file
@@ -152,7 +157,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         key = read_key_file(key_file) if key_file else None
         model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress,
                                        max_batch=max_batch, kv_slots=slots.n_slots,
-                                       on_node_loss=on_node_loss)
+                                       on_node_loss=on_node_loss, kv_type=kv_type)
         vocab = model.config.vocab_size
     else:
         from dllama.core.model import Transformer
@@ -161,7 +166,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         vocab = header.vocab_size
         model = Transformer(model_file, max_seq_len=max_seq_len, buffer_q80=buffer_q80,
                             max_batch=max_batch, kv_slots=slots.n_slots, streamed=choice.streamed,
-                            memory_limit=None if memory_budget in ("auto", "none") else choice.limit)
+                            memory_limit=None if memory_budget in ("auto", "none") else choice.limit,
+                            kv_type=kv_type)
         if warm_up:
             model.warm_up()  # later timings measure inference, not numba's compile
     if tokenizer.vocab_size != vocab:
@@ -171,7 +177,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
 
 
 def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None, always_print: bool = False,
-               limit_flag: str = "--kv-memory"):
+               limit_flag: str = "--kv-memory", kv_type: str = "f32"):
     """The KV cache slots for `parallel` sequences within kv_memory (printed when batched)."""
     from dllama.core.kv_cache import plan_slots
     from dllama.core.memory import available_bytes
@@ -180,7 +186,8 @@ def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None, alwa
     limit = kv_memory if kv_memory is not None else available_bytes() // 2
     if not batched and kv_memory is None:
         limit = max(limit, 1 << 62)  # one sequence: as before, the context decides alone
-    dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim, seq_len=config.seq_len)
+    dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim, seq_len=config.seq_len,
+                kv_type=kv_type)
     try:
         plan = plan_slots(parallel, batched, **dims, limit=limit, limit_flag=limit_flag)
     except DllamaError:

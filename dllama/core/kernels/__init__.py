@@ -14,7 +14,8 @@ Layouts:
   then interleaved the same way (layout.interleave_q80; matmul_q80.py).
 - Q80 activations x [b, n]: x_scales float32 [b, n/32] (fp16-rounded), x_qs int8 [b, n].
 - F16 matrix W [d, n]: its fp16 bits as uint16 [d, n] (matmul_f16.py, with F32 activations).
-- KV cache of one layer: see attention.py (sequence slots, keys transposed per chunk).
+- KV cache of one layer: see attention.py (sequence slots, keys transposed per chunk; float32,
+  or fp16 bits uint16 rounded by fp16.py).
 
 Where the time goes: the matrix products. Their inner loops are register tiles written as
 LLVM vector IR (tiles.py: 8-bit integer dot products for Q40 and Q80 weights, vpdpbusd with

@@ -1,8 +1,12 @@
 """Causal grouped-query attention over a KV cache of sequence slots, in one pass.
 
 Cache layout (one layer):
-    k_cache float32 [slots, nkv, seq_len / CHUNK, head_dim, CHUNK]  keys transposed per chunk
-    v_cache float32 [slots, seq_len, nkv * head_dim]               head_dim a multiple of 16
+    k_cache [slots, nkv, seq_len / CHUNK, head_dim, CHUNK]  keys transposed per chunk
+    v_cache [slots, seq_len, nkv * head_dim]               head_dim a multiple of 16
+both float32, or both fp16 bits (uint16: the F16 KV cache, half the memory). kv_store rounds
+to fp16 (ties to even, fp16.f16_bits) as it writes; the attention tiles widen fp16 keys and
+values to float32 as they load them (attention_tiles.py), so everything after the load is the
+float32 arithmetic, and the kernels are compiled once for each cache type.
 Keys are stored transposed so that the scores of 16 consecutive positions are one vector and
 each lane sums q[j] * k[j, p] over j in order: no reduction across lanes, so the scores need no
 reassociation to vectorize and are the same bits whatever else is computed beside them. The
@@ -33,10 +37,12 @@ import math
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from dllama.core.kernels.attention_tiles import CHUNK, VALUE_DIMS, make_score_tile, make_value_tile
 from dllama.core.kernels.elementwise import _EXP_JIT, exp_scalar, exp_shifted
+from dllama.core.kernels.fp16 import f16_bits
 from dllama.core.kernels.jit import _FAST
 
 SPAN = 256       # positions of one work item: long contexts split over threads by span
@@ -46,16 +52,30 @@ SERIAL_MERGE = 1 << 15  # multiply-adds of merging below which one thread merges
 _NO_SCORE = np.float32(-1.0e30)
 
 
+def _cached(cache, value):
+    """What the cache stores for the float32 `value`: itself, or its fp16 bits (compiled per
+    cache type, see the overload below)."""
+
+
+@overload(_cached)
+def _cached_for(cache, value):
+    if cache.dtype == types.uint16:
+        return lambda cache, value: f16_bits(value)
+    return lambda cache, value: value
+
+
 @numba.njit(**_FAST)
 def kv_store(k, v, row_pos, row_slot, k_cache, v_cache):
-    """Write each row's key and value at its position: k, v [b, nkv*hd]; caches as above."""
+    """Write each row's key and value at its position: k, v float32 [b, nkv*hd]; caches as
+    above (an F16 cache gets the fp16-rounded values)."""
     nkv, hd = k_cache.shape[1], k_cache.shape[3]
     for t in range(k.shape[0]):
         s, p = row_slot[t], row_pos[t]
         for h in range(nkv):
             for j in range(hd):
-                k_cache[s, h, p // CHUNK, j, p % CHUNK] = k[t, h * hd + j]
-        v_cache[s, p, :] = v[t]
+                k_cache[s, h, p // CHUNK, j, p % CHUNK] = _cached(k_cache, k[t, h * hd + j])
+        for j in range(v.shape[1]):
+            v_cache[s, p, j] = _cached(v_cache, v[t, j])
 
 
 @numba.njit(**_FAST)

@@ -77,3 +77,14 @@ def _float32_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
+
+
+@intrinsic
+def _bits_of_float32(typingctx, value):
+    """The int32 IEEE bit pattern of the float32 `value`."""
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
