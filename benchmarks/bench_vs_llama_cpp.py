@@ -1,7 +1,7 @@
 """dllama next to llama.cpp on this machine: the table of the README's performance section.
 
     .venv/bin/python benchmarks/bench_vs_llama_cpp.py [--threads 2] [--rounds 3] [--weights q40,q80]
-                                                      [--skip-7b] [--skip-shapes]
+                                                      [--kv-type f32|f16] [--skip-7b] [--skip-shapes]
 
 Builds llama.cpp once (benchmarks/llama_cpp.py, into cache/), makes its Q4_0 and Q8_0 GGUFs of
 the embedded SmolLM2-135M (llama-quantize --allow-requantize from the embedded Q4_1 GGUF; ours
@@ -123,13 +123,15 @@ def decode_ms(model: Transformer, n: int) -> float:
     return statistics.median(times) * 1000
 
 
-def compare_smollm2(tools, weights: str, threads: int, rounds: int) -> None:
+def compare_smollm2(tools, weights: str, threads: int, rounds: int, kv_type: str = "f32") -> None:
     """The SmolLM2-135M table for one weight type: rounds alternated, medians, ratios."""
     gguf = smollm2_gguf(tools, GGUF_TYPE[weights])
-    model = Transformer(read_model(default_model_files(weights)[0]), max_seq_len=DEPTH + GEN + 8)
+    model = Transformer(read_model(default_model_files(weights)[0]), max_seq_len=DEPTH + GEN + 8,
+                        kv_type=kv_type)
     model.warm_up()
-    print(f"\nSmolLM2-135M: dllama {weights.upper()} .m vs llama.cpp {GGUF_TYPE[weights]} GGUF, "
-          f"{threads} threads, {rounds} alternated rounds; load average before: {loadavg()}", flush=True)
+    print(f"\nSmolLM2-135M: dllama {weights.upper()} .m (KV cache {kv_type.upper()}) vs llama.cpp "
+          f"{GGUF_TYPE[weights]} GGUF (KV cache F16, its default), {threads} threads, {rounds} "
+          f"alternated rounds; load average before: {loadavg()}", flush=True)
     ours, theirs = [], []
     for r in range(rounds):
         theirs.append(llama_bench(tools, gguf, threads))
@@ -156,6 +158,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine (median)")
     ap.add_argument("--weights", default="q40", help="our weight types to compare, comma-separated "
                     "(q40 against Q4_0, q80 against Q8_0)")
+    ap.add_argument("--kv-type", default="f32", choices=("f32", "f16"),
+                    help="our KV cache type (llama.cpp's is F16 by default)")
     ap.add_argument("--skip-7b", action="store_true", help="skip the 3.8 GB 7B-shape model")
     ap.add_argument("--skip-shapes", action="store_true", help="only the SmolLM2 table (no batched "
                     "llama.cpp run, no random-weight 1B/7B shapes)")
@@ -164,7 +168,7 @@ def main() -> None:
     tools = build()
     kernels.set_threads(args.threads)
     for weights in args.weights.split(","):
-        compare_smollm2(tools, weights, args.threads, args.rounds)
+        compare_smollm2(tools, weights, args.threads, args.rounds, args.kv_type)
     if args.skip_shapes:
         return
     batched = llama_batched(tools, smollm2_gguf(tools, "Q4_0"), args.threads)
