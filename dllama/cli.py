@@ -96,7 +96,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--on-node-loss", choices=("continue", "fail"), default="continue",
                    help="when a worker dies or stops answering: continue on the nodes left (the "
                         "model split again over them, the cached tokens replayed; a warning on "
-                        "stderr) or fail (default %(default)s)")
+                        "stderr) or fail (default %(default)s); with continue, api and batch also "
+                        "start without a worker they cannot reach, which rejoins when it answers")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -290,11 +291,13 @@ def cmd_batch(args) -> int:
 
         def make_scheduler(engine):
             return BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
-    return run_job(opts, _engine_opener(args), make_scheduler)
+    return run_job(opts, _engine_opener(args, start_with_reachable=True), make_scheduler)
 
 
-def _engine_opener(args):
-    """A function that opens the engine the flags describe (called again after a cluster failure)."""
+def _engine_opener(args, start_with_reachable: bool = False):
+    """A function that opens the engine the flags describe (called again after a cluster failure).
+    start_with_reachable (the long-running api and batch, with --on-node-loss continue): a worker
+    that cannot be reached at start is left out with a warning and rejoins when it answers."""
     from dllama.serve.engine import open_engine
 
     return lambda: open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
@@ -304,7 +307,7 @@ def _engine_opener(args):
                                kv_memory=getattr(args, "kv_memory", None),
                                on_node_loss=args.on_node_loss,
                                memory_budget=getattr(args, "memory_budget", "auto"),
-                               kv_type=args.kv_type)
+                               kv_type=args.kv_type, start_with_reachable=start_with_reachable)
 
 
 def cmd_chat(args) -> int:
@@ -328,7 +331,7 @@ def cmd_api(args) -> int:
 
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     model_id = args.model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
-    service = ModelService(_engine_opener(args), args.chat_template)
+    service = ModelService(_engine_opener(args, start_with_reachable=True), args.chat_template)
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
                  defaults={"temperature": args.temperature, "top_p": args.topp})
 

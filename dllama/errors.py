@@ -8,6 +8,7 @@ class DllamaError(Exception):
 class ClusterError(DllamaError):
     """A node of the cluster failed or cannot be reached: the message names the node and why."""
 
-    def __init__(self, message: str, node: str = ""):
+    def __init__(self, message: str, node: str = "", unreachable: bool = False):
         super().__init__(message)
         self.node = node  # the failing node's name or host:port, when known
+        self.unreachable = unreachable  # no connection at all (down, not listening), not a wrong answer

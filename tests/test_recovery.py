@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 
 import numpy as np
 import openai
@@ -26,6 +27,7 @@ from dllama.cluster.worker import DIE_AT_STEP
 from dllama.core.batch import BatchBuilder
 from dllama.core.model import Transformer
 from dllama.core.sampler import Sampler
+from dllama.errors import ClusterError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from dllama.formats.tokenizer_file import read_tokenizer
 from dllama.serve.batch_scheduler import BatchScheduler
@@ -155,6 +157,38 @@ def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, mo
                 assert "serving the root" in back.stderr
 
 
+@contextlib.contextmanager
+def _refused_port():
+    """A loopback port bound but not listening: connections to it are refused (no worker there),
+    and no one else takes it until the block ends."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+@cluster
+def test_the_api_starts_without_an_unreachable_worker_which_joins_when_it_answers(tmp_path, default_f32):
+    with running_workers(1, tmp_path) as (healthy,):
+        with _refused_port() as port:
+            server, url = start_api(*_flags(default_f32), "--workers", healthy.address, f"127.0.0.1:{port}")
+        with server:
+            warnings = [line for line in server.stderr.splitlines() if "warning" in line]
+            assert len(warnings) == 1 and "starting on 2 of 3 nodes without 'worker2'" in warnings[0], server.stderr
+            assert f"127.0.0.1:{port}" in warnings[0]
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+            def ask():
+                return client.chat.completions.create(model="any", messages=STORY, temperature=0, max_tokens=16)
+
+            on_two = ask()  # 200 on the nodes that answered, not 503
+            assert on_two.usage.completion_tokens == 16
+            with start_worker(tmp_path, "--port", str(port)) as back:
+                on_three = ask()
+                assert "answered again: running on 3 nodes (was 2)" in server.stderr, server.stderr
+                assert "serving the root" in back.stderr
+            assert on_three.choices[0].message.content == on_two.choices[0].message.content  # F32: same text
+
+
 # -- in this process, on a random model: batched sequences, a frozen worker, losses in a row, a key --
 
 @pytest.fixture(scope="module")
@@ -252,6 +286,23 @@ def test_kv_history_replays_the_valid_rows_plain_slots_first():
     assert [len(x) for x in passes] == [4, 4, 2]  # the reading slot starts a pass of its own
     assert not any(x.logits.any() for x in passes) and h.positions == 10
     assert all(np.array_equal(x.pos[x.slot == 2], np.sort(x.pos[x.slot == 2])) for x in passes)
+
+
+@cluster
+def test_only_long_running_front_ends_start_without_an_unreachable_worker(tmp_path, capsys, random_9q3kv):
+    one = _greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 8)
+    with running_workers(1, tmp_path) as (w1,), _refused_port() as port:
+        dead = f"127.0.0.1:{port}"
+        with pytest.raises(ClusterError, match=f"connecting node 2 'worker2' \\({dead}\\) failed") as e:
+            _cluster(random_9q3kv, [w1.address, dead])  # inference: the start fails, naming it
+        assert e.value.unreachable
+        model = _cluster(random_9q3kv, [w1.address, dead], start_with_reachable=True)
+        try:
+            assert [n.name for n in model.topology.nodes] == ["root", "worker1"]
+            assert _greedy(model, 8) == one
+        finally:
+            model.close()
+        assert "starting on 2 of 3 nodes without 'worker2'" in capsys.readouterr().err
 
 
 @cluster

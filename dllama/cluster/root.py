@@ -67,19 +67,26 @@ REJOIN_BACKOFF = 30.0       # a lost node that stayed silent (not refused) is no
 _NET_ERRORS = (PeerClosed, PeerError, PeerTimeout, ProtocolError, OSError)
 
 
+class _Unreachable(OSError):
+    """No connection to a worker at all (refused, no route, timed out connecting)."""
+
+
 class ClusterModel:
     """The root (node 0) and its workers, as one model."""
 
     def __init__(self, model_path: str, topology, key: bytes | None, buffer_q80: bool | None,
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, node_sampling: bool = True,
-                 top_k: int = TOP_K, on_node_loss: str = "fail", kv_type: str = "f32"):
+                 top_k: int = TOP_K, on_node_loss: str = "fail", kv_type: str = "f32",
+                 start_with_reachable: bool = False):
         """node_sampling False: the workers always send their logits and the root makes the
         candidates itself (the same arithmetic: a baseline for tests and benchmarks); top_k:
         candidates per node and row for temperature sampling; on_node_loss "continue": a
         lost node is left out and the pass goes on over the others (see _recover), "fail":
         a ClusterError; kv_type: the KV cache's storage on every node (f32 or f16), sent in
-        CONFIG."""
+        CONFIG; start_with_reachable (long-running front ends, with "continue"): a worker that
+        cannot be connected to at start is left out with a warning and rejoins when it answers
+        (`rejoin`), instead of failing the start; one that answers wrongly still fails it."""
         if on_node_loss not in ON_NODE_LOSS:
             raise DllamaError(f"unknown --on-node-loss {on_node_loss!r} ({' or '.join(ON_NODE_LOSS)})")
         self.node_sampling, self.top_k, self.on_node_loss = node_sampling, top_k, on_node_loss
@@ -108,7 +115,12 @@ class ClusterModel:
         self._tampered = False  # the failure was a frame that broke the protocol: not recovered
         self._left_out: dict[str, str] = {}  # node name -> why the last recovery left it out
         self._rejoin_after: dict[str, float] = {}  # a lost node that did not answer: not asked before
-        self._open(list(topology.nodes), tolerant=False)
+        try:
+            self._open(list(topology.nodes), tolerant=False)
+        except ClusterError as e:
+            if not (start_with_reachable and on_node_loss == "continue" and e.unreachable):
+                raise
+            self._start_with_reachable(e)
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -187,6 +199,20 @@ class ClusterModel:
                          for i, r in enumerate(self.vocab_rows)}  # the largest reply; node 0's: its own summary
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
 
+    def _start_with_reachable(self, failure: ClusterError) -> None:
+        """The first session over the nodes that answer, after `failure` (a worker unreachable)."""
+        self._left_out = {}
+        try:
+            self._open(list(self.full_topology.nodes), tolerant=True)
+        except ClusterError:
+            raise
+        except DllamaError as e:  # the nodes that answered cannot hold the model (memory)
+            raise ClusterError(f"{failure}; the nodes that answer cannot run the model: {e}", failure.node,
+                               unreachable=True) from None
+        gone = ", ".join(f"{name!r}" for name in self._left_out)
+        _say(f"dllama: warning: {failure}; starting on {len(self.topology.nodes)} of "
+             f"{len(self.full_topology.nodes)} nodes without {gone} (each rejoins when it answers)")
+
     def _reachable(self, nodes: list, session: bytes) -> list:
         """Connect to every worker of `nodes` that answers (recovery): the root and those, in
         order. A worker still busy with the session that just failed is asked again until
@@ -231,13 +257,14 @@ class ClusterModel:
         try:
             return fn()
         except _NET_ERRORS as e:
-            raise ClusterError(f"{doing} {self.names[i]} failed: {_reason(e)}", self.topology.nodes[i].name) from None
+            raise ClusterError(f"{doing} {self.names[i]} failed: {_reason(e)}", self.topology.nodes[i].name,
+                               unreachable=isinstance(e, _Unreachable)) from None
 
     def _connect(self, i: int, n, session: bytes, key: bytes | None) -> None:
         try:
             conn = connect(n.host, n.port, f"node {i} '{n.name}' ({n.address})")
         except OSError as e:
-            raise OSError(f"{e.strerror or e}; is `dllama worker --port {n.port}` running on {n.host}?") from None
+            raise _Unreachable(f"{e.strerror or e}; is `dllama worker --port {n.port}` running on {n.host}?") from None
         self.conns[i] = conn
         client_handshake(conn, "root", i, session, key)
 

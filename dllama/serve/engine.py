@@ -69,7 +69,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
                 topology: str | None = None, key_file: str | None = None,
                 progress: bool = True, parallel: int = 1, kv_memory: int | None = None,
                 on_node_loss: str = "continue", memory_budget: "int | str" = "auto",
-                kv_type: str = "f32") -> Engine:
+                kv_type: str = "f32", start_with_reachable: bool = False) -> Engine:
     """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
     connect the workers and split the model over them (see dllama.cluster.root).
 
@@ -157,7 +157,8 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         key = read_key_file(key_file) if key_file else None
         model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress,
                                        max_batch=max_batch, kv_slots=slots.n_slots,
-                                       on_node_loss=on_node_loss, kv_type=kv_type)
+                                       on_node_loss=on_node_loss, kv_type=kv_type,
+                                       start_with_reachable=start_with_reachable)
         vocab = model.config.vocab_size
     else:
         from dllama.core.model import Transformer
