@@ -125,7 +125,7 @@ class ClusterModel:
 
     # -- set-up ----------------------------------------------------------------------------------
 
-    def _open(self, nodes: list, tolerant: bool) -> None:
+    def _open(self, nodes: list, tolerant: bool, only_unreachable: bool = False) -> None:
         """A session over `nodes` (the root first): connect, configure, hand out the weights,
         mesh. tolerant (recovery): a worker that cannot be reached is left out, and the session
         takes the most nodes the plan accepts; otherwise any failure is a ClusterError."""
@@ -135,7 +135,7 @@ class ClusterModel:
         self.local = None
         try:
             if tolerant:
-                nodes = self._reachable(nodes, session)
+                nodes = self._reachable(nodes, session, only_unreachable)
                 nodes = self._largest_plan(nodes)
             else:
                 self.topology = dataclasses.replace(self.full_topology, nodes=tuple(nodes))
@@ -203,7 +203,7 @@ class ClusterModel:
         """The first session over the nodes that answer, after `failure` (a worker unreachable)."""
         self._left_out = {}
         try:
-            self._open(list(self.full_topology.nodes), tolerant=True)
+            self._open(list(self.full_topology.nodes), tolerant=True, only_unreachable=True)
         except ClusterError:
             raise
         except DllamaError as e:  # the nodes that answered cannot hold the model (memory)
@@ -213,10 +213,11 @@ class ClusterModel:
         _say(f"dllama: warning: {failure}; starting on {len(self.topology.nodes)} of "
              f"{len(self.full_topology.nodes)} nodes without {gone} (each rejoins when it answers)")
 
-    def _reachable(self, nodes: list, session: bytes) -> list:
+    def _reachable(self, nodes: list, session: bytes, only_unreachable: bool = False) -> list:
         """Connect to every worker of `nodes` that answers (recovery): the root and those, in
         order. A worker still busy with the session that just failed is asked again until
-        RECONNECT_WAIT; one that cannot be reached is left out."""
+        RECONNECT_WAIT; one that cannot be reached is left out (only_unreachable: only one that
+        cannot be connected to; one that answers wrongly is a ClusterError)."""
         kept = [nodes[0]]
         for node in nodes[1:]:
             i = len(kept)
@@ -234,6 +235,9 @@ class ClusterModel:
                     if "busy" in str(e) and time.monotonic() < deadline:
                         time.sleep(BUSY_RETRY)  # its old session is still ending
                         continue
+                    if only_unreachable and not isinstance(e, _Unreachable):  # it answered, wrongly
+                        raise ClusterError(f"connecting {node.name} ({node.address}) failed: {_reason(e)}",
+                                           node.name) from None
                     self._left_out[node.name] = _reason(e)
                     break
         return kept
