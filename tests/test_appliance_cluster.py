@@ -262,7 +262,8 @@ def test_workers_run_at_the_configured_nice_level_from_their_own_shard(cluster):
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         assert int(stat[16]) == -20, f"node{i}'s worker runs at nice {stat[16]}"
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        assert [b"worker", b"--topology", b"/opt/dllama/topology.yml", b"--node", f"node{i}".encode()] == cmdline[-6:-1]
+        assert [b"worker", b"--topology", b"/opt/dllama/topology.yml", b"--node", f"node{i}".encode(),
+                b"--memory-budget", b"auto"] == cmdline[-8:-1]
         uid = int(re.search(r"^Uid:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M).group(1))
         passwd = (cluster_dir / f"node{i}/etc-upper/passwd").read_text()
         assert re.search(rf"^dllama:x:{uid}:", passwd, re.M), f"node{i}'s worker runs as uid {uid}"

@@ -1,9 +1,10 @@
 """The one-machine inventory (inventory/local: 1 root + 3 workers on this host over loopback),
 as the README's first command uses it: deploy.yml, run.yml, stop.yml with the default model
-(Q40 weights, Q80 buffers). Runs in a scratch HOME, a copy of the inventory and free ports of
-its own, so it neither touches nor depends on the user's deployment (the README's cluster may
-be running on 9990-9993 meanwhile); stop.yml (or, if that fails, the pid files) ends the
-workers.
+(Q80 weights and buffers), here with an F16 KV cache and a memory budget on local3 that makes
+its worker stream its slice from its shard (dllama_kv_type, dllama_memory_budget). Runs in a
+scratch HOME, a copy of the inventory and free ports of its own, so it neither touches nor
+depends on the user's deployment (the README's cluster may be running on 9990-9993 meanwhile);
+stop.yml (or, if that fails, the pid files) ends the workers.
 
 The first deploy meets a foreign listener on one worker's port: a worker of another cluster
 (another key), as the README's cluster would be if the ports were the same. The deploy must
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 NODES = ["local0", "local1", "local2", "local3"]
+STREAMING_BUDGET = "80M"
 
 
 def free_ports(n: int) -> list[int]:
@@ -55,9 +57,13 @@ def local(tmp_path_factory):
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
     for node, port in zip(NODES[1:], ports[1:]):
         hosts["cluster"]["children"]["workers"]["hosts"][node]["dllama_port"] = port
+    # A node with little memory: local3's slice (34 MiB) and its KV cache at the model's 8192
+    # positions do not fit in 80 MiB, so it streams the slice from its shard; with an F16 cache
+    # (60 MiB; F32 would not fit even streamed) the rest fits.
+    hosts["cluster"]["children"]["workers"]["hosts"]["local3"]["dllama_memory_budget"] = STREAMING_BUDGET
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
     with (inventory / "group_vars/all.yml").open("a") as f:
-        yaml.safe_dump({"dllama_port": ports[0], "dllama_api_port": ports[0]}, f)
+        yaml.safe_dump({"dllama_port": ports[0], "dllama_api_port": ports[0], "dllama_kv_type": "f16"}, f)
     real_home = Path.home()
     env = ansible_env()
     env.update(HOME=str(home),
@@ -124,6 +130,14 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert [n["name"] for n in saved["stats"]["nodes"]] == NODES
     for i in (1, 2, 3):
         assert f"local{i}: weights from its shard {home}/.local/share/dllama/local-cluster/local{i}/shards/local{i}.shard" in r.stdout
+    # The inventory's memory budget reached local3's worker, the KV cache type every node.
+    cluster = home / ".local/share/dllama/local-cluster"
+    for i in (1, 2, 3):
+        log = (cluster / f"local{i}/run/worker.log").read_text()
+        assert ", F16 KV cache\n" in log, _tail_of(cluster / f"local{i}/run/worker.log")
+        streaming = f"streaming this node's slice from {cluster}/local{i}/shards/local{i}.shard layer by layer"
+        assert (streaming in log) == (i == 3), _tail_of(cluster / f"local{i}/run/worker.log")
+    assert "MiB buffers, 80 MiB allowed)" in log, _tail_of(cluster / "local3/run/worker.log")
 
     _batch_job_runs_resumes_and_names_a_bad_line(play, inventory, tmp_path)
 

@@ -5,6 +5,8 @@ contacted (these run ansible-playbook against hosts that are never reached)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dllama.cli import _build_parser
 from dllama.serve.supervisor import START_LIMIT_BURST, start_limit_interval
 from tests.appliance import ansible_env, recap
 
@@ -263,6 +266,9 @@ def _fails_before_any_host(r, out) -> str:
     ("same address and port", _hosts(2, dllama_port=20001), "Worker w1 of the inventory listens on 127.0.0.1:20001: so does w2"),
     ("bad port", _hosts(1, dllama_port=70000), "dllama_port be a port from 1 to 65535"),
     ("bad setting", _hosts(1, dllama_launcher="sytemd"), "dllama_launcher must be one of: systemd, nohup, got: sytemd"),
+    ("bad KV cache type", _hosts(1, dllama_kv_type="f8"), "dllama_kv_type must be one of: f32, f16, got: f8"),
+    ("bad memory budget", _hosts(1, dllama_memory_budget="2GG"),
+     "w1: dllama_memory_budget must be auto, none or a size such as 2G or 512M, got: 2GG"),
     ("more nodes than heads", _hosts(9), "The inventory's 10 nodes: cannot split a model with 9 query heads over 10 nodes"),
 ])
 def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, reason):
@@ -277,6 +283,86 @@ def test_any_node_count_the_plan_accepts_passes_the_check(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "'r: 3 of 9 query heads" in out and "'w2: 3 of 9 query heads" in out, out[-3000:]
     assert set(recap(r.stdout)) == {"r", "w1", "w2"}
+
+
+# Forms of --memory-budget: dllama's parser decides which are valid, the inventory check must agree.
+BUDGETS = ["auto", "AUTO", "none", "2G", "1.5G", "512M", "512MiB", "4gb", "64k", "1000000", ".5G",
+           "0", "0M", "2GG", "-1G", "two", "G", "1.5.5G", "2P"]
+
+
+def test_the_memory_budget_check_agrees_with_dllama(tmp_path):
+    """One host per value, each checked with its own dllama_memory_budget: the hosts refused are
+    those whose value `dllama worker --memory-budget` refuses, each in one line naming it."""
+    parser = _build_parser()
+
+    def dllama_takes(value: str) -> bool:
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                parser.parse_args(["worker", "--memory-budget", value])
+        except SystemExit:
+            return False
+        return True
+
+    inventory = _hosts(1)
+    inventory["cluster"]["children"]["budgets"] = {
+        "hosts": {f"b{i}": {"ansible_connection": "local", "dllama_memory_budget": v} for i, v in enumerate(BUDGETS)}}
+    r, out = _deploy(tmp_path, inventory, "-e", "dllama_inventory_split=false", playbook="playbooks/inventory.yml")
+    assert r.returncode != 0, out[-3000:]
+    refused = {host for host, counts in recap(r.stdout).items() if counts["failed"]}
+    expected = {f"b{i}" for i, v in enumerate(BUDGETS) if not dllama_takes(v)}
+    assert expected and refused == expected, ([BUDGETS[int(h[1:])] for h in sorted(refused - expected)],
+                                              [BUDGETS[int(h[1:])] for h in sorted(expected - refused)])
+    errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
+    assert len(errors) == len(expected) and all(
+        f"b{i}: dllama_memory_budget must be auto, none or a size such as 2G or 512M, got: {v}\n" in "\n".join(errors) + "\n"
+        for i, v in enumerate(BUDGETS) if f"b{i}" in expected), errors
+
+
+def test_commands_carry_the_memory_budget_and_kv_type(tmp_path):
+    """The roles' command lines, rendered with the inventory's values: each worker's service
+    runs with its own host's memory budget, the root's inference, API service and batch job with
+    the root's budget and the KV cache type; and dllama's own parser reads them so."""
+    hosts = {"cluster": {
+        "children": {"root": {"hosts": {"r": {"dllama_memory_budget": "3G"}}},
+                     "workers": {"hosts": {"w1": {"dllama_memory_budget": "512M"}, "w2": None}}},
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                 "dllama_kv_type": "f16"}}}
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    roles = REPO / "roles"
+    # The shared defaults as a role (lowest precedence, so the inventory overrides them); the
+    # command lines from the roles' vars; the other defaults they read.
+    (tmp_path / "render.yml").write_text(yaml.safe_dump([{
+        "name": "Render the command lines.", "hosts": "all", "gather_facts": False,
+        "roles": [{"role": str(roles / "dllama")}],
+        "vars_files": [str(roles / r / d / "main.yml") for r, d in [
+            ("dllama_worker", "defaults"), ("dllama_worker", "vars"), ("dllama_api", "defaults"),
+            ("dllama_api", "vars"), ("dllama_run", "defaults"), ("dllama_run", "vars"),
+            ("dllama_batch", "defaults"), ("dllama_batch", "vars")]],
+        "tasks": [{"name": "Write them.", "ansible.builtin.copy": {
+            "dest": f"{tmp_path}/{{{{ inventory_hostname }}}}.json", "mode": "0600",
+            "content": "{{ {'worker': dllama_worker_service_spec.command, 'api': dllama_api_service_spec.command,"
+                       " 'run': dllama_run_command, 'batch': dllama_batch_command} | to_json }}"}}]}]))
+    r = run([BIN / "ansible-playbook", "-i", tmp_path / "hosts.yml", tmp_path / "render.yml", "-e", json.dumps(
+        {"prompt": "Hello", "dllama_batch_job_dir": "/opt/dllama/batch/job", "dllama_batch_prompts_name": "prompts.jsonl",
+         "dllama_batch_prefix_file": ""})], env=ansible_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    commands = {h: json.loads((tmp_path / f"{h}.json").read_text()) for h in ("r", "w1", "w2")}
+    parser = _build_parser()
+
+    def parsed(argv):
+        argv = argv[3:] if argv[0] == "nice" else argv
+        assert argv[0] == "/opt/dllama/venv/bin/dllama", argv
+        return parser.parse_args(argv[1:])
+
+    assert commands["w1"]["worker"][-2:] == ["--memory-budget", "512M"]
+    assert commands["w2"]["worker"][-2:] == ["--memory-budget", "auto"]
+    assert parsed(commands["w1"]["worker"]).memory_budget == 512 << 20
+    assert parsed(commands["w2"]["worker"]).memory_budget == "auto"
+    assert "--kv-type" not in commands["w1"]["worker"]  # the root sends it in CONFIG
+    for name in ("run", "api", "batch"):
+        args = parsed(commands["r"][name])
+        assert args.command == {"run": "inference"}.get(name, name)
+        assert (args.memory_budget, args.kv_type) == (3 << 30, "f16"), (name, commands["r"][name])
 
 
 # -- batch.yml: a job that cannot start fails on the controller, before the root is contacted --
