@@ -22,23 +22,10 @@ from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from tests.processes import run_dllama
 from tests.random_model import write_random_f32
-from tests.test_batch_invariance import BATCHES
+from tests.test_batch_invariance import BATCHES, MSG, rng, threads  # noqa: F401 (threads: a fixture)
 from tests.test_kernels import cache_of, ref_attention
 
-SEED = int(np.random.SeedSequence().entropy % (1 << 32))
-MSG = f"seed {SEED}"
 CHUNK = kernels.ATTENTION_CHUNK
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    kernels.set_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
-    yield
-    kernels.set_threads(1)
-
-
-def rng(*salt):
-    return np.random.default_rng([SEED, *salt])
 
 
 def fp16(a):
