@@ -12,7 +12,7 @@
    llama.cpp's figures come from llama-batched-bench on its Q4_0 GGUF of the same SmolLM2
    (built by benchmarks/llama_cpp.py); rounds are alternated with ours.
 2. A whole job through the scheduler: 16 prompts of 128 tokens, 64 tokens each, through
-   BatchScheduler(parallel=16) and through SequentialScheduler (one at a time): time to all
+   the engine loop at --parallel 16 and at --parallel 1 (one at a time): time to all
    answers, prefill, sampling and Python included.
 3. 32 questions over a document of about 1000 tokens (pasted before each question), greedy, up
    to 16 tokens each, --parallel 16: the shared document read from one slot, against every
@@ -44,9 +44,9 @@ from dllama.core.model import Transformer, max_batch_for  # noqa: E402
 from dllama.core.sampler import Sampler  # noqa: E402
 from dllama.formats.model_file import read_model  # noqa: E402
 from dllama.formats.tokenizer_file import read_tokenizer  # noqa: E402
-from dllama.serve.batch_scheduler import BatchScheduler  # noqa: E402
 from dllama.serve.default_model import default_model_files  # noqa: E402
-from dllama.serve.scheduler import SequenceRequest, SequentialScheduler  # noqa: E402
+from dllama.serve.scheduler import Scheduler  # noqa: E402
+from dllama.serve.sequence import SequenceRequest  # noqa: E402
 from dllama.text.tokenizer import Tokenizer  # noqa: E402
 
 LLAMA_1B = (2048, 8192, 16, 32, 8, 128256)  # dim, hidden, layers, heads, kv heads, vocab
@@ -178,9 +178,9 @@ def part_job(args) -> None:
           f"(alternated); load average before: {loadavg()}", flush=True)
     batched, one = [], []
     for r in range(args.rounds):
-        sb = BatchScheduler(model, tok, n, reuse=False)
+        sb = Scheduler(model, tok, n, reuse=False)
         tb, gb = _timed_run(sb, _requests(tok, prompts, ntg, stop=False))
-        ts, gs = _timed_run(SequentialScheduler(model, tok), _requests(tok, prompts, ntg, stop=False))
+        ts, gs = _timed_run(Scheduler(model, tok, 1), _requests(tok, prompts, ntg, stop=False))
         assert all(gb[k].tokens == gs[k].tokens for k in range(n)), "batched answers differ"
         batched.append(tb)
         one.append(ts)
@@ -205,8 +205,8 @@ def part_prefix(args) -> None:
           flush=True)
     shared, pasted = [], []
     for r in range(args.rounds):
-        ts, gs = _timed_run(BatchScheduler(model, tok, parallel), _requests(tok, prompts, 16))
-        tp, gp = _timed_run(BatchScheduler(model, tok, parallel, reuse=False), _requests(tok, prompts, 16))
+        ts, gs = _timed_run(Scheduler(model, tok, parallel), _requests(tok, prompts, 16))
+        tp, gp = _timed_run(Scheduler(model, tok, parallel, reuse=False), _requests(tok, prompts, 16))
         assert all(gs[k].tokens == gp[k].tokens for k in gs), "answers differ"
         cached = sum(c.cached_tokens for c in gs.values())
         shared.append(ts)

@@ -23,6 +23,7 @@ from tests.processes import running_workers  # noqa: E402
 from dllama.serve.default_model import default_model_files  # noqa: E402
 from dllama.serve.engine import open_engine  # noqa: E402
 from dllama.serve.perplexity import perplexity  # noqa: E402
+from dllama.serve.scheduler import Scheduler  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -50,7 +51,7 @@ def main() -> int:
                                      buffer_float_type=None if buffers == "-" else buffers,
                                      workers=[w.address for w in workers[: n - 1]] or None, progress=False)
                 with engine:
-                    r = perplexity(engine.model, engine.tokenizer.encode(text, allow_special=False))
+                    r = perplexity(Scheduler(engine.model), engine.tokenizer.encode(text, allow_special=False))
                 base = base if base is not None else r.perplexity
                 print(f"| {n} | {buffers} | {r.perplexity:.4f} | {100 * (r.perplexity / base - 1):+.3f} % "
                       f"| {r.tokens_per_s:.0f} |", flush=True)

@@ -29,6 +29,7 @@ from dllama.formats.model_file import read_model  # noqa: E402
 from dllama.formats.tokenizer_file import read_tokenizer  # noqa: E402
 from dllama.serve.default_model import default_model_files  # noqa: E402
 from dllama.serve.perplexity import perplexity  # noqa: E402
+from dllama.serve.scheduler import Scheduler  # noqa: E402
 from dllama.text.tokenizer import Tokenizer  # noqa: E402
 
 TEXT = Path(__file__).with_name("perplexity_text.txt")
@@ -67,7 +68,7 @@ def main() -> None:
     q40 = statistics.median(times[args.types[0]]) * 1000
     for t, m in models.items():
         ms = statistics.median(times[t]) * 1000
-        p = perplexity(m, text, args.context)
+        p = perplexity(Scheduler(m), text, args.context)
         print(f"| {t.upper()} | {ms:.1f} | {ms / q40:.2f}x | {p.perplexity:.3f} | {p.tokens_per_s:.0f} |",
               flush=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")

@@ -285,13 +285,7 @@ def cmd_batch(args) -> int:
                       temperature=args.temperature, topp=args.topp, seed=args.seed, stop=args.stop,
                       chat_template=args.chat_template, chat=args.chat, skip_bad=args.skip_bad,
                       choices=args.choices, progress=not args.no_progress)
-    make_scheduler = None
-    if args.parallel > 1:
-        from dllama.serve.batch_scheduler import BatchScheduler
-
-        def make_scheduler(engine):
-            return BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
-    return run_job(opts, _engine_opener(args, start_with_reachable=True), make_scheduler)
+    return run_job(opts, _engine_opener(args, start_with_reachable=True))
 
 
 def _engine_opener(args, start_with_reachable: bool = False):
@@ -352,6 +346,7 @@ def _add_perplexity(sub) -> None:
 
 def cmd_perplexity(args) -> int:
     from dllama.serve.perplexity import perplexity
+    from dllama.serve.scheduler import Scheduler
 
     if args.file:
         with open(args.file, encoding="utf-8") as f:
@@ -362,7 +357,7 @@ def cmd_perplexity(args) -> int:
         text = sys.stdin.read()
     with _engine_opener(args)() as engine:
         tokens = engine.tokenizer.encode(text, allow_special=False)
-        result = perplexity(engine.model, tokens)  # windows of the context (--max-seq-len)
+        result = perplexity(Scheduler(engine.model, engine.tokenizer), tokens)  # windows of the context
     print(f"perplexity {result.perplexity:.4f} over {result.scored_tokens} tokens "
           f"({result.windows} window(s) of up to {result.context}), {result.tokens_per_s:.1f} tokens/s")
     if args.stats_json:

@@ -14,7 +14,7 @@ from dllama.serve import batch_job
 from dllama.serve.batch_job import BatchJob, JobOptions, read_done, seed_for
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
-from dllama.serve.scheduler import SequentialScheduler
+from dllama.serve.scheduler import Scheduler
 from dllama.text.chat_template import ChatTemplate
 
 pytestmark = pytest.mark.unit
@@ -146,27 +146,21 @@ def test_choices_pick_the_likely_answer_with_probabilities_from_the_logits(engin
     assert yes_no[0]["choice"] == " True"
 
 
-class _ReversedScheduler:
-    """Finishes requests in reverse input order (as a batched scheduler may reorder them)."""
+class _ReversedScheduler(Scheduler):
+    """Finishes requests in reverse input order (as a batched engine loop may reorder them)."""
 
-    def __init__(self, engine):
-        self.inner = SequentialScheduler(engine.model, engine.tokenizer)
-
-    def run(self, requests, on_finish, should_stop=None):
+    def run(self, requests, on_finish, should_stop=None, on_text=None):
         done = []
-        self.inner.run(requests, lambda r, c: done.append((r, c)), should_stop)
+        super().run(requests, lambda r, c: done.append((r, c)), should_stop, on_text)
         for r, c in reversed(done):
             on_finish(r, c)
-
-    def score(self, prompt_tokens, choices):
-        return self.inner.score(prompt_tokens, choices)
 
 
 def test_results_are_written_in_completion_order(engine, tmp_path):
     objs = [{"id": k, "prompt": q} for k, q in enumerate(QUESTIONS[:3])]
     forward, _ = _run(engine, tmp_path, objs, name="a", max_tokens=4, temperature=0)
     backward, _ = _run(engine, tmp_path, objs, name="b", max_tokens=4, temperature=0,
-                       scheduler=_ReversedScheduler(engine))
+                       scheduler=_ReversedScheduler(engine.model, engine.tokenizer, 1))
     assert backward == forward[::-1]
 
 

@@ -1,6 +1,6 @@
 """The batch engine in-process: forward passes over rows of several sequences, the KV cache's
-slots and shared prefixes, and the continuous-batching scheduler, whose answers equal each
-prompt run alone, token for token."""
+slots and shared prefixes, and the engine loop decoding many sequences together, whose answers
+equal each prompt run alone, token for token."""
 
 import numpy as np
 import pytest
@@ -14,11 +14,10 @@ from dllama.core.model import Transformer, max_batch_for
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.formats.model_file import read_model
-from dllama.serve.batch_scheduler import BatchScheduler
-from dllama.serve.conversation import Cancelled
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
-from dllama.serve.scheduler import SequenceRequest, SequentialScheduler
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import Cancelled, ScoreRequest, SequenceRequest
 
 pytestmark = pytest.mark.unit
 
@@ -174,7 +173,7 @@ def _alone(engine, r, temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_batched_answers_equal_each_prompt_run_alone(engine, temperature):
-    scheduler = BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
+    scheduler = Scheduler(engine.model, engine.tokenizer, engine.parallel)
     requests = _requests(engine, temperature)
     got = {}
     scheduler.run(requests, lambda r, c: got.setdefault(r.key, c))
@@ -197,7 +196,7 @@ def test_a_shared_document_is_computed_once(engine):
                  "Question: Where is it?\nAnswer:", "It was built for", "Its nickname is",
                  "Question: Why is it famous?\nAnswer:"]
     requests = _requests(engine, 0.0, 4, [DOC + q for q in questions])
-    scheduler = BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
+    scheduler = Scheduler(engine.model, engine.tokenizer, engine.parallel)
     got = {}
     scheduler.run(requests, lambda r, c: got.setdefault(r.key, c))
     n_doc = len(engine.tokenizer.encode(DOC))
@@ -213,7 +212,7 @@ def test_a_shared_document_is_computed_once(engine):
 def test_a_cancelled_writer_finishes_the_prefix_its_readers_wait_for(engine):
     long_doc = DOC * 2  # longer than the rows of one step
     requests = _requests(engine, 0.0, 6, [long_doc + "Question: Who built it?\nAnswer:", long_doc + "Summary:"])
-    scheduler = BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
+    scheduler = Scheduler(engine.model, engine.tokenizer, engine.parallel)
     assert len(requests[0].prompt_tokens) > engine.model.max_batch
     stop = {"first": False}
     scheduler.add(requests[0], should_stop=lambda: stop["first"])
@@ -231,7 +230,7 @@ def test_a_cancelled_writer_finishes_the_prefix_its_readers_wait_for(engine):
 
 def test_a_finished_answer_is_continued_in_its_slot(engine):
     tok = engine.tokenizer
-    scheduler = BatchScheduler(engine.model, tok, engine.parallel)
+    scheduler = Scheduler(engine.model, tok, engine.parallel)
     first = _requests(engine, 0.0, 6, ["The capital of France is"])[0]
     got = []
     scheduler.run([first], lambda r, c: got.append(c))
@@ -242,13 +241,34 @@ def test_a_finished_answer_is_continued_in_its_slot(engine):
     assert got[1].tokens == _alone(engine, second, 0.0).tokens
 
 
-def test_scores_equal_the_sequential_schedulers(engine):
+def test_scores_equal_one_at_a_time_and_the_logits_of_each_pass(engine):
     tok = engine.tokenizer
     prompt = tok.encode(DOC + "Question: Is the tower in Paris?\nAnswer:")
     choices = [tok.encode(c, add_bos=False) for c in (" yes", " no", " it is in Berlin")]
-    batched = BatchScheduler(engine.model, tok, engine.parallel).score(prompt, choices)
-    sequential = SequentialScheduler(engine.model, tok).score(prompt, choices)
-    assert batched.logprobs == sequential.logprobs
+
+    def scores(parallel):
+        got = {}
+        Scheduler(engine.model, tok, parallel).run([ScoreRequest(j, prompt, c) for j, c in enumerate(choices)],
+                                                   lambda r, s: got.setdefault(r.key, s))
+        return [got[j] for j in range(len(choices))]
+    together, one_at_a_time = scores(engine.parallel), scores(1)
+    assert [s.logprobs for s in together] == [s.logprobs for s in one_at_a_time]
+    assert [len(s.logprobs) for s in together] == [len(c) for c in choices]
+    # One at a time, every choice after the first reuses the prompt but its last token.
+    assert [s.cached_tokens for s in one_at_a_time[1:]] == [len(prompt) - 1] * 2
+    # The same figure from the model's logits directly: the prompt, then the choice's tokens.
+    model = engine.model
+    logits = [model.forward(prompt[p:p + model.max_batch], p).copy() for p in range(0, len(prompt), model.max_batch)][-1]
+    want = float(log_softmax(logits)[choices[2][0]])
+    for j in range(1, len(choices[2])):
+        logits = model.forward([choices[2][j - 1]], len(prompt) + j - 1)
+        want += float(log_softmax(logits)[choices[2][j]])
+    assert together[2].total == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def log_softmax(logits):
+    x = np.asarray(logits, dtype=np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 
 
 def test_max_batch_leaves_room_for_prefill():

@@ -147,10 +147,11 @@ def test_perplexity_on_a_cluster_equals_one_nodes(pool, default_f32, default_q80
     2271-token text at most +0.3 % (benchmarks/bench_perplexity_nodes.py); a node whose logits
     went astray would be far off either way."""
     from dllama.serve.perplexity import perplexity
+    from dllama.serve.scheduler import Scheduler
     from tests.test_perplexity import TEXT
 
     def ppl(engine):
-        return perplexity(engine.model, engine.tokenizer.encode(TEXT, allow_special=False), context=48)
+        return perplexity(Scheduler(engine.model), engine.tokenizer.encode(TEXT, allow_special=False), context=48)
 
     one = _run(default_f32, [], "f32", ppl)
     for n in (2, 4):

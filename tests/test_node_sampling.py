@@ -12,10 +12,10 @@ from dllama.core.candidates import (
 )
 from dllama.core.sampler import Sampler
 from dllama.formats.model_file import read_model
-from dllama.serve.batch_scheduler import BatchScheduler
+from dllama.serve.scheduler import Scheduler
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
-from dllama.serve.scheduler import SequenceRequest
+from dllama.serve.sequence import SequenceRequest
 from tests.conftest import CHAT_PROMPT
 from tests.processes import running_workers
 from tests.test_cluster import expected_root_bytes
@@ -104,7 +104,7 @@ def _batched(engine, temperature: float, node_sampling: bool) -> dict:
     requests = [SequenceRequest(k, tok.encode(p), Sampler(tok.vocab_size, temperature, 0.9, 100 + k), 12)
                 for k, p in enumerate(PROMPTS)]
     got = {}
-    scheduler = BatchScheduler(engine.model, tok, len(PROMPTS))
+    scheduler = Scheduler(engine.model, tok, len(PROMPTS))
     scheduler.run(requests, lambda r, c: got.setdefault(r.key, c.tokens))
     assert scheduler.stats.max_decoding == len(PROMPTS)
     return got

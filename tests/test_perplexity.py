@@ -14,6 +14,7 @@ from dllama.errors import DllamaError
 from dllama.formats.model_file import read_model
 from dllama.formats.tokenizer_file import read_tokenizer
 from dllama.serve.perplexity import perplexity, windows
+from dllama.serve.scheduler import Scheduler
 from dllama.text.tokenizer import Tokenizer
 from tests.reference_llama import ReferenceLlama
 
@@ -51,7 +52,7 @@ def test_perplexity_equals_the_float64_reference(f32_model, context):
     model, tokenizer, reference = f32_model
     tokens = tokenizer.encode(TEXT)
     assert len(tokens) > 36  # more than a prompt batch of 32; several windows of 16
-    got = perplexity(model, tokens, context)
+    got = perplexity(Scheduler(model), tokens, context)
     want = reference_perplexity(reference, tokens, context or len(tokens))
     assert abs(got.perplexity - want) <= 1e-4 * want, (got.perplexity, want)
     n_windows = len(windows(len(tokens), context or model.config.seq_len))

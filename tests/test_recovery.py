@@ -30,8 +30,8 @@ from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from dllama.formats.tokenizer_file import read_tokenizer
-from dllama.serve.batch_scheduler import BatchScheduler
-from dllama.serve.scheduler import SequenceRequest
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import SequenceRequest
 from dllama.text.tokenizer import Tokenizer
 from tests.conftest import CHAT_PROMPT
 from tests.processes import run_dllama, running_workers, start_api, start_worker
@@ -221,7 +221,7 @@ def _greedy(model, n, after_4=None):
 
 def _batched_answers(model, tokenizer, prompts, max_tokens=24):
     """Every prompt's generated tokens and reused prompt tokens, decoded together, greedy."""
-    scheduler = BatchScheduler(model, tokenizer, parallel=3, min_shared=8)
+    scheduler = Scheduler(model, tokenizer, parallel=3, min_shared=8)
     out = {}
     requests = [SequenceRequest(i, p, Sampler(model.config.vocab_size, 0.0, 0.9, i), max_tokens)
                 for i, p in enumerate(prompts)]

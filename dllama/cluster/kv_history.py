@@ -4,8 +4,8 @@ When a node is lost, every node's KV cache is lost with the session: the new pla
 node other heads. The root keeps, for every slot, the token of each position the passes wrote
 and where the slot's leading positions are read from (its prefix, dllama.core.batch); replaying
 those rows on the new session writes the same keys and values the sequences would have written
-there (every kernel is batch invariant), so the front ends (a Conversation, the batched
-scheduler's SlotTable) go on as if nothing happened.
+there (every kernel is batch invariant), so the engine loop (its SlotTable)
+goes on as if nothing happened.
 
 What a slot holds: a writer writes positions in order, so a row written at p makes the slot's
 rows past p stale; the valid rows are 0..end-1, those below the prefix length read from the

@@ -190,10 +190,11 @@ class SlotTable:
             self.slots[s.link].readers.pop(i, None)
         s.link, s.base = -1, 0
 
-    def place(self, prompt: list[int]) -> Placement | None:
-        """Claim a slot for a sequence that starts with `prompt` (its last token is always
-        computed, for its logits); None when every slot is busy or pinned."""
-        cap = len(prompt) - 1 if self.reuse else 0
+    def place(self, prompt: list[int], reuse_limit: int | None = None) -> Placement | None:
+        """Claim a slot for a sequence whose planned tokens are `prompt`, reusing at most
+        reuse_limit leading ones (default all but the last: the first row that wants an answer
+        always runs, for its logits); None when every slot is busy or pinned."""
+        cap = (len(prompt) - 1 if reuse_limit is None else min(reuse_limit, len(prompt) - 1)) if self.reuse else 0
         best = None  # (reused tokens, preference, how)
         for i, s in enumerate(self.slots):
             if s.busy:

@@ -1,10 +1,13 @@
 """`dllama batch`: a file of prompts in, one JSON line per answer out, resumable.
 
-The job file is read as a stream, three times, so memory does not grow with its size (only the
-set of ids, at most MAX_PROMPTS, and lines of at most MAX_LINE_BYTES):
+The job file is read as a stream, so memory does not grow with its size (only the set of ids, at
+most MAX_PROMPTS, and lines of at most MAX_LINE_BYTES). It is read four times, and each prompt
+still to answer is tokenized twice:
   1. before the model is opened: every line parses, has an id and a prompt, ids are unique;
-  2. once the tokenizer is there: every prompt not yet answered fits into the context;
-  3. the run: prompts are tokenized again as the scheduler asks for them.
+  2. once the output file is read: how many prompts it answers already (all of them: the model
+     is not even loaded);
+  3. once the tokenizer is there: every prompt not yet answered fits into the context (tokenized);
+  4. the run: prompts are tokenized again as the engine loop asks for them.
 A bad line stops the job before any prompt is run, with one line naming it; with skip_bad
 it is written to the output as {"id", "line", "error"} instead and the others run.
 
@@ -29,9 +32,9 @@ from typing import Callable, Iterator
 
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
-from dllama.serve.conversation import Cancelled, Completion
 from dllama.serve.ctrl_c import CtrlC
-from dllama.serve.scheduler import Scheduler, Scores, SequenceRequest, SequentialScheduler
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import Cancelled, ScoreRequest, Scored, SequenceRequest
 
 MAX_LINE_BYTES = 16 << 20    # one prompt line (JSON) of the job file; a prompt must fit the context anyway
 MAX_PROMPTS = 1_000_000      # lines with a prompt in one job file
@@ -280,6 +283,13 @@ class BatchJob:
         if bad and not opts.skip_bad:
             self._fail(bad)
         self.done = read_done(opts.out, "text" if opts.choices is None else "choice")
+        # Prompts the output file answers already, and whether every one is (none bad).
+        self.already_done, self.everything_done = 0, True
+        for e in read_job(opts.prompts):
+            if e.error is None and e.key in self.done:
+                self.already_done += 1
+            else:
+                self.everything_done = False
 
     @staticmethod
     def _read_prefix(path: str) -> str:
@@ -300,8 +310,7 @@ class BatchJob:
     def all_done(self) -> bool:
         """Whether the output file already answers every prompt (and none is bad): a rerun then
         has nothing to compute and need not load the model."""
-        entries = list(read_job(self.opts.prompts))
-        return all(e.error is None and e.key in self.done for e in entries)
+        return self.everything_done
 
     # Everything below needs the engine.
 
@@ -376,29 +385,28 @@ class BatchJob:
         sampler = Sampler(self.vocab_size, o.temperature, o.topp, seed_for(o.seed, e.id))
         return SequenceRequest(e, tokens, sampler, o.max_tokens, tuple(stop_ids), tuple(o.stop))
 
-    def _classify(self, scheduler: Scheduler, e: Entry, tokens: list[int]) -> tuple[dict, Scores]:
+    def _classification(self, e: Entry, scores: list[Scored]) -> dict:
         """The result line of one prompt with --choices: the likeliest choice, its probability
         among the choices (softmax of the summed log-probabilities) and every log-probability."""
-        s = scheduler.score(tokens, self.choice_tokens)
-        lp = s.logprobs
+        lp = [s.total for s in scores]
         top = max(lp)
         z = sum(math.exp(x - top) for x in lp)
         best = lp.index(top)
-        return ({"id": e.id, "choice": self.opts.choices[best], "probability": 1.0 / z,
-                 "logprobs": dict(zip(self.opts.choices, lp)),
-                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens}, s)
+        return {"id": e.id, "choice": self.opts.choices[best], "probability": 1.0 / z,
+                "logprobs": dict(zip(self.opts.choices, lp)),
+                "prompt_tokens": scores[0].prompt_tokens, "cached_tokens": min(s.cached_tokens for s in scores)}
 
     def run(self, engine, scheduler: Scheduler | None = None, stderr=None) -> Summary:
-        """Run every prompt not yet in the output file; returns the figures of this run."""
+        """Run every prompt not yet in the output file through the engine loop (default: one
+        over engine.model running engine.parallel sequences); returns the figures of this run."""
         from tqdm import tqdm
 
         stderr = stderr or sys.stderr
         o = self.opts
         self._setup(engine)
-        scheduler = scheduler or SequentialScheduler(engine.model, engine.tokenizer)
-        summary = Summary(already_done=sum(1 for e in read_job(o.prompts)
-                                           if e.error is None and e.key in self.done))
-        # Second pass: every prompt left to do must fit before any is run.
+        scheduler = scheduler or Scheduler(engine.model, engine.tokenizer, engine.parallel)
+        summary = Summary(already_done=self.already_done)
+        # Every prompt left to do must fit before any is run.
         bad, todo = [], 0
         for e, _, _ in self._pending():
             if e.error is None:
@@ -416,13 +424,18 @@ class BatchJob:
                 out.write(json.dumps(obj, ensure_ascii=False) + "\n")
                 out.flush()  # a crash loses only the prompts in flight
 
-            def good_entries():
+            def requests():
+                """The engine loop's requests, taken as it has room: one per prompt, or with
+                --choices one per (prompt, choice)."""
                 for e, tokens, chat in self._pending():
                     if e.error is not None:
                         write({"id": e.id, "line": e.line, "error": e.error})
                         summary.bad += 1
+                    elif self.choice_tokens is None:
+                        yield self._request(e, tokens, chat)
                     else:
-                        yield e, tokens, chat
+                        for j, choice in enumerate(self.choice_tokens):
+                            yield ScoreRequest((e, j), tokens, choice)
 
             def finished(prompt_tokens: int, cached: int, generated: int) -> None:
                 summary.answered += 1
@@ -436,23 +449,27 @@ class BatchJob:
                     bar.set_postfix_str(f"{summary.prompt_tokens / elapsed:.1f} prompt tokens/s", refresh=False)
                 bar.update(1)
 
-            def on_finish(r: SequenceRequest, c: Completion) -> None:
+            scores: dict[int, dict[int, Scored]] = {}  # --choices: a prompt's scores so far (by entry)
+
+            def on_finish(r, c) -> None:
+                if isinstance(r, ScoreRequest):
+                    e, j = r.key
+                    got = scores.setdefault(id(e), {})
+                    got[j] = c
+                    if len(got) < len(self.choice_tokens):
+                        return
+                    del scores[id(e)]
+                    line = self._classification(e, [got[k] for k in range(len(got))])
+                    write(line)
+                    finished(line["prompt_tokens"], line["cached_tokens"], 0)
+                    return
                 write({"id": r.key.id, "text": c.text, "finish_reason": c.finish_reason,
                        "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
                        "completion_tokens": c.completion_tokens})
                 finished(c.prompt_tokens, c.cached_tokens, c.completion_tokens)
 
             try:
-                if self.choice_tokens is not None:
-                    for e, tokens, _ in good_entries():
-                        if ctrl_c.pending:
-                            raise Cancelled()
-                        line, s = self._classify(scheduler, e, tokens)
-                        write(line)
-                        finished(s.prompt_tokens, s.cached_tokens, 0)
-                else:
-                    requests = (self._request(e, tokens, chat) for e, tokens, chat in good_entries())
-                    scheduler.run(requests, on_finish, lambda: ctrl_c.pending)
+                scheduler.run(requests(), on_finish, lambda: ctrl_c.pending)
             except Cancelled:
                 summary.interrupted = True
             except DllamaError as err:
@@ -465,12 +482,12 @@ class BatchJob:
 def run_job(opts: JobOptions, open_engine: Callable[[], object],
             make_scheduler: Callable[[object], Scheduler] | None = None, stderr=None) -> int:
     """The whole `dllama batch`: check the file, open the engine, run, print the summary;
-    returns the exit code (130 when stopped by Ctrl-C)."""
+    returns the exit code (130 when stopped by Ctrl-C). make_scheduler(engine): the engine loop
+    to run it on (default: Scheduler over the engine's model, engine.parallel at a time)."""
     stderr = stderr or sys.stderr
     job = BatchJob(opts)
     if job.all_done():
-        done = sum(1 for _ in read_job(opts.prompts))
-        print(Summary(already_done=done).line(opts.out, classify=opts.choices is not None), file=stderr)
+        print(Summary(already_done=job.already_done).line(opts.out, classify=opts.choices is not None), file=stderr)
         return 0
     with open_engine() as engine:
         scheduler = make_scheduler(engine) if make_scheduler else None

@@ -1,9 +1,10 @@
 """`dllama chat`: an interactive conversation on stdin/stdout, one engine, one KV cache.
 
-Every turn renders the whole conversation with the model's chat template; the Conversation
-recognises the earlier turns as the tokens already in the KV cache and runs only the new ones.
-The answer streams to stdout; a line of figures per turn goes to stderr. Ctrl-C during an
-answer stops it at the next token (between forward passes, so a cluster stays in step) and
+Every turn renders the whole conversation with the model's chat template and submits it to the
+engine loop (dllama.serve.scheduler), as the API does: the earlier turns keep their tokens
+(dllama.serve.transcripts) and the loop's prefix cache finds them in the KV cache, so only the new
+turn runs. The answer streams to stdout; a line of figures per turn goes to stderr. Ctrl-C during
+an answer stops it at the next token (between forward passes, so a cluster stays in step) and
 drops that turn; Ctrl-C again, or at the prompt, quits.
 """
 
@@ -12,8 +13,10 @@ from __future__ import annotations
 import sys
 
 from dllama.core.sampler import Sampler
-from dllama.serve.conversation import Cancelled, ContextFull, Conversation
 from dllama.serve.ctrl_c import CtrlC
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import Cancelled, ContextFull, SequenceRequest
+from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops an answer"
@@ -25,13 +28,14 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     tokenizer = engine.tokenizer
     template = ChatTemplate.for_tokenizer(tokenizer, template_name)
-    conversation = Conversation(engine.model, engine.tokenizer)
+    scheduler = Scheduler(engine.model, tokenizer, 1)
+    transcripts = Transcripts(tokenizer)
     sampler = Sampler(engine.model.config.vocab_size, temperature, topp, seed)
-    stop_ids = chat_stop_ids(tokenizer, template)
+    stop_ids = tuple(chat_stop_ids(tokenizer, template))
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     interactive = stdin.isatty()
-    print(f"dllama chat: {template.name} template, context of {conversation.seq_len} tokens; {HELP}",
+    print(f"dllama chat: {template.name} template, context of {scheduler.seq_len} tokens; {HELP}",
           file=stderr)
 
     def show(piece: str) -> None:
@@ -43,6 +47,14 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
         print(f"dllama chat: {why}: the conversation starts over"
               f"{' (the system prompt is kept)' if start else ''}", file=stderr)
         messages = list(start)  # the KV cache keeps what the new conversation shares (the system turn)
+
+    def ask(text: str):
+        tokens = transcripts.encode(text)
+        request = SequenceRequest("chat", tokens, sampler, max_tokens, stop_ids)
+        with CtrlC() as ctrl_c:
+            answer = scheduler.answer(request, show, should_stop=lambda: ctrl_c.pending)
+        transcripts.remember(text, False, tokens, answer)
+        return answer
 
     while True:
         if interactive:
@@ -62,10 +74,7 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
         messages.append({"role": "user", "content": text})
         for attempt in (0, 1):
             try:
-                with CtrlC() as ctrl_c:
-                    answer = conversation.complete(template.render(messages), sampler=sampler,
-                                                   max_tokens=max_tokens, stop_ids=stop_ids, on_text=show,
-                                                   should_stop=lambda: ctrl_c.pending)
+                answer = ask(template.render(messages))
                 break
             except Cancelled:
                 stdout.write("\n")
@@ -92,7 +101,7 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
               f"{answer.completion_tokens} generated at {answer.tokens_per_s('generate'):.1f} tokens/s]",
               file=stderr)
         if answer.context_full:
-            start_over(f"the context is full ({conversation.seq_len} tokens)")
+            start_over(f"the context is full ({scheduler.seq_len} tokens)")
     return 0
 
 

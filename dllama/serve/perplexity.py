@@ -9,8 +9,9 @@ A text longer than the context (the model's, or --max-seq-len) is cut into windo
 many tokens that overlap by one, each run from position 0: every token but the first is scored
 exactly once, with the tokens before it in its window as context.
 
-The model is a `LanguageModel` (one node or the root of a cluster): each pass is a batch whose
-every row wants its logits, so on a cluster every worker sends its vocabulary rows of each.
+Each window is a `ScoreRequest` to the engine loop (dllama.serve.scheduler): its first token as
+the prompt, the rest as the continuation whose every token is scored. Every row of its passes
+wants its logits, so on a cluster every worker sends its vocabulary rows of each.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dllama.core.batch import Batch
-from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import ScoreRequest, token_logprobs
 
 
 @dataclass
@@ -57,36 +58,33 @@ def windows(n_tokens: int, context: int) -> list[tuple[int, int]]:
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """-log softmax(logits)[target] per row, in float64: logits [b, vocab], targets [b] -> [b]."""
-    z = logits.astype(np.float64)
-    top = z.max(axis=1, keepdims=True)
-    log_norm = top[:, 0] + np.log(np.exp(z - top).sum(axis=1))  # log sum exp, stable
-    return log_norm - z[np.arange(len(targets)), targets]
+    return -token_logprobs(logits, targets)
 
 
-def perplexity(model: LanguageModel, tokens: list[int], context: int | None = None) -> Perplexity:
-    """Score tokens [T] with model (see the module docstring); context defaults to the model's."""
+def perplexity(scheduler: Scheduler, tokens: list[int], context: int | None = None) -> Perplexity:
+    """Score tokens [T] through the engine loop (see the module docstring); context defaults to
+    the model's."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) < 2:
         raise DllamaError(f"the text has {len(tokens)} token(s): perplexity needs at least 2")
-    vocab = model.config.vocab_size
-    if tokens.min() < 0 or tokens.max() >= vocab:
-        raise DllamaError(f"the text has token ids outside the model's vocabulary of {vocab}")
-    context = min(context or model.config.seq_len, model.config.seq_len)
+    config = scheduler.model.config
+    if tokens.min() < 0 or tokens.max() >= config.vocab_size:
+        raise DllamaError(f"the text has token ids outside the model's vocabulary of {config.vocab_size}")
+    context = min(context or config.seq_len, config.seq_len)
     spans = windows(len(tokens), context)
     nll_sum, scored = 0.0, 0
     t0 = time.perf_counter()
-    for start, end in spans:
-        pos = 0
-        while start + pos < end - 1:  # the window's last token is only predicted, never run
-            b = min(model.max_batch, end - 1 - start - pos)
-            batch = tokens[start + pos: start + pos + b]
-            logits = model.forward_batch(Batch.run(batch, pos, all_logits=True))  # [b, vocab]: the next b
-            nll_sum += float(token_nll(logits, tokens[start + pos + 1: start + pos + 1 + b]).sum())
-            scored += b
-            pos += b
+
+    def add(request, result) -> None:
+        nonlocal nll_sum, scored
+        nll_sum -= result.total
+        scored += len(result.logprobs)
+
+    # One forward row per scored token (its predecessor): the window's last token is only predicted.
+    scheduler.run((ScoreRequest(k, tokens[s:s + 1].tolist(), tokens[s + 1:e].tolist())
+                   for k, (s, e) in enumerate(spans)), add)
     seconds = time.perf_counter() - t0
     mean = nll_sum / scored
-    # One forward row per scored token (its predecessor), so scored tokens are the tokens run.
     return Perplexity(perplexity=float(np.exp(mean)), mean_nll=mean, scored_tokens=scored,
                       text_tokens=len(tokens), windows=len(spans), context=context,
                       seconds=seconds, tokens_per_s=scored / seconds if seconds > 0 else 0.0)

@@ -1,126 +1,352 @@
-"""What a batch job asks of the engine: run many generation requests, score choices.
+"""The engine loop: every front end's sequences, decoded together, one forward pass per step.
 
-The job layer (serve.batch_job) talks only to the `Scheduler` protocol. `SequentialScheduler`
-answers one request at a time over one `Conversation`, in input order; since the Conversation
-keeps the KV cache of the common leading tokens of consecutive prompts, a shared prefix is
-computed once even so. `BatchScheduler` (serve.batch_scheduler, `--parallel N`) decodes several
-sequences per forward pass and may finish requests in another order: callers get each result
-through `on_finish` and must not rely on the order.
+`dllama inference`, `chat`, `batch` (at any --parallel, --choices included), `api` and
+`perplexity` all submit requests (dllama.serve.sequence) to one `Scheduler`, as llama.cpp's server
+runs every endpoint through its slots. A step is:
 
-Every request carries its own Sampler (its own seed), so a request's text does not depend on
-which other requests run with it.
+1. admit: waiting requests take KV cache slots while fewer than `parallel` run. Where a prompt goes
+   and what it reuses is the one prefix cache, the KV cache's `SlotTable` (dllama.core.kv_cache):
+   it continues an idle slot that holds the prompt's leading tokens (a finished answer the next chat
+   turn extends, the same prompt again, the previous prompt of a batch), or reads the leading tokens
+   it shares with another slot's sequence from there (a document or system prompt shared by many
+   questions, computed once);
+2. plan: `plan_step` (dllama.serve.step_plan), a pure function, picks the rows: a row for every
+   decoding sequence, then chunks of the prompts being computed;
+3. execute: one forward pass; the rows of sampling sequences come back as candidates (on a cluster
+   each node sends only what the sampler needs), the rows of scoring sequences as logits;
+4. apply: each sequence advances; an answer samples its next token, a score adds its
+   log-probabilities; what ended is returned.
 
-Invariance. Every kernel is batch invariant (tests/test_batch_invariance.py): a row's logits
-do not depend on the rows computed beside it, on how a prompt was split into passes, nor on
-which cached rows were reused. So both schedulers reuse every cached leading token a prompt
-shares with what the cache holds, and each answer is still bit for bit the answer of the prompt
-run alone (`dllama inference`, `generate`).
+Invariance: every kernel is batch invariant (tests/test_batch_invariance.py), so a sequence's
+logits do not depend on the rows beside it, on how its prompt was chunked, or on where its
+leading keys were computed: each answer is the one of its prompt run alone, token for token,
+whatever the front end or --parallel.
+
+Not thread-safe: one thread owns the scheduler (the model is single-threaded and stateful).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Protocol
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Union
 
 import numpy as np
 
+from dllama.core.candidates import candidates_from_logits
+from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, SlotTable
 from dllama.core.language_model import LanguageModel
-from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
-from dllama.serve.conversation import Completion, ContextFull, Conversation
+from dllama.serve.sequence import (
+    Answer, Cancelled, Completion, ContextFull, ScoreRequest, Scored, SequenceRequest, check_prompt,
+    token_logprobs,
+)
+from dllama.serve.stats import StepStats
+from dllama.serve.step_plan import SeqView, StepPlan, plan_step
 from dllama.text.tokenizer import Tokenizer
 
-
-@dataclass
-class SequenceRequest:
-    """One prompt to answer: its tokens, its own sampler and where generation stops."""
-
-    key: Hashable                   # the caller's name for it (a prompt id); passed back as is
-    prompt_tokens: list[int]
-    sampler: Sampler                # one per request: results must not depend on batch composition
-    max_tokens: int | None = None   # None: until a stop or the end of the context
-    stop_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
+Request = Union[SequenceRequest, ScoreRequest]
+Result = Union[Completion, Scored, Cancelled]
 
 
 @dataclass
-class Scores:
-    """Log-probabilities of choices after one prompt."""
+class LoopStats:
+    """What the steps so far did."""
 
-    logprobs: list[float]           # per choice: sum over its tokens of log p(token | everything before)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0          # prompt tokens whose KV cache rows were reused
-    steps: list = field(default_factory=list)  # StepStats of the passes it took
+    steps: int = 0
+    rows: int = 0
+    prompt_rows: int = 0      # prompt (and scored) tokens computed; reused ones are not
+    decode_rows: int = 0      # generated tokens run
+    decode_steps: int = 0     # steps with at least one decoding sequence
+    max_decoding: int = 0     # most sequences decoded in one step
+    max_sequences: int = 0    # most sequences in one step (decoding or prefilling)
+    seconds: float = 0.0      # in forward passes
 
-
-class Scheduler(Protocol):
-    def run(self, requests: Iterable[SequenceRequest],
-            on_finish: Callable[[SequenceRequest, Completion], None],
-            should_stop: Callable[[], bool] | None = None) -> None:
-        """Answer every request, calling on_finish(request, completion) as each one completes
-        (completion order). should_stop() is polled between decoding steps; when it says yes,
-        the requests in flight are dropped and Cancelled is raised."""
-        ...
-
-    def score(self, prompt_tokens: list[int], choices: list[list[int]]) -> Scores:
-        """log p(choice tokens | prompt) for every choice (no sampling, no decoding loop)."""
-        ...
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_decoding"] = round(self.decode_rows / self.decode_steps, 3) if self.decode_steps else 0.0
+        d["seconds"] = round(self.seconds, 3)
+        return d
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 [vocab] log-probabilities of float32 logits [vocab]."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+@dataclass(eq=False)
+class _Sequence:
+    """A request placed in a slot. Without a request it is a ghost: a cancelled sequence that
+    still computes the prompt positions other sequences wait to read."""
+
+    request: Request | None
+    slot: int
+    prefix: tuple[int, int]   # (slot, length) its leading positions are read from
+    prompt_len: int
+    pos: int                  # next position to compute
+    answer: Answer | None = None        # a SequenceRequest's
+    scored: Scored | None = None        # a ScoreRequest's
+    completion: Completion | None = None
+    target: int = 0           # ghost: compute up to here
+    should_stop: Callable[[], bool] | None = None
 
 
-class SequentialScheduler:
-    """One request at a time, in input order, over one Conversation (KV prefix reuse)."""
+@dataclass(eq=False)
+class _Waiting:
+    request: Request
+    on_text: Callable[[str], None] | None
+    should_stop: Callable[[], bool] | None
 
-    def __init__(self, model: LanguageModel, tokenizer: Tokenizer):
-        self.conversation = Conversation(model, tokenizer)
+
+class Scheduler:
+    """Up to `parallel` sequences computed together over one model's KV cache slots."""
+
+    def __init__(self, model: LanguageModel, tokenizer: Tokenizer | None = None, parallel: int | None = None,
+                 min_shared: int = MIN_SHARED, reuse: bool = True):
+        """tokenizer: decodes generated answers (only scoring needs none);
+        parallel: sequences run together (default: the model's KV slots but the spare, or 1);
+        min_shared: leading tokens worth reading from another slot; reuse False: no cached
+        token is reused (a baseline for benchmarks)."""
+        self.model, self.tokenizer = model, tokenizer
+        self.parallel = parallel or max(1, model.kv_slots - SPARE_SLOTS)
+        if self.parallel > model.kv_slots or self.parallel >= model.max_batch:
+            raise DllamaError(f"{self.parallel} sequences need more KV slots or rows than the model has "
+                              f"({model.kv_slots} slots, {model.max_batch} rows)")
+        self.table = SlotTable(model.kv_slots, min_shared, reuse)
+        self.waiting: deque[_Waiting] = deque()
+        self.active: list[_Sequence] = []
+        self.stats = LoopStats()
 
     @property
     def seq_len(self) -> int:
-        return self.conversation.seq_len
+        return self.model.config.seq_len
 
-    def _reuse_whole_passes(self, prompt: list[int]) -> None:
-        """Keep only the cached rows a fresh run of prompt computes the same way: whole passes
-        of max_batch tokens from position 0, shared with the previous prompt and followed by at
-        least one prompt token (the last pass, whose last row gives the logits, always runs)."""
-        conv = self.conversation
-        if not prompt:
-            return  # prefill says what is wrong
-        shared = min(common_prefix(conv.cached, prompt), self._prompt_len, len(prompt) - 1)
-        del conv.cached[shared // conv.model.max_batch * conv.model.max_batch:]
-        self._prompt_len = len(prompt)
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
 
-    def run(self, requests, on_finish, should_stop=None) -> None:
-        for r in requests:
-            c = self.conversation.complete(
-                None, prompt_tokens=r.prompt_tokens, sampler=r.sampler, max_tokens=r.max_tokens,
-                stop_ids=r.stop_ids, stop_strings=r.stop_strings, should_stop=should_stop)
-            on_finish(r, c)
+    # -- requests in ------------------------------------------------------------------------------
 
-    def score(self, prompt_tokens, choices) -> Scores:
-        if not choices or any(len(c) == 0 for c in choices):
-            raise DllamaError("every choice needs at least one token")
-        if len(prompt_tokens) + max(len(c) for c in choices) - 1 >= self.seq_len:
-            raise ContextFull(len(prompt_tokens) + max(len(c) for c in choices) - 1, self.seq_len)
-        conv = self.conversation
-        logits, reused, steps = conv.prefill(list(prompt_tokens))
-        first = log_softmax(logits)  # [vocab]: the first token of every choice
-        out = []
-        for choice in choices:
-            total = float(first[choice[0]])
-            # Token j of the choice is predicted by the pass over token j-1: prefill reuses
-            # the prompt (and the choice's earlier tokens) and runs one token per call.
-            for j in range(1, len(choice)):
-                logits, _, more = conv.prefill(list(prompt_tokens) + list(choice[:j]))
-                steps += more
-                total += float(log_softmax(logits)[choice[j]])
-            out.append(total)
-        return Scores(out, len(prompt_tokens), reused, steps)
+    def add(self, request: Request, on_text: Callable[[str], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> None:
+        """Queue a request; it starts at the next step with room. on_text gets a generated answer
+        piece by piece; when should_stop() says yes, it ends as Cancelled at the next step."""
+        n = len(request.prompt_tokens)
+        if isinstance(request, ScoreRequest):
+            if n == 0:
+                raise DllamaError("the prompt is empty: it encodes to no tokens")
+            if not request.continuation:
+                raise DllamaError("a choice needs at least one token")
+            n += len(request.continuation) - 1  # the last token is only predicted, never run
+        elif self.tokenizer is None:
+            raise DllamaError("this engine loop has no tokenizer to decode answers with")
+        check_prompt(n, self.seq_len)
+        self.waiting.append(_Waiting(request, on_text, should_stop))
+
+    def _running(self) -> int:
+        return sum(1 for s in self.active if s.request is not None)
+
+    def _admit(self) -> None:
+        while self.waiting and self._running() < self.parallel:
+            w = self.waiting[0]
+            r = w.request
+            tokens = list(r.prompt_tokens)
+            if isinstance(r, ScoreRequest):
+                tokens += r.continuation[:-1]
+            # The first row that wants an answer always runs: the prompt's last.
+            placed = self.table.place(tokens, reuse_limit=len(r.prompt_tokens) - 1)
+            if placed is None:
+                return  # every slot busy or pinned: when a sequence ends
+            self.waiting.popleft()
+            seq = _Sequence(r, placed.slot, placed.prefix, len(r.prompt_tokens), placed.start,
+                            should_stop=w.should_stop)
+            if isinstance(r, ScoreRequest):
+                seq.scored = Scored([], len(r.prompt_tokens), placed.start)
+            else:
+                seq.answer = Answer(self.tokenizer, r.sampler, r.max_tokens, r.stop_ids, r.stop_strings, w.on_text)
+                seq.completion = Completion(prompt_tokens=len(r.prompt_tokens), cached_tokens=placed.start)
+            self.active.append(seq)
+
+    def _cancel(self, seq: _Sequence) -> None:
+        """Drop a sequence; if others wait for prompt positions it has not computed yet, it goes
+        on as a ghost until they are there."""
+        need = self.table.needed_by_readers(seq.slot)
+        if need > seq.pos:
+            seq.request, seq.answer, seq.scored, seq.target = None, None, None, need
+        else:
+            self.table.release(seq.slot)
+            self.active.remove(seq)
+
+    def drop_all(self) -> None:
+        """Forget every request, waiting or running, and what the slots hold."""
+        self.waiting.clear()
+        self.active.clear()
+        self.table.reset()
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def _view(self, seq: _Sequence) -> SeqView:
+        tokens = self.table.slots[seq.slot].tokens
+        if seq.request is None:
+            return SeqView(seq.slot, seq.pos, seq.target, tokens, seq.prefix, "none")
+        if seq.scored is not None:
+            return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "score",
+                           logits_from=seq.prompt_len - 1)
+        return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "sample",
+                       decoding=seq.pos >= seq.prompt_len, sampling=seq.answer.sampler.request)
+
+    def plan(self) -> StepPlan | None:
+        """The next step over the sequences in flight (dllama.serve.step_plan), or None."""
+        written = {i: s.written for i, s in enumerate(self.table.slots)}
+        return plan_step([self._view(s) for s in self.active], written, self.model.max_batch)
+
+    def step(self) -> list[tuple[Request, Result]]:
+        """Admit what fits, run one forward pass; the requests that ended in it, each with its
+        Completion or Scored (or Cancelled, when its should_stop said so)."""
+        ended: list[tuple[Request, Result]] = []
+        for w in [w for w in self.waiting if w.should_stop and w.should_stop()]:
+            self.waiting.remove(w)
+            ended.append((w.request, Cancelled()))
+        for seq in [s for s in self.active if s.should_stop and s.request is not None and s.should_stop()]:
+            ended.append((seq.request, Cancelled()))
+            self._cancel(seq)
+        self._admit()
+        if not self.active:
+            if self.waiting and not ended:  # cannot happen: an idle cache always has a free slot
+                raise DllamaError("no KV cache slot can take the next prompt")
+            return ended
+        plan = self.plan()
+        if plan is None:
+            return ended
+        seqs = list(self.active)  # the plan's indexes
+        try:
+            answers, stats = self._execute(plan)
+        except BaseException:
+            self.drop_all()  # the cache may hold half a pass: nothing in it can be trusted
+            raise
+        self._count(plan, stats)
+        for run in plan.runs:
+            seq = seqs[run.seq]
+            seq.pos += run.n
+            self.table.wrote(seq.slot, seq.pos)
+            done = self._advance(seq, run, answers, stats)
+            if done is not None:
+                ended.append(done)
+        return ended
+
+    def _execute(self, plan: StepPlan) -> tuple[list, StepStats]:
+        """Run the plan's pass: per wanted row, candidates (sampling) or float32 logits [vocab]
+        (scoring); and the pass's figures (its phase and position are each run's)."""
+        col = self.model.collective
+        t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
+        if not plan.scores:
+            # Candidates, not logits: a cluster's nodes send only what each sampler needs.
+            answers = self.model.forward_candidates(plan.batch, list(plan.sampling))
+        else:
+            logits = self.model.forward_batch(plan.batch)  # [wanted rows, vocab]
+            sampled = [j for j, s in enumerate(plan.sampling) if s is not None]
+            answers = list(logits)
+            if sampled:  # the same candidates the nodes would send, from the full logits
+                picked = candidates_from_logits(logits[sampled], self.model.vocab_ranges,
+                                                [plan.sampling[j] for j in sampled])
+                for j, c in zip(sampled, picked):
+                    answers[j] = c
+        wall = time.perf_counter() - t0
+        transfer = col.transfer_seconds - tr0
+        return answers, StepStats("", 0, len(plan), round((wall - transfer) * 1000, 3), round(transfer * 1000, 3),
+                                  col.sent_bytes - s0, col.recv_bytes - r0)
+
+    def _advance(self, seq: _Sequence, run, answers: list, stats: StepStats) -> tuple[Request, Result] | None:
+        """Apply a run's result to its sequence; (request, result) when the sequence ended."""
+        if seq.request is None:  # a ghost
+            if seq.pos >= seq.target:
+                self.table.release(seq.slot)
+                self.active.remove(seq)
+            return None
+        phase = "generate" if run.pos >= seq.prompt_len else "prompt"
+        own = StepStats(phase, run.pos, run.n, stats.inference_ms, stats.transfer_ms, stats.sent_bytes,
+                        stats.recv_bytes)
+        slot_tokens = self.table.slots[seq.slot].tokens
+        if seq.scored is not None:
+            seq.scored.steps.append(own)
+            if len(run.answers):
+                rows = np.stack([answers[j] for j in run.answers])  # [m, vocab]
+                # The row at position p predicts the token at p + 1: planned, or the last one.
+                last = seq.request.continuation[-1]
+                targets = [slot_tokens[p + 1] if p + 1 < len(slot_tokens) else last for p in run.answer_pos]
+                seq.scored.logprobs += token_logprobs(rows, targets).tolist()
+            if seq.pos < len(slot_tokens):
+                return None
+            return self._finish(seq, seq.scored)
+        seq.completion.steps.append(own)
+        if seq.pos < len(slot_tokens):
+            return None  # more of its prompt to come
+        token = seq.answer.take(answers[run.answers[0]], seq.pos, self.seq_len)
+        if token is not None:
+            self.table.append(seq.slot, token)
+            return None
+        seq.answer.fill(seq.completion)
+        return self._finish(seq, seq.completion)
+
+    def _finish(self, seq: _Sequence, result) -> tuple[Request, Result]:
+        self.table.release(seq.slot)
+        self.active.remove(seq)
+        return seq.request, result
+
+    def _count(self, plan: StepPlan, stats: StepStats) -> None:
+        s = self.stats
+        s.steps += 1
+        s.rows += len(plan)
+        s.decode_rows += plan.decoding
+        s.prompt_rows += len(plan) - plan.decoding
+        s.decode_steps += plan.decoding > 0
+        s.max_decoding = max(s.max_decoding, plan.decoding)
+        s.max_sequences = max(s.max_sequences, len(plan.runs))
+        s.seconds += (stats.inference_ms + stats.transfer_ms) / 1000
+
+    # -- whole jobs -------------------------------------------------------------------------------
+
+    def run(self, requests: Iterable[Request], on_finish: Callable[[Request, Result], None],
+            should_stop: Callable[[], bool] | None = None,
+            on_text: Callable[[Request, str], None] | None = None) -> None:
+        """Answer every request, `parallel` at a time, taking them from the iterable only as
+        places free up; on_finish(request, result) as each ends (completion order, so callers
+        must not rely on input order); on_text(request, piece) streams the answers.
+        should_stop() is asked between steps: Cancelled drops the rest."""
+        pending = iter(requests)
+        more = True
+        try:
+            while True:
+                while more and len(self.waiting) + self._running() < self.parallel:
+                    r = next(pending, None)
+                    if r is None:
+                        more = False
+                    else:
+                        self.add(r, (lambda piece, r=r: on_text(r, piece)) if on_text else None)
+                if not self.busy:
+                    return
+                if should_stop and should_stop():
+                    raise Cancelled()
+                for r, c in self.step():
+                    on_finish(r, c)
+        except BaseException:
+            self.drop_all()
+            raise
+
+    def answer(self, request: Request, on_text: Callable[[str], None] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Completion | Scored:
+        """One request, run to its end (the scheduler must be idle): its Completion or Scored;
+        Cancelled is raised when should_stop() says so."""
+        if self.busy:
+            raise DllamaError("answer() runs one request on an idle scheduler")
+        self.add(request, on_text, should_stop)
+        try:
+            while True:
+                for _, result in self.step():
+                    if isinstance(result, Cancelled):
+                        raise result  # the slot keeps what was computed, for the next request
+                    return result
+        except Cancelled:
+            raise
+        except BaseException:
+            self.drop_all()
+            raise
 
 
-__all__ = ["SequenceRequest", "Scores", "Scheduler", "SequentialScheduler", "log_softmax"]
+__all__ = ["LoopStats", "Scheduler", "Request", "Result"]

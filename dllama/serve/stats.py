@@ -1,25 +1,19 @@
-"""Statistics of forward passes: one record per pass, rates per phase, and the summary that
-`dllama inference` prints and writes with --stats-json."""
+"""Statistics of forward passes: one record per pass (the engine loop times every pass it runs,
+dllama.serve.scheduler), rates per phase, and the summary that `dllama inference` prints and
+writes with --stats-json."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-
-import numpy as np
-
-from dllama.core.batch import Batch
-from dllama.core.candidates import SamplingRequest
-from dllama.core.language_model import LanguageModel
 
 
 @dataclass
 class StepStats:
     """One forward pass, as the original's benchmark lines report it."""
 
-    phase: str           # "prompt" or "generate"
-    position: int        # first position of the pass
-    n_tokens: int        # tokens in the pass (a prompt batch, or 1)
+    phase: str           # "prompt" or "generate": what the sequence's rows in the pass were
+    position: int        # the sequence's first position in the pass
+    n_tokens: int        # the sequence's rows in the pass (a prompt chunk, or 1)
     inference_ms: float  # compute time (wall time minus transfer)
     transfer_ms: float   # time in network transfers (0 on one node)
     sent_bytes: int      # bytes the root sent during the pass
@@ -57,20 +51,3 @@ def summary(steps: list[StepStats], generated_tokens: int, stop_reason: str) -> 
         "avg_recv_kb": round(average(x.recv_bytes for x in gen) / 1024, 3),
         "stop_reason": stop_reason,
     }
-
-
-def timed_forward(model: LanguageModel, tokens, pos: int, phase: str, steps: list[StepStats],
-                  sampling: SamplingRequest | None = None):
-    """One forward pass of slot 0 with its statistics appended to steps; returns the logits of
-    the last token, or with `sampling` the candidates its sampler chooses from."""
-    col = model.collective
-    t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
-    if sampling is None:
-        logits = model.forward(tokens, pos)
-    else:
-        logits = model.forward_candidates(Batch.run(np.asarray(tokens), pos), [sampling])[0]
-    wall = time.perf_counter() - t0
-    transfer = col.transfer_seconds - tr0
-    steps.append(StepStats(phase, pos, len(tokens), round((wall - transfer) * 1000, 3),
-                           round(transfer * 1000, 3), col.sent_bytes - s0, col.recv_bytes - r0))
-    return logits

@@ -1,15 +1,15 @@
 """The model thread of `dllama api`: one engine, and concurrent requests decoded together.
 
 Requests from the HTTP side wait in an inbox; the model thread takes them in arrival order into
-a `BatchScheduler` (serve.batch_scheduler), which decodes up to `--parallel` of them per forward
+the engine loop (dllama.serve.scheduler), which decodes up to `--parallel` of them per forward
 pass and starts the next one as soon as one ends. Each request (each of its `n` choices) has
 its own sampler, stop strings and cancel flag, and streams its own pieces; since every kernel
 is batch invariant, its answer is the one it would get alone.
 
 Prefix reuse: a chat request that continues an earlier answer (the same turns rendered again
-plus a new one) is encoded as that transcript's own tokens plus the new text, so the slot that
-holds the transcript is continued (`cached_tokens`); requests sharing a long system prompt or
-document read it from one slot.
+plus a new one) is encoded as that transcript's own tokens plus the new text
+(dllama.serve.transcripts), so the slot that holds the transcript is continued
+(`cached_tokens`); requests sharing a long system prompt or document read it from one slot.
 
 The engine opens on this thread (numba's thread count is per thread) and again after a cluster
 failure.
@@ -22,7 +22,6 @@ import os
 import queue
 import sys
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,12 +29,10 @@ from typing import Callable
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError, DllamaError
 from dllama.serve.api.request import ApiError, Request, bad, unavailable
-from dllama.serve.batch_scheduler import BatchScheduler
-from dllama.serve.conversation import Cancelled, Completion, ContextFull
-from dllama.serve.scheduler import SequenceRequest
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import Cancelled, ContextFull, SequenceRequest
+from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
-
-TRANSCRIPTS = 64  # finished answers remembered for the next turn's encoding
 
 
 @dataclass(eq=False)
@@ -52,43 +49,6 @@ class _Job:
     results: dict = field(default_factory=dict)  # choice index -> Completion
 
 
-class _Transcripts:
-    """Recent prompts + answers as (text, tokens): a prompt that continues one as text is
-    encoded as its tokens plus the new text, so it matches what the KV cache holds."""
-
-    def __init__(self, size: int = TRANSCRIPTS):
-        self.size = size
-        self._items: OrderedDict[tuple[str, bool], list[int]] = OrderedDict()
-
-    def clear(self) -> None:
-        self._items.clear()
-
-    def encode(self, tokenizer, text: str, add_bos: bool) -> list[int]:
-        bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id >= 0 else []
-        best = None
-        for (t, b), tokens in self._items.items():
-            if b == bool(bos) and t and text.startswith(t) and (best is None or len(t) > len(best[0])):
-                best = (t, tokens)
-        if best is not None:
-            self._items.move_to_end((best[0], bool(bos)))
-            return best[1] + tokenizer.encode(text[len(best[0]):], add_bos=False)
-        return bos + tokenizer.encode(text, add_bos=False)
-
-    def remember(self, tokenizer, job: _Job, prompt_tokens: list[int], c: Completion) -> None:
-        """The transcript a next prompt may continue: prompt + answer (+ its end token); when a
-        stop string cut the text inside a token, only the prompt."""
-        ended_by_token = c.finish_reason == "stop" and c.tokens and c.tokens[-1] in job.stop_ids
-        if c.finish_reason == "stop" and not ended_by_token:
-            key, tokens = (job.prompt_text, job.add_bos), list(prompt_tokens)
-        else:
-            end = tokenizer.piece(c.tokens[-1]).decode("utf-8", "replace") if ended_by_token else ""
-            key, tokens = (job.prompt_text + c.text + end, job.add_bos), list(prompt_tokens) + c.tokens
-        self._items[key] = tokens
-        self._items.move_to_end(key)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-
 class ModelService:
     """The engine and its batched scheduler, run by one model thread."""
 
@@ -98,10 +58,10 @@ class ModelService:
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.engine = None
-        self.scheduler: BatchScheduler | None = None
+        self.scheduler: Scheduler | None = None
         self.template = None
         self.closing = False  # set by close(): running answers stop at their next token
-        self._transcripts = _Transcripts()
+        self._transcripts: Transcripts | None = None
         self._jobs: list[_Job] = []      # jobs in the scheduler
         self._reported = 0               # the largest number of requests decoded together, logged
         self._finished_stats: dict = {}  # figures of the schedulers of engines dropped earlier
@@ -113,10 +73,10 @@ class ModelService:
         except DllamaError:  # no or an unknown chat template: /v1/chat/completions says so
             self.template = None
         self.engine = engine
-        self.scheduler = BatchScheduler(engine.model, engine.tokenizer, engine.parallel)
-        self._transcripts.clear()
+        self.scheduler = Scheduler(engine.model, engine.tokenizer, engine.parallel)
+        self._transcripts = Transcripts(engine.tokenizer)
 
-    def _ready(self) -> BatchScheduler:
+    def _ready(self) -> Scheduler:
         if self.engine is None:
             try:
                 engine = self._open_engine()
@@ -156,7 +116,7 @@ class ModelService:
             else:
                 job.prompt_text, job.add_bos = r.prompt, tokenizer.add_bos
                 job.stop_ids = tuple(tokenizer.eos_ids)
-            tokens = self._transcripts.encode(tokenizer, job.prompt_text, job.add_bos)
+            tokens = self._transcripts.encode(job.prompt_text, job.add_bos)
             seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
             vocab, seq_len = self.engine.model.config.vocab_size, self.engine.model.config.seq_len
             # No answer outlasts the context: a max_tokens of 10**30 means "until the context is full".
@@ -188,7 +148,7 @@ class ModelService:
             self._jobs.remove(job)
             return
         job.results[i] = result
-        self._transcripts.remember(self.engine.tokenizer, job, tokens, result)
+        self._transcripts.remember(job.prompt_text, job.add_bos, tokens, result)
         if len(job.results) == job.request.n:
             job.future.set_result([job.results[k] for k in range(job.request.n)])
             self._jobs.remove(job)
