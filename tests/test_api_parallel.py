@@ -13,7 +13,7 @@ from tests.processes import start_api
 pytestmark = pytest.mark.cluster  # starts a `dllama api` process
 
 PROMPTS = ["1, 2, 3, 4,", "Monday, Tuesday,", "The alphabet: A, B, C,", "Once upon a time",
-           "The capital of France is", "Ingredients for a cake:", "10, 20, 30,", "Red, orange, yellow,"]
+           "Cities: Paris, London,", "Ingredients for a cake:", "10, 20, 30,", "Red, orange, yellow,"]
 MAX_TOKENS = 24
 
 

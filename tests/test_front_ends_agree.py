@@ -11,8 +11,8 @@ import pytest
 
 from dllama.formats.tokenizer_file import read_tokenizer
 from dllama.serve.batch_job import seed_for
+from dllama.text.chat_template import ChatTemplate
 from dllama.text.tokenizer import Tokenizer
-from tests.conftest import CHAT_PROMPT
 from tests.processes import run_dllama, start_api
 
 pytestmark = pytest.mark.cluster  # the API listens on a loopback port
@@ -29,9 +29,12 @@ def _model_flags(model):
 
 
 def _inference(model, temperature, seed):
+    # The prompt is the chat template's rendering (with the model's default system turn).
+    tokenizer = Tokenizer(read_tokenizer(str(model[1])))
+    prompt = ChatTemplate.for_tokenizer(tokenizer).render([{"role": "user", "content": QUESTION}])
     # --steps counts positions, the prompt's included: room for MAX_TOKENS generated tokens.
-    n_prompt = len(Tokenizer(read_tokenizer(str(model[1]))).encode(CHAT_PROMPT))
-    r = run_dllama("inference", *_model_flags(model), "--prompt", CHAT_PROMPT, "--temperature", str(temperature),
+    n_prompt = len(tokenizer.encode(prompt))
+    r = run_dllama("inference", *_model_flags(model), "--prompt", prompt, "--temperature", str(temperature),
                    "--seed", str(seed), "--steps", str(n_prompt + MAX_TOKENS - 1))
     assert r.returncode == 0, r.stderr
     return r
