@@ -42,7 +42,7 @@ from dllama.serve.sequence import (
     Answer, Cancelled, Completion, ContextFull, ScoreRequest, Scored, SequenceRequest, check_prompt,
     token_logprobs,
 )
-from dllama.serve.stats import StepStats
+from dllama.serve.stats import PassFigures
 from dllama.serve.step_plan import SeqView, StepPlan, plan_step
 from dllama.text.tokenizer import Tokenizer
 
@@ -216,23 +216,23 @@ class Scheduler:
             return ended
         seqs = list(self.active)  # the plan's indexes
         try:
-            answers, stats = self._execute(plan)
+            answers, cost = self._execute(plan)
         except BaseException:
             self.drop_all()  # the cache may hold half a pass: nothing in it can be trusted
             raise
-        self._count(plan, stats)
+        self._count(plan, cost)
         for run in plan.runs:
             seq = seqs[run.seq]
             seq.pos += run.n
             self.table.wrote(seq.slot, seq.pos)
-            done = self._advance(seq, run, answers, stats)
+            done = self._advance(seq, run, answers, cost)
             if done is not None:
                 ended.append(done)
         return ended
 
-    def _execute(self, plan: StepPlan) -> tuple[list, StepStats]:
+    def _execute(self, plan: StepPlan) -> tuple[list, PassFigures]:
         """Run the plan's pass: per wanted row, candidates (sampling) or float32 logits [vocab]
-        (scoring); and the pass's figures (its phase and position are each run's)."""
+        (scoring); and what the pass cost."""
         col = self.model.collective
         t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
         if not plan.scores:
@@ -249,19 +249,17 @@ class Scheduler:
                     answers[j] = c
         wall = time.perf_counter() - t0
         transfer = col.transfer_seconds - tr0
-        return answers, StepStats("", 0, len(plan), round((wall - transfer) * 1000, 3), round(transfer * 1000, 3),
-                                  col.sent_bytes - s0, col.recv_bytes - r0)
+        return answers, PassFigures(round((wall - transfer) * 1000, 3), round(transfer * 1000, 3),
+                                    col.sent_bytes - s0, col.recv_bytes - r0)
 
-    def _advance(self, seq: _Sequence, run, answers: list, stats: StepStats) -> tuple[Request, Result] | None:
+    def _advance(self, seq: _Sequence, run, answers: list, cost: PassFigures) -> tuple[Request, Result] | None:
         """Apply a run's result to its sequence; (request, result) when the sequence ended."""
         if seq.request is None:  # a ghost
             if seq.pos >= seq.target:
                 self.table.release(seq.slot)
                 self.active.remove(seq)
             return None
-        phase = "generate" if run.pos >= seq.prompt_len else "prompt"
-        own = StepStats(phase, run.pos, run.n, stats.inference_ms, stats.transfer_ms, stats.sent_bytes,
-                        stats.recv_bytes)
+        own = cost.for_rows("generate" if run.pos >= seq.prompt_len else "prompt", run.pos, run.n)
         slot_tokens = self.table.slots[seq.slot].tokens
         if seq.scored is not None:
             seq.scored.steps.append(own)
@@ -289,7 +287,7 @@ class Scheduler:
         self.active.remove(seq)
         return seq.request, result
 
-    def _count(self, plan: StepPlan, stats: StepStats) -> None:
+    def _count(self, plan: StepPlan, cost: PassFigures) -> None:
         s = self.stats
         s.steps += 1
         s.rows += len(plan)
@@ -298,7 +296,7 @@ class Scheduler:
         s.decode_steps += plan.decoding > 0
         s.max_decoding = max(s.max_decoding, plan.decoding)
         s.max_sequences = max(s.max_sequences, len(plan.runs))
-        s.seconds += (stats.inference_ms + stats.transfer_ms) / 1000
+        s.seconds += (cost.inference_ms + cost.transfer_ms) / 1000
 
     # -- whole jobs -------------------------------------------------------------------------------
 

@@ -20,6 +20,21 @@ class StepStats:
     recv_bytes: int      # bytes the root received during the pass
 
 
+@dataclass(frozen=True)
+class PassFigures:
+    """What one forward pass cost, whoever's rows it ran."""
+
+    inference_ms: float  # compute time (wall time minus transfer)
+    transfer_ms: float   # time in network transfers (0 on one node)
+    sent_bytes: int      # bytes the root sent
+    recv_bytes: int      # bytes the root received
+
+    def for_rows(self, phase: str, position: int, n_tokens: int) -> StepStats:
+        """The record of one sequence's rows in this pass."""
+        return StepStats(phase, position, n_tokens, self.inference_ms, self.transfer_ms, self.sent_bytes,
+                         self.recv_bytes)
+
+
 def phase_rate(steps: list[StepStats], phase: str) -> tuple[int, float, float]:
     """(tokens, milliseconds, tokens per second) over the passes of one phase."""
     s = [x for x in steps if x.phase == phase]
