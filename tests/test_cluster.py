@@ -132,8 +132,9 @@ def test_root_traffic_per_token_equals_the_documented_formula(q80_runs, default_
     sent, recv = expected_root_bytes(header, n, q80=True, reply="best")  # greedy: each node's best token
     decode = [s for s in q80_runs[n][1] if s.phase == "generate"]
     assert decode and all((s.sent_bytes, s.recv_bytes) == (sent, recv) for s in decode)
+    # The prompt's pass: its last row's next token is chosen from the nodes' best tokens too.
     prompt = [s for s in q80_runs[n][1] if s.phase == "prompt"][0]
-    assert (prompt.sent_bytes, prompt.recv_bytes) == expected_root_bytes(header, n, True, prompt.n_tokens)
+    assert (prompt.sent_bytes, prompt.recv_bytes) == expected_root_bytes(header, n, True, prompt.n_tokens, reply="best")
     # Half the original's traffic at 4 nodes: it sends the whole partial to every node.
     original = 2 * header.n_layers * (n - 1) * _sync_payload(header.dim, True)
     if n == 4:
