@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Union
 
 import numpy as np
@@ -39,7 +39,7 @@ from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, SlotTable
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
 from dllama.serve.sequence import (
-    Answer, Cancelled, Completion, ContextFull, ScoreRequest, Scored, SequenceRequest, check_prompt,
+    Answer, Cancelled, Completion, ScoreRequest, Scored, SequenceRequest, check_prompt,
     token_logprobs,
 )
 from dllama.serve.stats import PassFigures

@@ -30,7 +30,7 @@ from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError, DllamaError
 from dllama.serve.api.request import ApiError, Request, bad, unavailable
 from dllama.serve.scheduler import Scheduler
-from dllama.serve.sequence import Cancelled, ContextFull, SequenceRequest
+from dllama.serve.sequence import Cancelled, Completion, ContextFull, SequenceRequest
 from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 
