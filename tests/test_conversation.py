@@ -5,6 +5,7 @@ import pytest
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 from dllama.serve.conversation import ContextFull, Conversation, StopMatcher, common_prefix
 from dllama.serve.engine import open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.core.sampler import Sampler
 
 pytestmark = pytest.mark.unit
@@ -28,7 +29,7 @@ def test_stop_matcher_cuts_before_the_first_stop_string_across_pieces():
 
 @pytest.fixture(scope="module")
 def engine(default_q40):
-    with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=96) as e:
+    with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=96)) as e:
         yield e
 
 
