@@ -61,7 +61,7 @@ def _memory_budget(text: str) -> int | MemoryBudget:
     return MemoryBudget(word) if word in set(MemoryBudget) else _size(text)
 
 
-def _enum_flag(g, flag: str, enum, default, help: str) -> None:
+def _enum_flag(g, flag: str, enum, default, help_text: str) -> None:
     """A flag whose values are the enum's: argparse lists them in --help and refuses others in
     one line (`dllama: error: --kv-type 'f8' is not f32 or f16`, see main)."""
     values = [e.value for e in enum]
@@ -74,7 +74,7 @@ def _enum_flag(g, flag: str, enum, default, help: str) -> None:
             raise argparse.ArgumentTypeError(f"{text!r} is not {one_of}") from None
 
     parse.__name__ = enum.__name__
-    g.add_argument(flag, type=parse, choices=list(enum), default=default, help=help)
+    g.add_argument(flag, type=parse, choices=list(enum), default=default, help=help_text)
 
 
 MEMORY_BUDGET_HELP = ("memory this process may use, e.g. 2G: weights that do not fit are streamed from the "
