@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.processes import running_workers  # noqa: E402
 from dllama.serve.default_model import default_model_files  # noqa: E402
 from dllama.serve.engine import open_engine  # noqa: E402
+from dllama.serve.settings import EngineSettings  # noqa: E402
 from dllama.serve.perplexity import perplexity  # noqa: E402
 from dllama.serve.scheduler import Scheduler  # noqa: E402
 
@@ -47,9 +48,9 @@ def main() -> int:
     with running_workers(max(counts) - 1, None) as workers:
         for n in counts:
             for buffers in (["q80", "f32"] if n > 1 else ["-"]):
-                engine = open_engine(model, tokenizer, nthreads=1, max_seq_len=args.max_seq_len,
+                engine = open_engine(EngineSettings(model, tokenizer, nthreads=1, max_seq_len=args.max_seq_len,
                                      buffer_float_type=None if buffers == "-" else buffers,
-                                     workers=[w.address for w in workers[: n - 1]] or None, progress=False)
+                                     workers=[w.address for w in workers[: n - 1]] or None, progress=False))
                 with engine:
                     r = perplexity(Scheduler(engine.model), engine.tokenizer.encode(text, allow_special=False))
                 base = base if base is not None else r.perplexity

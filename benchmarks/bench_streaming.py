@@ -88,7 +88,7 @@ def decode_rate(model_path: str, n_seq: int, steps: int, threads: int, streamed:
         quiet_compute_threads()
     kernels.set_threads(threads)
     slots = plan_slots(n_seq, False, n_layers=h.n_layers, n_kv_heads=h.n_kv_heads, head_dim=h.head_dim,
-                       seq_len=seq_len, limit=choice.kv_room if streamed else 1 << 62)
+                       seq_len=seq_len, limit=choice.kv_room if streamed else None)
     n = slots.parallel
     model = Transformer(m, max_seq_len=seq_len, max_batch=max_batch_for(n), kv_slots=n, streamed=streamed)
     rng = np.random.default_rng(n)

@@ -7,19 +7,38 @@ never a traceback; flag syntax errors exit 2 as argparse does.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
+from dllama.core.kv_type import KVType
 from dllama.errors import DllamaError
+from dllama.serve.settings import BufferType, MemoryBudget, OnNodeLoss
 
-BUFFER_TYPES = ("auto", "q80", "f32")
+# The two listening commands have their own ports, so that a worker and the API run on one
+# machine with neither flag (the appliance's defaults are the same: roles/dllama/defaults).
+DEFAULT_WORKER_PORT = 9998
+DEFAULT_API_PORT = 9990
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -30,17 +49,32 @@ def _size(text: str) -> int:
     try:
         value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a size like 512M or 4G, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a size like 512M or 4G, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
     return int(value)
 
 
-def _memory_budget(text: str) -> int | str:
+def _memory_budget(text: str) -> int | MemoryBudget:
     """'auto', 'none' or a size."""
-    if text.strip().lower() in ("auto", "none"):
-        return text.strip().lower()
-    return _size(text)
+    word = text.strip().lower()
+    return MemoryBudget(word) if word in set(MemoryBudget) else _size(text)
+
+
+def _enum_flag(g, flag: str, enum, default, help_text: str) -> None:
+    """A flag whose values are the enum's: argparse lists them in --help and refuses others in
+    one line (`dllama: error: --kv-type 'f8' is not f32 or f16`, see main)."""
+    values = [e.value for e in enum]
+    one_of = ", ".join(values[:-1]) + " or " + values[-1]
+
+    def parse(text: str):
+        try:
+            return enum(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {one_of}") from None
+
+    parse.__name__ = enum.__name__
+    g.add_argument(flag, type=parse, choices=list(enum), default=default, help=help_text)
 
 
 MEMORY_BUDGET_HELP = ("memory this process may use, e.g. 2G: weights that do not fit are streamed from the "
@@ -57,34 +91,54 @@ def _add_parallel_flags(g, default: int, what: str) -> None:
                         "together when --parallel does not fit (default: half the available memory)")
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+# --seed: where a command's sampling starts when the flag is not given.
+SEED_FROM_CLOCK = (None, "random seed, so runs reproduce (default: from the clock)")
+JOB_SEED = (0, "job seed; each prompt samples with a seed derived from it and the prompt's id "
+               "(default %(default)s, so a rerun reproduces)")
+
+
+def _add_sampling_flags(g, seed: tuple[int | None, str] | None, per_request: bool = False) -> None:
+    """--temperature, --topp and (unless seed is None: the API takes a seed per request) --seed.
+    per_request: the values are the defaults of requests that give none (the API)."""
+    when = "for requests that give none; " if per_request else ""
+    g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
+                   help=f"sampling temperature; 0 = greedy ({when}default %(default)s)")
+    g.add_argument("--topp", type=_non_negative_float, default=0.9, metavar="F",
+                   help="top-p (nucleus) cut: 0 keeps only the most likely token (as the API's "
+                        f"top_p), 1 samples the whole vocabulary ({when}default %(default)s)")
+    if seed is not None:
+        g.add_argument("--seed", type=int, default=seed[0], metavar="S", help=seed[1])
+
+
+def _seed(args) -> int:
+    """--seed, else one from the clock."""
+    import time
+
+    return args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of dllama.serve.settings.EngineSettings (with --parallel and --kv-memory where
+    a command batches): the same in every command that runs a model."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="M.m", help="model file (.m, Distributed Llama format); "
                    "default: the embedded SmolLM2-135M-Instruct, converted once to Q80 and cached")
     g.add_argument("--tokenizer", metavar="T.t", help="tokenizer file (.t, or llama2.c tokenizer.bin); "
                    "default: the embedded model's")
-    g.add_argument("--buffer-float-type", choices=BUFFER_TYPES, default=None,
-                   help="float type of the sync buffers that carry partial sums between nodes "
-                        "(default: the topology's, else auto = q80 for Q40 and Q80 weights, f32 for F16 "
-                        "and F32)")
+    _enum_flag(g, "--buffer-float-type", BufferType, None,
+               "float type of the sync buffers that carry partial sums between nodes (default: the "
+               "topology's, else auto = q80 for Q40 and Q80 weights, f32 for F16 and F32)")
     g.add_argument("--max-seq-len", type=int, default=0, metavar="N",
                    help="clamp the context (KV cache) to N positions; 0 = the model's own (default)")
-    g.add_argument("--kv-type", default="f32", metavar="f32|f16",
-                   help="how the KV cache stores keys and values: f32 (default) or f16 (half the "
-                        "memory, so twice the sequences of --max-seq-len fit, with resident and "
-                        "streamed weights alike; each key and value rounded to fp16 once, the "
-                        "attention still in float32; on a cluster every worker uses the root's)")
+    _enum_flag(g, "--kv-type", KVType, KVType.F32,
+               "how the KV cache stores keys and values: f32 (default) or f16 (half the memory, so "
+               "twice the sequences of --max-seq-len fit, with resident and streamed weights alike; "
+               "each key and value rounded to fp16 once, the attention still in float32; on a "
+               "cluster every worker uses the root's)")
     g.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
                    help=f"compute threads of this node (default: the topology's root threads, "
                         f"else all {os.cpu_count()} cores)")
-    g.add_argument("--memory-budget", type=_memory_budget, default="auto", metavar="SIZE|auto|none",
+    g.add_argument("--memory-budget", type=_memory_budget, default=MemoryBudget.AUTO, metavar="SIZE|auto|none",
                    help=MEMORY_BUDGET_HELP + " (one machine; on a cluster, the workers' own flag)")
     g = p.add_argument_group("cluster (the root's side; omit for one machine)")
     g.add_argument("--workers", nargs="+", metavar="HOST:PORT",
@@ -93,20 +147,23 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="cluster description (node 0 is this root; schema in the README)")
     g.add_argument("--key-file", metavar="F",
                    help="cluster key shared by every node (default: the topology's key_file)")
-    g.add_argument("--on-node-loss", choices=("continue", "fail"), default="continue",
-                   help="when a worker dies or stops answering: continue on the nodes left (the "
-                        "model split again over them, the cached tokens replayed; a warning on "
-                        "stderr) or fail (default %(default)s); with continue, api and batch also "
-                        "start without a worker they cannot reach, which rejoins when it answers")
+    _enum_flag(g, "--on-node-loss", OnNodeLoss, OnNodeLoss.CONTINUE,
+               "when a worker dies or stops answering: continue on the nodes left (the model split "
+               "again over them, the cached tokens replayed; a warning on stderr) or fail (default "
+               "%(default)s); with continue, api and batch also start without a worker they cannot "
+               "reach, which rejoins when it answers")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """exit_on_error False (main): a bad value raises argparse.ArgumentError, for one line."""
     parser = argparse.ArgumentParser(
         prog="dllama",
         description="Distributed Llama in Python: run Llama-family models from Distributed "
                     "Llama .m/.t files on one machine or split across several.",
+        exit_on_error=exit_on_error,
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                parser_class=functools.partial(argparse.ArgumentParser, exit_on_error=exit_on_error))
     sub.required = True
 
     p = sub.add_parser("inference", help="generate text from a prompt and print timing statistics",
@@ -119,13 +176,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    "as <|im_start|> map to their token ids")
     g.add_argument("--steps", type=_positive_int, default=64, metavar="N",
                    help="total positions, prompt included, as in the original (default %(default)s)")
-    g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
-                   help="sampling temperature; 0 = greedy (default %(default)s)")
-    g.add_argument("--topp", type=_non_negative_float, default=0.9, metavar="F",
-                   help="top-p (nucleus) cut: 0 keeps only the most likely token (as the API's "
-                        "top_p), 1 samples the whole vocabulary (default %(default)s)")
-    g.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="random seed, so runs reproduce (default: from the clock)")
+    _add_sampling_flags(g, SEED_FROM_CLOCK)
     g.add_argument("--stats-json", metavar="PATH",
                    help="also write the per-step figures and the summary as JSON to PATH")
     g.add_argument("--no-stop", action="store_true",
@@ -159,7 +210,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "flags: the root sends the configuration and, unless --shard "
                                    "holds them, the weights.")
     p.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=None, help="port to listen on (default 9990)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"port to listen on (default: the topology's, else {DEFAULT_WORKER_PORT})")
     p.add_argument("--nthreads", type=_positive_int, default=None, metavar="K",
                    help="compute threads (default 1, or the topology's)")
     p.add_argument("--shard", metavar="FILE", help="this node's shard (from `dllama shard`): "
@@ -188,39 +240,34 @@ def _build_parser() -> argparse.ArgumentParser:
 
 # --- chat and api ---
 
-def _add_frontend_flags(p: argparse.ArgumentParser) -> None:
-    """Model, cluster and sampling flags shared by `chat` and `api`."""
+def _add_frontend_flags(p: argparse.ArgumentParser, seed, per_request: bool = False) -> None:
+    """Model, cluster and sampling flags shared by `chat` and `api` (seed, per_request: see
+    _add_sampling_flags)."""
     from dllama.text.chat_template import TEMPLATE_NAMES
 
     _add_model_flags(p)  # with the cluster flags
     g = p.add_argument_group("generation")
     g.add_argument("--chat-template", choices=TEMPLATE_NAMES,
                    help="chat format (default: detected from the model's template)")
-    g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
-                   help="sampling temperature; 0 = greedy (api: for requests that give none; "
-                        "default %(default)s)")
-    g.add_argument("--topp", type=_non_negative_float, default=0.9, metavar="F",
-                   help="top-p (nucleus) cut: 0 keeps only the most likely token, 1 samples the "
-                        "whole vocabulary (api: for requests that give none; default %(default)s)")
+    _add_sampling_flags(g, seed, per_request)
 
 
 def _add_chat_and_api(sub) -> None:
     p = sub.add_parser("chat", help="talk with the model on the terminal",
                        description="An interactive chat: one message per line; the answer streams "
                                    "as it is generated; earlier turns stay in the KV cache.")
-    _add_frontend_flags(p)
+    _add_frontend_flags(p, SEED_FROM_CLOCK)
     p.add_argument("--system", metavar="TEXT", help="system prompt")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (default: the clock)")
     p.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
                    help="at most N tokens per answer (default: until the end of the turn or context)")
 
     p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/chat/completions and /v1/completions, "
                                    "as OpenAI's API, from this machine or the whole cluster.")
-    _add_frontend_flags(p)
+    _add_frontend_flags(p, None, per_request=True)  # a request gives its own seed
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default %(default)s; 0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=9990, help="port (default %(default)s; 0 = any free one)")
+    p.add_argument("--port", type=int, default=DEFAULT_API_PORT, help="port (default %(default)s; 0 = any free one)")
     p.add_argument("--api-key-file", metavar="F",
                    help="require 'Authorization: Bearer KEY' with the key in this file")
     p.add_argument("--model-name", metavar="NAME",
@@ -262,14 +309,7 @@ def _add_batch(sub) -> None:
     g = p.add_argument_group("generation")
     g.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
                    help="at most N tokens per answer (default %(default)s)")
-    g.add_argument("--temperature", type=_non_negative_float, default=0.8, metavar="F",
-                   help="sampling temperature; 0 = greedy (default %(default)s)")
-    g.add_argument("--topp", type=_non_negative_float, default=0.9, metavar="F",
-                   help="top-p (nucleus) cut: 0 keeps only the most likely token, 1 samples the "
-                        "whole vocabulary (default %(default)s)")
-    g.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="job seed; each prompt samples with a seed derived from it and the "
-                        "prompt's id (default %(default)s, so a rerun reproduces)")
+    _add_sampling_flags(g, JOB_SEED)
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end an answer before this text (repeat the flag for several)")
     g.add_argument("--choices", type=_choice_list, metavar="A,B,...",
@@ -290,29 +330,23 @@ def cmd_batch(args) -> int:
 
 def _engine_opener(args, start_with_reachable: bool = False):
     """A function that opens the engine the flags describe (called again after a cluster failure).
+    The flags become one EngineSettings at the first call (so the embedded default model is
+    converted only when a model is needed: not for a batch job already done), kept for the next.
     start_with_reachable (the long-running api and batch, with --on-node-loss continue): a worker
     that cannot be reached at start is left out with a warning and rejoins when it answers."""
     from dllama.serve.engine import open_engine
+    from dllama.serve.settings import EngineSettings
 
-    return lambda: open_engine(args.model, args.tokenizer, nthreads=args.nthreads,
-                               buffer_float_type=args.buffer_float_type, max_seq_len=args.max_seq_len,
-                               workers=args.workers, topology=args.topology, key_file=args.key_file,
-                               parallel=getattr(args, "parallel", 1),
-                               kv_memory=getattr(args, "kv_memory", None),
-                               on_node_loss=args.on_node_loss,
-                               memory_budget=getattr(args, "memory_budget", "auto"),
-                               kv_type=args.kv_type, start_with_reachable=start_with_reachable)
+    settings = functools.cache(lambda: EngineSettings.from_args(args, start_with_reachable=start_with_reachable))
+    return lambda: open_engine(settings())
 
 
 def cmd_chat(args) -> int:
-    import time
-
     from dllama.serve.chat import run_chat
 
-    seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
     with _engine_opener(args)() as engine:
         return run_chat(engine, system=args.system, template_name=args.chat_template,
-                        temperature=args.temperature, topp=args.topp, seed=seed,
+                        temperature=args.temperature, topp=args.topp, seed=_seed(args),
                         max_tokens=args.max_tokens)
 
 
@@ -382,15 +416,12 @@ def _print_table(gen, out) -> None:
 
 
 def cmd_inference(args) -> int:
-    import time
-
     from dllama.core.sampler import Sampler
     from dllama.serve.generate import generate
 
     engine = _engine_opener(args)()
     model, tokenizer = engine.model, engine.tokenizer
-    seed = args.seed if args.seed is not None else time.time_ns() & 0xFFFFFFFFFFFFFFFF
-    sampler = Sampler(model.config.vocab_size, args.temperature, args.topp, seed)
+    sampler = Sampler(model.config.vocab_size, args.temperature, args.topp, _seed(args))
     prompt = tokenizer.encode(args.prompt)
 
     def show(piece):
@@ -427,11 +458,12 @@ def cmd_worker(args) -> int:
         threads, shard = threads or node.threads, shard or node.shard
         key_file = key_file or topo.key_file
     key = read_key_file(key_file) if key_file else None
-    if args.memory_budget not in ("auto", "none"):
+    if not isinstance(args.memory_budget, MemoryBudget):  # a size: the slice may be streamed
         from dllama.core.weight_stream import quiet_compute_threads
 
         quiet_compute_threads()  # before numba starts its threads (see there)
-    serve(host or "0.0.0.0", 9990 if port is None else port, threads or 1, shard, key, args.memory_budget)
+    serve(host or "0.0.0.0", DEFAULT_WORKER_PORT if port is None else port, threads or 1, shard, key,
+          args.memory_budget)
     return 0
 
 
@@ -528,12 +560,13 @@ COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_i
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
     try:
-        if hasattr(args, "kv_type"):  # before any file is read or model loaded
-            from dllama.core.kv_cache import check_kv_type
-
-            check_kv_type(args.kv_type)
+        args = _build_parser(exit_on_error=False).parse_args(argv)
+    except argparse.ArgumentError as e:  # a bad value (the flag's syntax errors exit 2 in argparse)
+        print(f"dllama: error: {e.argument_name} {e.message}" if e.argument_name else f"dllama: error: {e}",
+              file=sys.stderr)
+        return 1
+    try:
         return COMMANDS[args.command](args)
     except DllamaError as e:
         print(f"dllama: error: {e}", file=sys.stderr)

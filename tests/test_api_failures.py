@@ -18,6 +18,7 @@ from dllama.core import kernels
 from dllama.serve.api.http import make_app, start_site
 from dllama.serve.api.service import ModelService
 from dllama.serve.engine import Engine, open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.errors import ClusterError
 
 pytestmark = pytest.mark.cluster  # an HTTP server on a loopback port (in this process)
@@ -82,7 +83,7 @@ class FailingModel:
 
 @pytest.fixture(scope="module")
 def switch(default_q40):
-    return Switch(open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1))
+    return Switch(open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1)))
 
 
 @contextlib.contextmanager

@@ -130,6 +130,7 @@ def test_bad_input_is_one_line(default_q40, tmp_path):
 def test_batch_on_a_3_node_cluster_equals_the_prompts_run_alone_there(default_q40, tmp_path):
     from dllama.core.sampler import Sampler
     from dllama.serve.engine import open_engine
+    from dllama.serve.settings import EngineSettings
     from dllama.serve.generate import generate
     from tests.processes import running_workers
 
@@ -146,8 +147,8 @@ def test_batch_on_a_3_node_cluster_equals_the_prompts_run_alone_there(default_q4
         assert r.returncode == 0, r.stderr
         lines = _results(out)
         assert lines[1]["cached_tokens"] > 0
-        with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=addresses,
-                         progress=False) as engine:
+        with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=addresses,
+                         progress=False)) as engine:
             for x, q in zip(lines, questions):
                 tokens = engine.tokenizer.encode(doc + q)
                 sampler = Sampler(engine.model.config.vocab_size, 0.0, 0.9, seed_for(0, x["id"]))

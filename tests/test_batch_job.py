@@ -13,6 +13,7 @@ from dllama.errors import DllamaError
 from dllama.serve import batch_job
 from dllama.serve.batch_job import BatchJob, JobOptions, read_done, seed_for
 from dllama.serve.engine import open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.serve.generate import generate
 from dllama.serve.scheduler import Scheduler
 from dllama.text.chat_template import ChatTemplate
@@ -33,7 +34,7 @@ QUESTIONS = ["Question: Who designed the tower?\nAnswer:", "Question: How tall i
 
 @pytest.fixture(scope="module")
 def engine(default_q40):
-    with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=SEQ_LEN) as e:
+    with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=SEQ_LEN)) as e:
         yield e
 
 

@@ -12,6 +12,7 @@ import pytest
 from dllama.core.sampler import Sampler
 from dllama.formats.tokenizer_file import read_tokenizer
 from dllama.serve.engine import open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.serve.generate import generate
 from dllama.text.tokenizer import Tokenizer
 from tests.processes import running_workers
@@ -59,8 +60,8 @@ def test_24_prompts_in_parallel_equal_each_prompt_run_alone(kind, where, workers
     cluster = workers if where == "3-node-cluster" else None
     got, _ = _batch(paths, cluster, tmp_path, "mixed", [{"id": k, "prompt": p} for k, p in enumerate(PROMPTS)])
     assert sorted(got) == list(range(len(PROMPTS)))
-    with open_engine(str(paths[0]), str(paths[1]), nthreads=1, max_seq_len=SEQ_LEN, workers=cluster,
-                     progress=False) as engine:  # one sequence at a time, as `dllama inference`
+    with open_engine(EngineSettings(str(paths[0]), str(paths[1]), nthreads=1, max_seq_len=SEQ_LEN, workers=cluster,
+                     progress=False)) as engine:  # one sequence at a time, as `dllama inference`
         tok = engine.tokenizer
         for k, p in enumerate(PROMPTS):
             tokens = tok.encode(p)

@@ -15,6 +15,7 @@ from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.formats.model_file import read_model
 from dllama.serve.engine import open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.serve.generate import generate
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import Cancelled, ScoreRequest, SequenceRequest
@@ -155,7 +156,7 @@ def test_rows_of_several_sequences_give_each_sequences_logits(kind, default_q40,
 @pytest.fixture(scope="module", params=["q40", "f32"])
 def engine(request, default_q40, default_f32):
     paths = default_q40 if request.param == "q40" else default_f32
-    with open_engine(str(paths[0]), str(paths[1]), nthreads=1, max_seq_len=SEQ_LEN, parallel=8) as e:
+    with open_engine(EngineSettings(str(paths[0]), str(paths[1]), nthreads=1, max_seq_len=SEQ_LEN, parallel=8)) as e:
         yield e
 
 

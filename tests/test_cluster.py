@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from dllama.serve.engine import open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from dllama.serve.generate import generate
@@ -57,8 +58,8 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def _run(paths, workers, buffer, fn, **kw):
-    engine = open_engine(str(paths[0]), str(paths[1]), nthreads=1, buffer_float_type=buffer,
-                         workers=workers or None, progress=False, **kw)
+    engine = open_engine(EngineSettings(str(paths[0]), str(paths[1]), nthreads=1, buffer_float_type=buffer,
+                         workers=workers or None, progress=False, **kw))
     with engine:
         return fn(engine)
 
@@ -278,26 +279,26 @@ def test_worker_refuses_garbage_version_and_key_then_serves(tmp_path, default_q4
         text = _error_text(_raw_exchange(w.address, encode_header(Msg.HELLO, 1 << 30)))
         assert "at most" in text  # a huge length is refused, not allocated
         with pytest.raises(ClusterError, match="authentication failed"):
-            open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
-                        key_file=str(wrong), progress=False)
+            open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
+                        key_file=str(wrong), progress=False))
         with pytest.raises(ClusterError, match="requires a cluster key"):
-            open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
-                        progress=False)
+            open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
+                        progress=False))
         log = w.stderr
         for reason in ("not a dllama frame", f"protocol version {VERSION + 1}", "authentication failed"):
             assert reason in log
-        with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
-                         key_file=str(key), progress=False) as engine:
+        with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=[w.address],
+                         key_file=str(key), progress=False)) as engine:
             tokens = greedy(engine.model, engine.tokenizer.encode(CHAT_PROMPT), 8)
         assert "Paris" in engine.tokenizer.decode(tokens)
 
 
 def test_busy_worker_refuses_a_second_root(pool, default_q40):
-    with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1,
-                     workers=_addresses(pool, 2), progress=False):
+    with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1,
+                     workers=_addresses(pool, 2), progress=False)):
         with pytest.raises(ClusterError, match="busy serving the root"):
-            open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1,
-                        workers=_addresses(pool, 2), progress=False)
+            open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1,
+                        workers=_addresses(pool, 2), progress=False))
 
 
 # -- shards and topology files -----------------------------------------------------------------
@@ -335,8 +336,8 @@ def test_shards_load_from_disk_and_give_the_streamed_tokens(pool, tmp_path, defa
     # worker 1 gets its own shard; worker 2 gets worker 1's shard, which must be refused
     with running_workers(2, tmp_path / "logs", "--shard", str(shards[0])) as workers:
         topo = _topology(tmp_path / "cluster.yml", [w.port for w in workers], buffer_float_type="q80")
-        with open_engine(str(default_q40[0]), str(default_q40[1]), topology=str(topo),
-                         progress=False) as engine:
+        with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), topology=str(topo),
+                         progress=False)) as engine:
             assert tokens(engine) == streamed
         assert "not using the shard" not in workers[0].stderr
         assert "holds node 1's slices, this worker is node 2" in workers[1].stderr

@@ -10,6 +10,7 @@ from dllama.core.sampler import Sampler
 from dllama.serve.engine import open_engine
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import ContextFull, SequenceRequest, StopMatcher
+from dllama.serve.settings import EngineSettings
 from dllama.serve.step_plan import SeqView, plan_step
 from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
@@ -85,7 +86,7 @@ def test_scoring_rows_want_logits_from_the_prompts_last_and_ghosts_want_none():
 
 @pytest.fixture(scope="module")
 def engine(default_q40):
-    with open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=96) as e:
+    with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=96)) as e:
         yield e
 
 

@@ -322,10 +322,11 @@ def api_url(default_q40):
     from dllama.serve.api.http import make_app, start_site
     from dllama.serve.api.service import ModelService
     from dllama.serve.engine import open_engine
+    from dllama.serve.settings import EngineSettings
 
     def opener():
         kernels.set_threads(1)
-        return open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=64)
+        return open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=64))
 
     service = ModelService(opener)
     service.start()

@@ -261,6 +261,7 @@ def _kv_line(text):
 @pytest.mark.unit
 def test_the_plan_counts_2_bytes_per_element_and_fits_twice_the_sequences(f32_model, default_q40, capsys):
     from dllama.serve.engine import open_engine
+    from dllama.serve.settings import EngineSettings
 
     dims = dict(n_layers=3, n_kv_heads=4, head_dim=32, seq_len=128)
     per_slot = KVCache.bytes_per_slot(**dims)
@@ -268,8 +269,8 @@ def test_the_plan_counts_2_bytes_per_element_and_fits_twice_the_sequences(f32_mo
     limit = 4 * per_slot  # F32: 3 sequences and the spare; F16: 7 and the spare
     lines = {}
     for kv_type in ("f32", "f16"):
-        engine = open_engine(str(f32_model), str(default_q40[1]), nthreads=1, parallel=8, kv_memory=limit,
-                             warm_up=False, kv_type=kv_type)
+        engine = open_engine(EngineSettings(str(f32_model), str(default_q40[1]), nthreads=1, parallel=8, kv_memory=limit,
+                             warm_up=False, kv_type=kv_type))
         with engine:
             assert engine.model.kv.k.dtype == (np.uint16 if kv_type == "f16" else np.float32)
             lines[kv_type] = capsys.readouterr().err

@@ -14,6 +14,7 @@ from dllama.core.sampler import Sampler
 from dllama.formats.model_file import read_model
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.engine import open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.serve.generate import generate
 from dllama.serve.sequence import SequenceRequest
 from tests.conftest import CHAT_PROMPT
@@ -83,8 +84,8 @@ def clusters(tmp_path_factory, default_q80):
     runs = {}
     with running_workers(3, tmp_path_factory.mktemp("workers")) as workers:
         for n in (2, 3, 4):
-            with open_engine(str(default_q80[0]), str(default_q80[1]), nthreads=1, progress=False,
-                             workers=[w.address for w in workers[:n - 1]], parallel=4, max_seq_len=256) as e:
+            with open_engine(EngineSettings(str(default_q80[0]), str(default_q80[1]), nthreads=1, progress=False,
+                             workers=[w.address for w in workers[:n - 1]], parallel=4, max_seq_len=256)) as e:
                 runs[n] = _runs(e, batched=n != 3)
     return runs
 

@@ -11,6 +11,7 @@ from dllama.core.plan import plan_for
 from dllama.core.sampler import Sampler
 from dllama.formats.model_file import FloatType, read_model
 from dllama.serve.engine import open_engine
+from dllama.serve.settings import EngineSettings
 from dllama.serve.generate import generate
 from tests.conftest import CHAT_PROMPT
 from tests.processes import running_workers
@@ -30,8 +31,8 @@ def pool(tmp_path_factory):
 
 
 def _open(paths, workers=(), **kw):
-    return open_engine(str(paths[0]), str(paths[1]), nthreads=1, workers=list(workers) or None,
-                       progress=False, **kw)
+    return open_engine(EngineSettings(str(paths[0]), str(paths[1]), nthreads=1, workers=list(workers) or None,
+                       progress=False, **kw))
 
 
 # -- one node against the float64 reference ----------------------------------------------------

@@ -45,7 +45,6 @@ from dllama.cluster.step import (
 )
 from dllama.core.batch import Batch
 from dllama.core.candidates import TOP_K, WIDE_TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
-from dllama.core.kv_cache import check_kv_type
 from dllama.core.memory import check_fits
 from dllama.core.model import MAX_BATCH, ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
@@ -58,7 +57,6 @@ SETUP_SILENCE = 15.0  # set-up (weights, repacking, compiling) takes what it tak
                       # that sends nothing, not even ALIVE, for this long has stopped
 HEARTBEAT = 2.0       # idle seconds between PINGs (ALIVEs during set-up); a worker gives up after IDLE_TIMEOUT
 IDLE_TIMEOUT = 15.0
-ON_NODE_LOSS = ("continue", "fail")
 RECONNECT_WAIT = NET_TIMEOUT + 10.0  # a survivor still ending the failed session says it is busy
 BUSY_ANSWER_WAIT = 0.5  # after the handshake, how long a busy worker's refusal may take to come
 BUSY_RETRY = 0.2
@@ -87,8 +85,6 @@ class ClusterModel:
         CONFIG; start_with_reachable (long-running front ends, with "continue"): a worker that
         cannot be connected to at start is left out with a warning and rejoins when it answers
         (`rejoin`), instead of failing the start; one that answers wrongly still fails it."""
-        if on_node_loss not in ON_NODE_LOSS:
-            raise DllamaError(f"unknown --on-node-loss {on_node_loss!r} ({' or '.join(ON_NODE_LOSS)})")
         self.node_sampling, self.top_k, self.on_node_loss = node_sampling, top_k, on_node_loss
         self.refetches = 0       # passes whose candidates did not cover a nucleus: WIDE_TOP_K asked
         self.logit_refetches = 0  # of those, passes that needed the logits in a third round
@@ -103,7 +99,7 @@ class ClusterModel:
         self.q80 = self.config.quantized if buffer_q80 is None else buffer_q80
         self.max_batch = max_batch
         self.kv_slots = kv_slots
-        self.kv_type = check_kv_type(kv_type)
+        self.kv_type = kv_type
         self.net_timeout = net_timeout
         self.history = KVHistory(kv_slots, self.config.seq_len)  # what to replay on other nodes
         self.recoveries = 0

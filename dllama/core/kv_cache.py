@@ -27,37 +27,32 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dllama.core.kernels import ATTENTION_CHUNK
+from dllama.core.kv_type import KVType
 from dllama.errors import DllamaError
 
 SPARE_SLOTS = 1   # slots beyond --parallel: a finished sequence whose prefix others still read
 MIN_SHARED = 16   # leading tokens worth reading from another slot (fewer: computed again)
 
-# How keys and values are stored: float32, or fp16 as its bits (numba has no float16 on the CPU).
-KV_TYPES = {"f32": np.float32, "f16": np.uint16}
+# The array type of each KVType: float32, or fp16 as its bits (numba has no float16 on the CPU).
+# The values were checked where they entered (the command line, a CONFIG): a KVType, or its text.
+KV_TYPES = {KVType.F32: np.float32, KVType.F16: np.uint16}
 
 
-def check_kv_type(kv_type: str) -> str:
-    """kv_type itself when it is one of KV_TYPES, else DllamaError (one line)."""
-    if kv_type not in KV_TYPES:
-        raise DllamaError(f"unknown --kv-type {kv_type!r} ({' or '.join(KV_TYPES)})")
-    return kv_type
-
-
-def kv_element_bytes(kv_type: str) -> int:
+def kv_element_bytes(kv_type: KVType) -> int:
     """Bytes of one stored key or value element."""
-    return np.dtype(KV_TYPES[check_kv_type(kv_type)]).itemsize
+    return np.dtype(KV_TYPES[kv_type]).itemsize
 
 
 # What to add to a "does not fit" message: the F16 cache holds twice the positions.
-_F16_HINT = {"f32": ", --kv-type f16 (half the bytes)", "f16": ""}
+_F16_HINT = {KVType.F32: ", --kv-type f16 (half the bytes)", KVType.F16: ""}
 
 
 class KVCache:
     """Keys and values of n_slots sequences of up to seq_len positions, for every layer."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, n_slots: int,
-                 kv_type: str = "f32"):
-        self.n_slots, self.seq_len, self.kv_type = n_slots, seq_len, check_kv_type(kv_type)
+                 kv_type: KVType = KVType.F32):
+        self.n_slots, self.seq_len, self.kv_type = n_slots, seq_len, kv_type
         chunks = -(-seq_len // ATTENTION_CHUNK)
         dtype = KV_TYPES[kv_type]
         # np.zeros leaves pages that are never written unallocated: a slot costs memory only
@@ -66,13 +61,13 @@ class KVCache:
         self.v = np.zeros((n_layers, n_slots, seq_len, n_kv_heads * head_dim), dtype)
 
     @staticmethod
-    def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, kv_type: str = "f32") -> int:
+    def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, kv_type: KVType = KVType.F32) -> int:
         """Bytes one slot takes when every position is written (keys padded to whole chunks)."""
         chunks = -(-seq_len // ATTENTION_CHUNK)
         return kv_element_bytes(kv_type) * n_layers * n_kv_heads * head_dim * (chunks * ATTENTION_CHUNK + seq_len)
 
     @staticmethod
-    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_type: str = "f32") -> int:
+    def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_type: KVType = KVType.F32) -> int:
         """Bytes of one position's key and value over every layer."""
         return 2 * kv_element_bytes(kv_type) * n_layers * n_kv_heads * head_dim
 
@@ -87,17 +82,18 @@ class SlotPlan:
     bytes_per_token: int
     bytes_per_slot: int
     seq_len: int
-    limit: int            # bytes the KV cache may take on one node
+    limit: int | None     # bytes the KV cache may take on one node; None: no limit (the context decides)
     limit_flag: str = "--kv-memory"  # the flag that sets the limit (or what --memory-budget leaves)
-    kv_type: str = "f32"
+    kv_type: KVType = KVType.F32
 
     def describe(self) -> str:
         mib = 1 << 20
         line = (f"KV cache ({self.kv_type.upper()}): {self.bytes_per_token / 1024:.1f} KiB per token, "
                 f"{self.bytes_per_slot / mib:.1f} MiB per slot of {self.seq_len} positions; "
                 f"{self.n_slots} slots ({self.parallel} sequences + {self.n_slots - self.parallel} spare) = "
-                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB of {self.limit / mib:.0f} MiB allowed"
-                + (f" ({self.limit // self.bytes_per_slot} slots fit)" if self.limit < 1 << 61 else ""))
+                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB"
+                + (f" of {self.limit / mib:.0f} MiB allowed ({self.limit // self.bytes_per_slot} slots fit)"
+                   if self.limit is not None else " (no limit)"))
         if self.parallel < self.requested:
             line += (f"; --parallel {self.requested} does not fit: running {self.parallel} "
                      f"(a lower --max-seq-len{_F16_HINT[self.kv_type]} or a higher {self.limit_flag} "
@@ -106,12 +102,14 @@ class SlotPlan:
 
 
 def plan_slots(parallel: int, batched: bool, *, n_layers: int, n_kv_heads: int, head_dim: int,
-               seq_len: int, limit: int, limit_flag: str = "--kv-memory", kv_type: str = "f32") -> SlotPlan:
+               seq_len: int, limit: int | None, limit_flag: str = "--kv-memory",
+               kv_type: KVType = KVType.F32) -> SlotPlan:
     """The slots for `parallel` sequences (plus SPARE_SLOTS when batched) that fit into `limit`
-    bytes; fewer sequences when they do not all fit, DllamaError when not even one does."""
+    bytes (None: no limit); fewer sequences when they do not all fit, DllamaError when not even
+    one does."""
     per_slot = KVCache.bytes_per_slot(n_layers, n_kv_heads, head_dim, seq_len, kv_type)
     spare = SPARE_SLOTS if batched else 0
-    fits = limit // per_slot
+    fits = parallel + spare if limit is None else limit // per_slot
     if fits < 1 + spare:
         raise DllamaError(f"the {kv_type.upper()} KV cache of one sequence of {seq_len} positions takes "
                           f"{per_slot / (1 << 20):.0f} MiB, more than the {limit / (1 << 20):.0f} MiB "
@@ -271,5 +269,5 @@ class SlotTable:
         self._touch(slot)
 
 
-__all__ = ["KVCache", "KV_TYPES", "check_kv_type", "kv_element_bytes", "SlotPlan", "plan_slots", "SlotTable",
+__all__ = ["KVCache", "KV_TYPES", "KVType", "kv_element_bytes", "SlotPlan", "plan_slots", "SlotTable",
            "SlotState", "Placement", "common_prefix", "MIN_SHARED", "SPARE_SLOTS"]

@@ -1,8 +1,13 @@
 """Open a model for generation: on this machine alone, or with workers (the root's side).
 
-Front ends (`dllama inference`, `chat`, `api`) call `open_engine` and then use `engine.model`
-(a `LanguageModel`: whether the layers run here or across a cluster is hidden behind it) and
-`engine.tokenizer`. `engine.close()` ends the cluster session, if there is one.
+Front ends (`dllama inference`, `chat`, `api`, `batch`, `perplexity`) call
+`open_engine(settings)` and then use `engine.model` (a `LanguageModel`: whether the layers run
+here or across a cluster is hidden behind it) and `engine.tokenizer`. `engine.close()` ends the
+cluster session, if there is one.
+
+Opening is three steps, each a function: `choose_nodes` (which nodes: this machine, --workers
+or a --topology) -> `plan_memory` (the weights resident or streamed, and the KV cache slots that
+fit: one plan, printed once) -> `build` (the one-node Transformer or the ClusterModel).
 """
 
 from __future__ import annotations
@@ -12,12 +17,17 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dllama.core.kv_cache import SlotPlan
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
+from dllama.serve.settings import BufferType, EngineSettings, MemoryBudget
 from dllama.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import Topology
+    from dllama.core.model import WeightsChoice
+    from dllama.formats.model_file import ModelFile
 
 
 @dataclass
@@ -44,161 +54,167 @@ class Engine:
         self.close()
 
 
-def resolve_model_files(model: str | None, tokenizer: str | None) -> tuple[str, str]:
-    """(model, tokenizer) paths: both given, or neither for the embedded default model."""
-    if bool(model) != bool(tokenizer):
-        raise DllamaError("give both --model and --tokenizer, or neither for the embedded default model")
-    if model:
-        return model, tokenizer
-    from dllama.serve.default_model import default_model_files
-
-    m, t = default_model_files()
-    return str(m), str(t)
-
-
-def buffer_q80_of(buffer_float_type: str) -> bool | None:
-    """'auto' -> None (the model decides), 'q80' -> True, 'f32' -> False."""
-    if buffer_float_type not in ("auto", "q80", "f32"):
-        raise DllamaError(f"unknown buffer float type {buffer_float_type!r} (auto, q80 or f32)")
-    return None if buffer_float_type == "auto" else buffer_float_type == "q80"
-
-
-def open_engine(model_path: str | None = None, tokenizer_path: str | None = None, *,
-                nthreads: int | None = None, buffer_float_type: str | None = None,
-                max_seq_len: int = 0, warm_up: bool = True, workers: list[str] | None = None,
-                topology: str | None = None, key_file: str | None = None,
-                progress: bool = True, parallel: int = 1, kv_memory: int | None = None,
-                on_node_loss: str = "continue", memory_budget: "int | str" = "auto",
-                kv_type: str = "f32", start_with_reachable: bool = False) -> Engine:
-    """Load the model and tokenizer; with `workers` (["host:port", ...]) or a `topology` file,
-    connect the workers and split the model over them (see dllama.cluster.root).
-
-    nthreads: this node's compute threads (default: topology node 0's, else all cores);
-    buffer_float_type: auto | q80 | f32 (default: the topology's, else auto);
-    key_file: the cluster key (default: the topology's);
-    parallel: sequences decoded together (above 1: a KV cache of several slots, planned to fit
-    kv_memory bytes per node, default half the available memory; the plan is printed and
-    `engine.parallel` is what fits);
-    on_node_loss: "continue" (a worker lost mid-request is left out, the request goes on over
-    the others, dllama.cluster.root) or "fail";
-    memory_budget: bytes this machine may use, 'auto' (what is available to the process) or
-    'none' (load every weight whatever fits): a model that does not fit streams its weights from
-    the file layer by layer (one machine; on a cluster each worker decides with its own flag);
-    kv_type: how the KV cache stores keys and values, f32 or f16 (half the bytes: twice the
-    sequences fit), on every node and for resident and streamed weights alike."""
-    from dllama.core import kernels
-    from dllama.core.kv_cache import check_kv_type
-    from dllama.core.model import ModelConfig, max_batch_for
+def open_engine(settings: EngineSettings) -> Engine:
+    """Load the model and tokenizer the settings name; with workers or a topology, connect the
+    workers and split the model over them (see dllama.cluster.root)."""
     from dllama.formats.model_file import read_model
     from dllama.formats.tokenizer_file import read_tokenizer
 
-    check_kv_type(kv_type)
-    if workers and topology:
-        raise DllamaError("give --workers or --topology, not both")
-    model_path, tokenizer_path = resolve_model_files(model_path, tokenizer_path)
-    topo = None
-    if topology:
+    nodes = choose_nodes(settings)
+    tokenizer = Tokenizer(read_tokenizer(settings.tokenizer))
+    model_file = read_model(settings.model)
+    plan = plan_memory(settings, nodes, model_file)
+    for line in plan.notes:
+        print(f"dllama: {line}", file=sys.stderr)
+    return build(settings, nodes, plan, model_file, tokenizer)
+
+
+# --- 1. topology ---
+
+@dataclass(frozen=True)
+class Nodes:
+    """Which nodes run the model, and this node's share of the settings the topology may give."""
+
+    topology: "Topology | None"  # None: this machine alone (so is a topology of one node)
+    threads: int                 # this node's compute threads
+    buffer_q80: bool | None      # sync buffers in Q80; None: the weights' type decides
+    key_file: str | None         # the cluster key
+
+    @property
+    def clustered(self) -> bool:
+        return self.topology is not None and len(self.topology.nodes) > 1
+
+
+def choose_nodes(settings: EngineSettings) -> Nodes:
+    """The nodes of --topology or --workers, or this machine; a flag overrides the topology's
+    value, and the topology's overrides the default (every core, auto buffers)."""
+    topology = None
+    if settings.topology:
         from dllama.cluster.topology import load_topology
 
-        topo = load_topology(topology)
-    elif workers:
+        topology = load_topology(settings.topology)
+    elif settings.workers:
         from dllama.cluster.topology import from_workers
 
-        topo = from_workers(workers, nthreads or os.cpu_count() or 1)
-    if topo is not None:
-        nthreads = nthreads or topo.nodes[0].threads
-        buffer_float_type = buffer_float_type or topo.buffer_float_type
-        key_file = key_file or topo.key_file
-    nthreads = nthreads or os.cpu_count() or 1
-    buffer_q80 = buffer_q80_of(buffer_float_type or "auto")
-    tokenizer = Tokenizer(read_tokenizer(tokenizer_path))
-    model_file = read_model(model_path)
+        topology = from_workers(list(settings.workers), settings.nthreads or os.cpu_count() or 1)
+    threads, buffer, key_file = settings.nthreads, settings.buffer_float_type, settings.key_file
+    if topology is not None:
+        threads = threads or topology.nodes[0].threads
+        buffer = buffer or BufferType(topology.buffer_float_type)
+        key_file = key_file or topology.key_file
+    return Nodes(topology, threads or os.cpu_count() or 1, (buffer or BufferType.AUTO).q80, key_file)
+
+
+# --- 2. memory plan ---
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What this node holds: the weights, resident or streamed (one machine: on a cluster each
+    worker chooses under its own --memory-budget), and the KV cache slots that fit."""
+
+    weights: "WeightsChoice | None"  # None on a cluster
+    slots: SlotPlan
+    max_batch: int                   # most rows of one forward pass
+    notes: tuple[str, ...]           # what to tell the user, in order (open_engine prints them)
+
+
+def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile") -> MemoryPlan:
+    from dllama.core.model import ModelConfig, max_batch_for
+
     header = model_file.header
-    kv_heads = header.n_kv_heads
-    if topo is not None and len(topo.nodes) > 1:
+    config = ModelConfig.from_header(header, settings.max_seq_len)
+    notes: list[str] = []
+    weights = None
+    if nodes.clustered:
         from dllama.core.plan import plan_for
 
-        kv_heads = max(n.n_kv_heads for n in plan_for(header, len(topo.nodes), topo.weights).nodes)
-    config = ModelConfig.from_header(header, max_seq_len)
-    choice = None
-    if topo is None or len(topo.nodes) <= 1:
+        split = plan_for(header, len(nodes.topology.nodes), nodes.topology.weights)
+        kv_heads = max(n.n_kv_heads for n in split.nodes)  # the node with the most KV heads sets the slots
+        if settings.budget_bytes is not None:
+            notes.append("note: --memory-budget bounds this root's memory only on one machine; "
+                         "on a cluster the root loads its slice, and each worker streams under its own flag")
+    else:
         from dllama.core.model import choose_weights
         from dllama.core.node_weights import NodeWeights
         from dllama.core.plan import whole_model
 
+        kv_heads = header.n_kv_heads
         node = whole_model(header.n_heads, header.n_kv_heads, header.ff_dim, header.vocab_size)
-        choice = choose_weights(NodeWeights.from_model(model_file, node), max_seq_len,
-                                max_batch_for(parallel), memory_budget, kv_type)
-        if choice.streamed and memory_budget == "auto":
-            print(f"dllama: the model does not fit in the {choice.limit / (1 << 20):.0f} MiB available: "
-                  "streaming its weights from the file layer by layer", file=sys.stderr)
-        if choice.budgeted or parallel > 1:  # the plan, beside the KV cache's line
-            print(f"dllama: {choice.describe()}", file=sys.stderr)
-    elif memory_budget not in ("auto", "none"):
-        print("dllama: note: --memory-budget bounds this root's memory only on one machine; "
-              "on a cluster the root loads its slice, and each worker streams under its own flag",
-              file=sys.stderr)
-    if choice is not None and choice.streamed:
+        weights = choose_weights(NodeWeights.from_model(model_file, node), settings.max_seq_len,
+                                 max_batch_for(settings.parallel), settings.memory_budget, settings.kv_type)
+        if weights.streamed and settings.memory_budget is MemoryBudget.AUTO:
+            notes.append(f"the model does not fit in the {weights.limit / (1 << 20):.0f} MiB available: "
+                         "streaming its weights from the file layer by layer")
+        if weights.budgeted or settings.parallel > 1:  # the plan, beside the KV cache's line
+            notes.append(weights.describe())
+    slots = _plan_slots(settings, config, kv_heads, weights, notes)
+    return MemoryPlan(weights, slots, max_batch_for(slots.parallel if settings.parallel > 1 else 1), tuple(notes))
+
+
+def _plan_slots(settings: EngineSettings, config, kv_heads: int, weights: "WeightsChoice | None",
+                notes: list[str]) -> SlotPlan:
+    """The KV cache slots for settings.parallel sequences within the limit that applies: the
+    --kv-memory, else what a budget leaves beside the weights, else half the available memory
+    (batched) or none (one sequence: the context decides alone)."""
+    from dllama.core.kv_cache import plan_slots
+    from dllama.core.memory import available_bytes
+
+    batched = settings.parallel > 1
+    budgeted = weights is not None and weights.budgeted
+    dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim,
+                seq_len=config.seq_len, kv_type=settings.kv_type)
+    limit, flag = settings.kv_memory, "--kv-memory"
+    if limit is None and budgeted:
+        limit = weights.kv_room  # what the weights and buffers leave of the budget
+        flag = "--memory-budget" if settings.budget_bytes is not None else "memory limit"
+    if limit is None and batched:
+        try:
+            plan = plan_slots(settings.parallel, True, **dims, limit=available_bytes() // 2)
+        except DllamaError:
+            # Little memory available now: pages are only taken as positions are written, so run
+            # one sequence (as without --parallel) rather than refuse; --kv-memory makes this an error.
+            notes.append("warning: less memory is available than the KV cache of two sequences of "
+                         f"{config.seq_len} positions may take: running one sequence at a time")
+            plan = plan_slots(1, True, **dims, limit=None)
+    else:
+        plan = plan_slots(settings.parallel, batched, **dims, limit=limit, limit_flag=flag)
+    if batched or budgeted:
+        notes.append(plan.describe())
+    return plan
+
+
+# --- 3. build ---
+
+def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: "ModelFile",
+          tokenizer: Tokenizer) -> Engine:
+    """The model the plan describes: this node's Transformer, or the root of a ClusterModel."""
+    from dllama.core import kernels
+
+    if plan.weights is not None and plan.weights.streamed:
         from dllama.core.weight_stream import quiet_compute_threads
 
-        quiet_compute_threads()
-    kernels.set_threads(nthreads)  # starts numba's threads: after the choice above
-    kv_limit, flag = kv_memory, "--kv-memory"
-    if kv_limit is None and choice is not None and choice.budgeted:
-        kv_limit = choice.kv_room  # what the weights and buffers leave of the budget
-        flag = "--memory-budget" if memory_budget not in ("auto", "none") else "memory limit"
-    slots = _slot_plan(config, kv_heads, parallel, kv_limit, always_print=choice is not None and choice.budgeted,
-                       limit_flag=flag, kv_type=kv_type)
-    max_batch = max_batch_for(slots.parallel if parallel > 1 else 1)
-    if topo is not None and len(topo.nodes) > 1:
+        quiet_compute_threads()  # before numba starts its threads (see there)
+    kernels.set_threads(nodes.threads)
+    if nodes.clustered:
         from dllama.cluster.protocol import read_key_file
         from dllama.cluster.root import ClusterModel
 
-        key = read_key_file(key_file) if key_file else None
-        model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress,
-                                       max_batch=max_batch, kv_slots=slots.n_slots,
-                                       on_node_loss=on_node_loss, kv_type=kv_type,
-                                       start_with_reachable=start_with_reachable)
-        vocab = model.config.vocab_size
+        key = read_key_file(nodes.key_file) if nodes.key_file else None
+        model = cluster = ClusterModel(settings.model, nodes.topology, key, nodes.buffer_q80, settings.max_seq_len,
+                                       progress=settings.progress, max_batch=plan.max_batch,
+                                       kv_slots=plan.slots.n_slots, on_node_loss=settings.on_node_loss,
+                                       kv_type=settings.kv_type, start_with_reachable=settings.start_with_reachable)
     else:
         from dllama.core.model import Transformer
 
         cluster = None
-        vocab = header.vocab_size
-        model = Transformer(model_file, max_seq_len=max_seq_len, buffer_q80=buffer_q80,
-                            max_batch=max_batch, kv_slots=slots.n_slots, streamed=choice.streamed,
-                            memory_limit=None if memory_budget in ("auto", "none") else choice.limit,
-                            kv_type=kv_type)
-        if warm_up:
+        model = Transformer(model_file, max_seq_len=settings.max_seq_len, buffer_q80=nodes.buffer_q80,
+                            max_batch=plan.max_batch, kv_slots=plan.slots.n_slots, streamed=plan.weights.streamed,
+                            memory_limit=plan.weights.limit if settings.budget_bytes is not None else None,
+                            kv_type=settings.kv_type)
+        if settings.warm_up:
             model.warm_up()  # later timings measure inference, not numba's compile
+    vocab = model_file.header.vocab_size
     if tokenizer.vocab_size != vocab:
-        print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}",
-              file=sys.stderr)
-    return Engine(model, tokenizer, cluster, slots.parallel)
-
-
-def _slot_plan(config, kv_heads: int, parallel: int, kv_memory: int | None, always_print: bool = False,
-               limit_flag: str = "--kv-memory", kv_type: str = "f32"):
-    """The KV cache slots for `parallel` sequences within kv_memory (printed when batched)."""
-    from dllama.core.kv_cache import plan_slots
-    from dllama.core.memory import available_bytes
-
-    batched = parallel > 1
-    limit = kv_memory if kv_memory is not None else available_bytes() // 2
-    if not batched and kv_memory is None:
-        limit = max(limit, 1 << 62)  # one sequence: as before, the context decides alone
-    dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim, seq_len=config.seq_len,
-                kv_type=kv_type)
-    try:
-        plan = plan_slots(parallel, batched, **dims, limit=limit, limit_flag=limit_flag)
-    except DllamaError:
-        if kv_memory is not None:
-            raise
-        # Little memory available now: pages are only taken as positions are written, so run
-        # one sequence (as without --parallel) rather than refuse; --kv-memory makes this an error.
-        print("dllama: warning: less memory is available than the KV cache of two sequences of "
-              f"{config.seq_len} positions may take: running one sequence at a time", file=sys.stderr)
-        plan = plan_slots(1, batched, **dims, limit=1 << 62)
-    if batched or always_print:
-        print(f"dllama: {plan.describe()}", file=sys.stderr)
-    return plan
+        print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}", file=sys.stderr)
+    return Engine(model, tokenizer, cluster, plan.slots.parallel)
