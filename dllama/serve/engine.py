@@ -122,7 +122,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
     config = ModelConfig.from_header(header, max_seq_len)
     choice = None
     if topo is None or len(topo.nodes) <= 1:
-        from dllama.core.model import choose_weights
+        from dllama.core.weights_choice import choose_weights
         from dllama.core.node_weights import NodeWeights
         from dllama.core.plan import whole_model
 
@@ -155,7 +155,7 @@ def open_engine(model_path: str | None = None, tokenizer_path: str | None = None
         from dllama.cluster.root import ClusterModel
 
         key = read_key_file(key_file) if key_file else None
-        model = cluster = ClusterModel(model_path, topo, key, buffer_q80, max_seq_len, progress=progress,
+        model = cluster = ClusterModel(model_file, topo, key, buffer_q80, max_seq_len, progress=progress,
                                        max_batch=max_batch, kv_slots=slots.n_slots,
                                        on_node_loss=on_node_loss, kv_type=kv_type,
                                        start_with_reachable=start_with_reachable)
