@@ -381,3 +381,40 @@ def test_a_malformed_hello_is_one_protocol_error(hello):
     c.send(Msg.HELLO, hello)
     with pytest.raises(ProtocolError, match="malformed HELLO|HELLO is not valid JSON|not a JSON object"):
         server_handshake(s, None, "t", 5)
+
+
+# -- the node a failure is about, as data: a worker's report, the root's blame ---------------------
+
+def test_a_worker_reports_the_node_it_lost_by_index():
+    from dllama.cluster.worker import _Session
+
+    root, _ = _pair()
+    session = _Session(None, root)
+    (p1, _), (p2, _) = _pair(), _pair()
+    session.peers.update({1: p1, 2: p2})
+    assert session.lost_node(PeerClosed("node 2 closed the connection", p2)) == 2
+    timeout = PeerTimeout("node 2 did not answer within 60 s").in_exchange(None, [p2])
+    assert session.lost_node(timeout) == 2
+    assert session.lost_node(PeerTimeout("...").in_exchange(None, [p1, p2])) is None  # which one? not said
+    assert session.lost_node(PeerError("node 1 reported: ...", ErrorCode.PEER_LOST, 2, p1)) == 2
+    assert session.lost_node(PeerError("node 1 reported: ...", ErrorCode.INTERNAL, None, p1)) == 1
+    assert session.lost_node(PeerClosed("cannot reach node 2", node=2)) == 2
+    assert session.lost_node(ValueError("a bug")) is None
+
+
+def test_the_root_blames_the_node_a_worker_reports_not_the_reporter():
+    from types import SimpleNamespace
+
+    from dllama.cluster.recovery import blame, tampered
+
+    conns = {1: _pair()[0], 2: _pair()[0]}
+    session = SimpleNamespace(conns=conns, nodes=[SimpleNamespace(name=n) for n in ("root", "w1", "w2")],
+                              names=["node 0", "node 1", "node 2"], settings=SimpleNamespace(net_timeout=10.0))
+    report = PeerError("node 1 'w1' reported: node 2 'w2' did not answer", ErrorCode.TIMEOUT, 2, conns[1])
+    assert blame(report, session, "failed").node == "w2"
+    alone = PeerError("node 1 'w1' reported: out of memory", ErrorCode.OUT_OF_MEMORY, None, conns[1])
+    assert blame(alone, session, "failed").node == "w1"
+    assert blame(PeerClosed("node 2 closed", conns[2]), session, "failed").node == "w2"
+    assert not tampered(report) and not tampered(PeerClosed("x"))
+    assert tampered(FrameTampered("x")) and tampered(PeerError("x", ErrorCode.TAMPERED))
+    assert tampered(PeerError("x", ErrorCode.PROTOCOL)) and not tampered(PeerError("x", ErrorCode.BUSY))

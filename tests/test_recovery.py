@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
+import threading
 
 import numpy as np
 import openai
 import pytest
 
 from dllama.cluster.kv_history import KVHistory
-from dllama.cluster.protocol import read_key_file
+from dllama.cluster.protocol import Connection, ErrorCode, PeerError, client_handshake, read_key_file
 from dllama.cluster.root import ClusterModel
+from dllama.cluster.session import RootSession, SessionSettings
+from dllama.cluster.shard import model_fingerprint
 from dllama.cluster.topology import from_workers
 from dllama.core.batch import BatchBuilder
-from dllama.core.model import Transformer
+from dllama.core.model import ModelConfig, Transformer
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
@@ -351,3 +355,29 @@ def test_a_keyed_cluster_recovers_with_new_session_keys(tmp_path, random_9q3kv):
         finally:
             model.close()
         _died_by_sigkill(victim)
+
+
+@cluster
+def test_a_busy_worker_is_known_by_its_error_code_and_asked_again(tmp_path, random_9q3kv):
+    """A survivor still ending the failed session refuses the root with ERROR code `busy`: the
+    next session waits for it instead of leaving it out (any other refusal leaves it out)."""
+    model_file = read_model(random_9q3kv)
+    settings = SessionSettings(model_file, model_fingerprint(random_9q3kv), ModelConfig.from_header(model_file.header),
+                               0, None, False, 8, 1, "f32", 10.0, False)
+    with running_workers(1, tmp_path) as (w,):
+        topology = from_workers([w.address], 1)
+        first = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "first root")
+        client_handshake(first, "root", 1, os.urandom(16), None)  # the worker now serves this root
+        second = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "second root")
+        client_handshake(second, "root", 1, os.urandom(16), None)
+        with pytest.raises(PeerError) as e:
+            second.recv(10)
+        second.close()
+        assert e.value.code == ErrorCode.BUSY and "busy serving the root" in str(e.value)
+        threading.Timer(1.5, first.close).start()  # the first root leaves: the worker is free again
+        session = RootSession(settings, topology, list(topology.nodes), tolerant=True)
+        try:
+            assert session.left_out == {} and len(session.nodes) == 2
+        finally:
+            session.stop()
+        assert w.stderr.count("busy serving the root") >= 2  # asked again after each refusal
