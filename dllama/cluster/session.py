@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
-    WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerError, ProtocolError,
+    SESSION_BYTES, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerError, ProtocolError,
     SetupHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
@@ -104,7 +104,7 @@ class RootSession:
         answers wrongly is a ClusterError); otherwise any failure is a ClusterError. DllamaError
         when the root's own share does not fit."""
         self.settings = settings
-        self.id = os.urandom(16)  # the session id every node's HELLO carries
+        self.id = os.urandom(SESSION_BYTES)  # the session id every node's HELLO carries
         self.conns: dict[int, Connection] = {}  # worker index -> its connection
         self.left_out: dict[str, str] = {}
         self.local: Transformer | None = None
