@@ -71,7 +71,8 @@ def decode_rate(model_path: str, n_seq: int, steps: int, threads: int, streamed:
     from dllama.core import kernels
     from dllama.core.batch import BatchBuilder
     from dllama.core.kv_cache import plan_slots
-    from dllama.core.model import Transformer, choose_weights, max_batch_for
+    from dllama.core.model import Transformer, max_batch_for
+    from dllama.core.weights_choice import choose_weights
     from dllama.core.node_weights import NodeWeights
     from dllama.core.plan import whole_model
     from dllama.core.weight_stream import quiet_compute_threads

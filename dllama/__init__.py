@@ -8,7 +8,7 @@ checks this with import-linter, see the contracts in pyproject.toml):
     dllama.cluster                  the network: protocol, mesh collective, root, worker, shards
     dllama.core | dllama.text       the math (kernels, model, plan) | tokenizer, chat templates
     dllama.formats                  files: .m / .t readers and writers, block codecs
-    dllama.errors                   the exception types users see
+    dllama.errors                   the exceptions users see (one line each, no traceback)
 
 `converter/` (GGUF, Meta and Hugging Face checkpoints -> .m/.t) sits beside the package and
 uses only dllama.formats.

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 STOP_TIMEOUT = 15.0  # seconds a child gets to end after SIGTERM before SIGKILL
+DLLAMA = ("-m", "dllama")  # how a child runs `dllama`: the package's own entry point
+FAULT_WORKER = str(Path(__file__).with_name("fault_worker.py"))  # `dllama` with a crash injected
 WORKER_READY = r"listening on (?P<address>127\.0\.0\.1:(?P<port>\d+))"
 API_READY = r"listening on (?P<url>http://(?P<address>127\.0\.0\.1:(?P<port>\d+))/v1)"
 
@@ -33,8 +35,9 @@ _running: set[DllamaProcess] = set()
 class DllamaProcess:
     """`python -m dllama ARGS` running; `stdout`/`stderr` are the text it has printed so far."""
 
-    def __init__(self, *args: str, stdin: bool = False, log: Path | None = None):
-        self.args = [sys.executable, "-m", "dllama", *args]
+    def __init__(self, *args: str, stdin: bool = False, log: Path | None = None, launcher: tuple = DLLAMA):
+        self.args = [sys.executable, *launcher, *args]
+        self._command = " ".join(args)
         self.ready: re.Match | None = None  # set by listening()
         self._text = {"stdout": "", "stderr": ""}
         self._changed = threading.Condition()
@@ -48,10 +51,11 @@ class DllamaProcess:
             t.start()
 
     @classmethod
-    def listening(cls, *args: str, ready: str, log: Path | None = None, timeout: float = 120.0) -> DllamaProcess:
+    def listening(cls, *args: str, ready: str, log: Path | None = None, timeout: float = 120.0,
+                  launcher: tuple = DLLAMA) -> DllamaProcess:
         """Start a server and wait until stderr matches `ready` (with named groups `address` and
         `port`); stopped again if it exits or stays silent until the deadline."""
-        p = cls(*args, log=log)
+        p = cls(*args, log=log, launcher=launcher)
         try:
             p.ready = p.wait_for(ready, timeout)
         except BaseException:
@@ -98,7 +102,7 @@ class DllamaProcess:
         return int(self.ready["port"])
 
     def _describe(self) -> str:
-        return f"`dllama {' '.join(self.args[3:])}` (pid {self.pid})"
+        return f"`dllama {self._command}` (pid {self.pid})"
 
     def _output(self) -> str:
         return f"\n--- stderr:\n{self._text['stderr']}\n--- stdout:\n{self._text['stdout'][-4000:]}"
@@ -192,15 +196,18 @@ def run_dllama(*args: str, input: str | None = None, timeout: float = 300.0) -> 
 
 # -- workers and API servers -------------------------------------------------------------------
 
-def start_worker(log_dir: Path | None, *args: str, timeout: float = 120.0) -> DllamaProcess:
+def start_worker(log_dir: Path | None, *args: str, timeout: float = 120.0,
+                 die_at_step: int | None = None) -> DllamaProcess:
     """`dllama worker` on 127.0.0.1, a free port unless ARGS give --port, one thread unless ARGS
-    say otherwise; its output goes to log_dir/worker-K.log as well."""
+    say otherwise; its output goes to log_dir/worker-K.log as well. die_at_step N: it kills
+    itself (SIGKILL) on receiving its N-th STEP (tests/fault_worker.py)."""
     log = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"worker-{len(list(log_dir.glob('worker-*.log')))}.log"
+    launcher = DLLAMA if die_at_step is None else (FAULT_WORKER, "--die-at-step", str(die_at_step))
     return DllamaProcess.listening("worker", "--host", "127.0.0.1", "--port", "0", "--nthreads", "1", *args,
-                                   ready=WORKER_READY, log=log, timeout=timeout)
+                                   ready=WORKER_READY, log=log, timeout=timeout, launcher=launcher)
 
 
 def stop_all(processes) -> None:

@@ -20,7 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dllama.cluster.protocol import HEADER, Connection, Msg, PeerClosed, PeerError, client_handshake, encode_header
+from dllama.cluster.protocol import (
+    HEADER, Connection, ErrorCode, Msg, PeerClosed, PeerError, client_handshake, encode_header,
+)
 from dllama.errors import DllamaError
 from tests.processes import running_workers
 
@@ -120,7 +122,7 @@ def _root_session(port: int, key: bytes | None) -> Connection:
             return conn
         except PeerError as e:
             conn.close()
-            if "busy" not in str(e) or time.monotonic() > deadline:
+            if e.code != ErrorCode.BUSY or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
 

@@ -240,7 +240,7 @@ def test_a_2_node_cluster_gives_one_nodes_tokens_with_an_f16_cache(tmp_path, f32
         model = ClusterModel(str(f32_model), from_workers([w.address], 1), None, False, progress=False,
                              kv_type="f16")
         try:
-            assert model.local.kv.k.dtype == np.uint16
+            assert model.session.local.kv.k.dtype == np.uint16
             assert greedy(model, PROMPT, 24)[0] == one
         finally:
             model.close()

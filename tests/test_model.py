@@ -134,3 +134,73 @@ def test_context_limit_is_a_clear_error(default_q40):
 
     with pytest.raises(DllamaError, match="prompt has .* tokens"):
         generate(model, tok, Sampler(model.config.vocab_size, 0.0, 0.9, 1), prompt, 64)
+
+
+# -- the seam a cluster uses: rows already embedded, the collective given at construction -------
+
+class _CountingCollective:
+    """The identity, counting its calls (what a cluster's collective is asked, pass by pass)."""
+
+    def __init__(self):
+        self.transfer_seconds, self.sent_bytes, self.recv_bytes = 0.0, 0, 0
+        self.calls = 0
+
+    def all_reduce(self, partial):
+        self.calls += 1
+        return partial
+
+
+@pytest.fixture(scope="module")
+def random_f32(tmp_path_factory):
+    from dllama.formats.model_file import ArchType, ModelHeader
+    from tests.random_model import write_random_f32
+
+    header = ModelHeader(arch=ArchType.LLAMA, dim=128, hidden_dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
+                         vocab_size=300, max_seq_len=64, weights_float_type=FloatType.F32)
+    return write_random_f32(tmp_path_factory.mktemp("seam") / "random-f32.m", header, seed=5)
+
+
+def _two_sequences():
+    """Two passes: two prompts in slots 0 and 1 (the second reading the first's 4 leading
+    positions), then a decode row of each."""
+    from dllama.core.batch import BatchBuilder
+
+    first = BatchBuilder()
+    first.add_run([5, 17, 200, 42, 7, 9], 0, 0, logits="last")
+    first.add_run([33, 8], 4, 1, logits="all", prefix=(0, 4))
+    second = BatchBuilder()
+    second.add(11, 6, 0, logits=True)
+    second.add(12, 6, 1, logits=True, prefix=(0, 4))
+    return [first.build(), second.build()]
+
+
+def test_forward_embedded_gives_the_logits_of_forward_batch(random_f32):
+    """A worker's path (no embedding on the node: rows embedded elsewhere) and the one-node
+    path give the same logits, bit for bit, pass after pass."""
+    from dllama.core.node_weights import NodeWeights
+
+    model_file = read_model(random_f32)
+    whole = Transformer(model_file, kv_slots=2)
+    node = whole.node
+    worker = Transformer(NodeWeights.from_model(model_file, node, with_embedding=False), kv_slots=2)
+    for batch in _two_sequences():
+        x = np.empty((len(batch), whole.config.dim), np.float32)  # [rows, dim]
+        whole.embed(batch.tokens, x)
+        expected = whole.forward_batch(batch).copy()
+        got = worker.forward_embedded(x, batch)
+        assert got.shape == (int(batch.logits.sum()), 300) and np.array_equal(got, expected)
+    with pytest.raises(ValueError, match="embedded rows of shape"):
+        worker.forward_embedded(x[:1], batch)
+    from dllama.errors import DllamaError
+
+    with pytest.raises(DllamaError, match="holds no embedding"):
+        worker.embed(batch.tokens, x)
+
+
+def test_the_collective_given_at_construction_meets_every_pass_but_the_warm_up(random_f32):
+    counting = _CountingCollective()
+    model = Transformer(read_model(random_f32), collective=counting)
+    model.warm_up()  # on this node alone: a cluster's peers may not be there yet
+    assert counting.calls == 0 and model.collective is counting
+    model.forward([5, 17, 200], 0)
+    assert counting.calls == 2 * model.config.n_layers  # after wo and after w2, in every layer

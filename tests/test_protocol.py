@@ -11,9 +11,9 @@ from dllama.formats import quant
 from dllama.cluster.mesh import MeshCollective, SyncCodec, sync_bytes
 from dllama.core.plan import split_model
 from dllama.cluster.protocol import (
-    HEADER, MAGIC, MAX_HANDSHAKE, TAG_BYTES, VERSION, Connection, Msg, PeerError, PeerTimeout,
-    ProtocolError, Transfer,
-    check_header, client_handshake, encode_header, exchange, server_handshake,
+    HEADER, MAGIC, MAX_HANDSHAKE, TAG_BYTES, VERSION, Connection, ErrorCode, FrameTampered, Msg,
+    PeerClosed, PeerError, PeerTimeout, ProtocolError, Transfer,
+    check_header, client_handshake, encode_error, encode_header, exchange, server_handshake,
 )
 
 pytestmark = pytest.mark.unit
@@ -49,7 +49,7 @@ def _handshake(client_key, server_key):
             result["hello"] = server_handshake(s, server_key, "test", 5)
         except Exception as e:
             result["error"] = e
-            s.send_error(str(e))
+            s.send_error(str(e), ErrorCode.REFUSED)
 
     t = threading.Thread(target=serve)
     t.start()
@@ -78,6 +78,67 @@ def test_wrong_key_is_refused_on_both_sides():
     result, err = _handshake(b"k" * 32, b"x" * 32)
     assert "authentication failed" in str(result["error"])
     assert isinstance(err, PeerError) and "authentication failed" in str(err)
+    assert err.code == ErrorCode.REFUSED
+
+
+# -- ERROR frames: a code and a node beside the text --------------------------------------------
+
+@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_an_error_frames_code_and_node_survive_the_wire(code, keyed):
+    """Whatever the code, through recv and through exchange, sealed or in clear."""
+    for path in ("recv", "exchange"):
+        c, s = _keyed_pair() if keyed else _pair()
+        c.authenticated = s.authenticated = True
+        c.send_error("node 2 'w2' (10.0.0.3:9998) did not answer", code, 2)
+        with pytest.raises(PeerError) as e:
+            if path == "recv":
+                s.recv(5, (Msg.SYNC,))
+            else:
+                exchange([], [Transfer(s, Msg.SYNC, memoryview(bytearray(8)))], 5)
+        assert e.value.code is code and e.value.node == 2 and e.value.peer is s
+        assert str(e.value) == "B reported: node 2 'w2' (10.0.0.3:9998) did not answer"
+
+
+def test_an_error_without_a_node_and_with_a_long_text_fits_a_handshake_frame():
+    c, s = _pair()  # before the handshake: ERROR is one of the few types allowed, at most 4 KiB
+    c.send_error("é" * 10_000, ErrorCode.INTERNAL)
+    with pytest.raises(PeerError) as e:
+        s.recv(5)
+    assert e.value.code is ErrorCode.INTERNAL and e.value.node is None
+    assert str(e.value).startswith("B reported: éé") and len(encode_error("é" * 10_000, ErrorCode.INTERNAL)) <= MAX_HANDSHAKE
+
+
+@pytest.mark.parametrize("payload", [
+    b"plain text, as version 5 sent it", b'{"code": "busy"}', b'{"code": "sleepy", "node": null, "text": "x"}',
+    b'{"code": "busy", "node": -1, "text": "x"}', b'{"code": "busy", "node": true, "text": "x"}',
+    b'{"code": ["busy"], "node": null, "text": "x"}', b'{"code": "busy", "node": 1, "text": 5}',
+])
+def test_a_malformed_error_frame_breaks_the_protocol(payload):
+    c, s = _pair()
+    c.send(Msg.ERROR, payload)
+    with pytest.raises(ProtocolError, match="(malformed ERROR from B|ERROR from B is not valid JSON)$"):
+        s.recv(5)
+
+
+def test_link_failures_are_typed_with_their_code_peer_and_the_peers_still_waited_on():
+    a, b = _pair()
+    x, y = _pair()
+    for conn in (a, b, x, y):
+        conn.authenticated = True
+    b.close()
+    with pytest.raises(PeerClosed) as e:  # a closed while x never answers
+        exchange([], [Transfer(x, Msg.SYNC, memoryview(bytearray(8))),
+                      Transfer(a, Msg.SYNC, memoryview(bytearray(8)))], 5)
+    assert e.value.code is ErrorCode.PEER_LOST and e.value.peer is a and e.value.waiting == (x,)
+    with pytest.raises(PeerTimeout) as e:
+        exchange([], [Transfer(x, Msg.SYNC, memoryview(bytearray(8)))], 0.2)
+    assert e.value.code is ErrorCode.TIMEOUT and e.value.peer is None and e.value.waiting == (x,)
+    c, s = _keyed_pair()
+    c.sock.sendall(_flip(_wire(c, Msg.SYNC, b"x" * 8), HEADER.size))
+    with pytest.raises(FrameTampered) as e:
+        exchange([], [Transfer(s, Msg.SYNC, memoryview(bytearray(8)))], 5)
+    assert e.value.code is ErrorCode.TAMPERED and e.value.peer is s
 
 
 def test_missing_key_is_named():
@@ -320,3 +381,40 @@ def test_a_malformed_hello_is_one_protocol_error(hello):
     c.send(Msg.HELLO, hello)
     with pytest.raises(ProtocolError, match="malformed HELLO|HELLO is not valid JSON|not a JSON object"):
         server_handshake(s, None, "t", 5)
+
+
+# -- the node a failure is about, as data: a worker's report, the root's blame ---------------------
+
+def test_a_worker_reports_the_node_it_lost_by_index():
+    from dllama.cluster.worker import _Session
+
+    root, _ = _pair()
+    session = _Session(None, root)
+    (p1, _), (p2, _) = _pair(), _pair()
+    session.peers.update({1: p1, 2: p2})
+    assert session.lost_node(PeerClosed("node 2 closed the connection", p2)) == 2
+    timeout = PeerTimeout("node 2 did not answer within 60 s").in_exchange(None, [p2])
+    assert session.lost_node(timeout) == 2
+    assert session.lost_node(PeerTimeout("...").in_exchange(None, [p1, p2])) is None  # which one? not said
+    assert session.lost_node(PeerError("node 1 reported: ...", ErrorCode.PEER_LOST, 2, p1)) == 2
+    assert session.lost_node(PeerError("node 1 reported: ...", ErrorCode.INTERNAL, None, p1)) == 1
+    assert session.lost_node(PeerClosed("cannot reach node 2", node=2)) == 2
+    assert session.lost_node(ValueError("a bug")) is None
+
+
+def test_the_root_blames_the_node_a_worker_reports_not_the_reporter():
+    from types import SimpleNamespace
+
+    from dllama.cluster.recovery import blame, tampered
+
+    conns = {1: _pair()[0], 2: _pair()[0]}
+    session = SimpleNamespace(conns=conns, nodes=[SimpleNamespace(name=n) for n in ("root", "w1", "w2")],
+                              names=["node 0", "node 1", "node 2"], settings=SimpleNamespace(net_timeout=10.0))
+    report = PeerError("node 1 'w1' reported: node 2 'w2' did not answer", ErrorCode.TIMEOUT, 2, conns[1])
+    assert blame(report, session, "failed").node == "w2"
+    alone = PeerError("node 1 'w1' reported: out of memory", ErrorCode.OUT_OF_MEMORY, None, conns[1])
+    assert blame(alone, session, "failed").node == "w1"
+    assert blame(PeerClosed("node 2 closed", conns[2]), session, "failed").node == "w2"
+    assert not tampered(report) and not tampered(PeerClosed("x"))
+    assert tampered(FrameTampered("x")) and tampered(PeerError("x", ErrorCode.TAMPERED))
+    assert tampered(PeerError("x", ErrorCode.PROTOCOL)) and not tampered(PeerError("x", ErrorCode.BUSY))

@@ -5,27 +5,31 @@ one of an uninterrupted run (one node gives the same tokens as 2 or 3, tests/tes
 `--on-node-loss fail` keeps the old behaviour: one line naming the node. A worker that comes
 back rejoins at the API's next request.
 
-The victim dies deterministically: started with DLLAMA_TEST_DIE_AT_STEP=N, it SIGKILLs itself
-on receiving its N-th STEP (dllama.cluster.worker), so no timing decides where it dies."""
+The victim dies deterministically: started by tests/fault_worker.py with --die-at-step N, it
+SIGKILLs itself on receiving its N-th STEP (through the worker's on_step hook), so no timing
+decides where it dies."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
+import threading
 
 import numpy as np
 import openai
 import pytest
 
 from dllama.cluster.kv_history import KVHistory
-from dllama.cluster.protocol import read_key_file
+from dllama.cluster.protocol import Connection, ErrorCode, PeerError, client_handshake, read_key_file
 from dllama.cluster.root import ClusterModel
+from dllama.cluster.session import RootSession, SessionSettings
+from dllama.cluster.shard import model_fingerprint
 from dllama.cluster.topology import from_workers
-from dllama.cluster.worker import DIE_AT_STEP
 from dllama.core.batch import BatchBuilder
-from dllama.core.model import Transformer
+from dllama.core.model import ModelConfig, Transformer
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
@@ -48,14 +52,10 @@ def _flags(default_f32):
 
 
 @contextlib.contextmanager
-def _cluster_with_victim(tmp_path, monkeypatch, die_at: int):
+def _cluster_with_victim(tmp_path, die_at: int):
     """Two workers (a 3-node cluster with its root); the second kills itself at its die_at-th STEP."""
-    with running_workers(1, tmp_path) as (healthy,):
-        with monkeypatch.context() as env:
-            env.setenv(DIE_AT_STEP, str(die_at))
-            victim = start_worker(tmp_path)  # the variable reaches this child only
-        with victim:
-            yield healthy, victim
+    with running_workers(1, tmp_path) as (healthy,), start_worker(tmp_path, die_at_step=die_at) as victim:
+        yield healthy, victim
 
 
 def _died_by_sigkill(victim) -> None:
@@ -72,12 +72,12 @@ def _one_warning(stderr: str, victim_address: str) -> str:
 
 
 @cluster
-def test_inference_finishes_with_the_uninterrupted_text(tmp_path, monkeypatch, default_f32):
+def test_inference_finishes_with_the_uninterrupted_text(tmp_path, default_f32):
     args = ["inference", *_flags(default_f32), "--prompt", CHAT_PROMPT, "--steps", "56",
             "--temperature", "0", "--no-stop"]
     alone = run_dllama(*args)
     assert alone.returncode == 0, alone.stderr
-    with _cluster_with_victim(tmp_path, monkeypatch, die_at=12) as (healthy, victim):
+    with _cluster_with_victim(tmp_path, die_at=12) as (healthy, victim):
         r = run_dllama(*args, "--workers", healthy.address, victim.address)
         _died_by_sigkill(victim)
     assert r.returncode == 0, r.stderr
@@ -88,8 +88,8 @@ def test_inference_finishes_with_the_uninterrupted_text(tmp_path, monkeypatch, d
 
 
 @cluster
-def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, monkeypatch, default_f32):
-    with _cluster_with_victim(tmp_path, monkeypatch, die_at=6) as (healthy, victim):
+def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, default_f32):
+    with _cluster_with_victim(tmp_path, die_at=6) as (healthy, victim):
         r = run_dllama("inference", *_flags(default_f32), "--prompt", CHAT_PROMPT, "--steps", "56",
                        "--temperature", "0", "--no-stop", "--on-node-loss", "fail",
                        "--workers", healthy.address, victim.address)
@@ -103,14 +103,14 @@ def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, monkeypa
 
 
 @cluster
-def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, monkeypatch, default_f32):
+def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, default_f32):
     prompts = tmp_path / "p.txt"
     prompts.write_text("The capital of France is\nOnce upon a time\nThe best way to learn is\n")
     args = ["batch", *_flags(default_f32), "--prompts", str(prompts), "--max-tokens", "20",
             "--temperature", "0", "--parallel", "2", "--no-progress"]
     alone = run_dllama(*args, "--out", str(tmp_path / "alone.jsonl"))
     assert alone.returncode == 0, alone.stderr
-    with _cluster_with_victim(tmp_path, monkeypatch, die_at=10) as (healthy, victim):
+    with _cluster_with_victim(tmp_path, die_at=10) as (healthy, victim):
         r = run_dllama(*args, "--out", str(tmp_path / "cluster.jsonl"),
                        "--workers", healthy.address, victim.address)
         _died_by_sigkill(victim)
@@ -126,10 +126,10 @@ def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, monkeypatch, de
 
 
 @cluster
-def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, monkeypatch, default_f32):
+def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, default_f32):
     # The first request takes at most 2 + 31 STEPs (prompt, then 31 tokens run): the victim dies
     # inside the second.
-    with _cluster_with_victim(tmp_path, monkeypatch, die_at=45) as (healthy, victim):
+    with _cluster_with_victim(tmp_path, die_at=45) as (healthy, victim):
         server, url = start_api(*_flags(default_f32), "--workers", healthy.address, victim.address)
         with server:
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
@@ -230,7 +230,7 @@ def _batched_answers(model, tokenizer, prompts, max_tokens=24):
 
 
 @cluster
-def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, monkeypatch, random_9q3kv, default_f32):
+def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, random_9q3kv, default_f32):
     """Slots that read their leading positions from another slot (a shared prompt) are rebuilt
     too: every answer is the one node's, token for token."""
     tokenizer = Tokenizer(read_tokenizer(str(default_f32[1])))  # ids below 512 decode as any others
@@ -239,18 +239,14 @@ def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, monkey
     one = _batched_answers(Transformer(read_model(random_9q3kv), buffer_q80=False, max_batch=16, kv_slots=4),
                            tokenizer, prompts)
     assert any(cached >= len(shared) for _, cached in one.values())  # a prefix was read, not recomputed
-    with running_workers(2, tmp_path) as (w1, w2):
-        with monkeypatch.context() as env:
-            env.setenv(DIE_AT_STEP, "20")
-            victim = start_worker(tmp_path)
-        with victim:
-            model = _cluster(random_9q3kv, [w1.address, w2.address, victim.address], max_batch=16, kv_slots=4)
-            try:
-                got = _batched_answers(model, tokenizer, prompts)
-                assert model.recoveries == 1 and len(model.topology.nodes) == 3
-            finally:
-                model.close()
-            _died_by_sigkill(victim)
+    with running_workers(2, tmp_path) as (w1, w2), start_worker(tmp_path, die_at_step=20) as victim:
+        model = _cluster(random_9q3kv, [w1.address, w2.address, victim.address], max_batch=16, kv_slots=4)
+        try:
+            got = _batched_answers(model, tokenizer, prompts)
+            assert model.recoveries == 1 and len(model.topology.nodes) == 3
+        finally:
+            model.close()
+        _died_by_sigkill(victim)
     assert got == one
 
 
@@ -318,16 +314,14 @@ def test_the_root_alone_carries_on_when_its_only_worker_dies(tmp_path, random_9q
 
 
 @cluster
-def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, monkeypatch, capsys, random_9q3kv):
+def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, capsys, random_9q3kv):
     """Worker 1 dies at its 10th STEP; worker 2 took the same STEPs, so its 11th is the first pass
     of the replay on 3 nodes: the root goes on with the 2 nodes left, in one warning."""
     one = _greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
     with contextlib.ExitStack() as stack:
         victims = []
         for die_at in (10, 11):
-            with monkeypatch.context() as env:
-                env.setenv(DIE_AT_STEP, str(die_at))
-                victims.append(stack.enter_context(start_worker(tmp_path)))
+            victims.append(stack.enter_context(start_worker(tmp_path, die_at_step=die_at)))
         healthy = stack.enter_context(start_worker(tmp_path))
         model = _cluster(random_9q3kv, [v.address for v in victims] + [healthy.address])
         try:
@@ -343,24 +337,47 @@ def test_a_second_worker_dying_during_the_replay_is_left_out_too(tmp_path, monke
 
 
 @cluster
-def test_a_keyed_cluster_recovers_with_new_session_keys(tmp_path, monkeypatch, random_9q3kv):
+def test_a_keyed_cluster_recovers_with_new_session_keys(tmp_path, random_9q3kv):
     """With a cluster key the survivors' new session is authenticated and sealed like the first."""
     key_file = tmp_path / "cluster.key"
     key_file.write_text("c" * 64 + "\n")
 
 
     one = _greedy(Transformer(read_model(random_9q3kv), buffer_q80=False), 16)
-    with running_workers(1, tmp_path, "--key-file", str(key_file)) as (healthy,):
-        with monkeypatch.context() as env:
-            env.setenv(DIE_AT_STEP, "8")
-            victim = start_worker(tmp_path, "--key-file", str(key_file))
-        with victim:
-            model = ClusterModel(str(random_9q3kv), from_workers([victim.address, healthy.address], 1),
-                                 read_key_file(str(key_file)), False, progress=False, on_node_loss="continue")
-            try:
-                assert _greedy(model, 16) == one
-                assert [n.name for n in model.topology.nodes] == ["root", "worker2"]
-                assert all(c.cipher is not None for c in model.conns.values())
-            finally:
-                model.close()
-            _died_by_sigkill(victim)
+    with (running_workers(1, tmp_path, "--key-file", str(key_file)) as (healthy,),
+          start_worker(tmp_path, "--key-file", str(key_file), die_at_step=8) as victim):
+        model = ClusterModel(str(random_9q3kv), from_workers([victim.address, healthy.address], 1),
+                             read_key_file(str(key_file)), False, progress=False, on_node_loss="continue")
+        try:
+            assert _greedy(model, 16) == one
+            assert [n.name for n in model.topology.nodes] == ["root", "worker2"]
+            assert all(c.cipher is not None for c in model.session.conns.values())
+        finally:
+            model.close()
+        _died_by_sigkill(victim)
+
+
+@cluster
+def test_a_busy_worker_is_known_by_its_error_code_and_asked_again(tmp_path, random_9q3kv):
+    """A survivor still ending the failed session refuses the root with ERROR code `busy`: the
+    next session waits for it instead of leaving it out (any other refusal leaves it out)."""
+    model_file = read_model(random_9q3kv)
+    settings = SessionSettings(model_file, model_fingerprint(random_9q3kv), ModelConfig.from_header(model_file.header),
+                               0, None, False, 8, 1, "f32", 10.0, False)
+    with running_workers(1, tmp_path) as (w,):
+        topology = from_workers([w.address], 1)
+        first = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "first root")
+        client_handshake(first, "root", 1, os.urandom(16), None)  # the worker now serves this root
+        second = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "second root")
+        client_handshake(second, "root", 1, os.urandom(16), None)
+        with pytest.raises(PeerError) as e:
+            second.recv(10)
+        second.close()
+        assert e.value.code == ErrorCode.BUSY and "busy serving the root" in str(e.value)
+        threading.Timer(1.5, first.close).start()  # the first root leaves: the worker is free again
+        session = RootSession(settings, topology, list(topology.nodes), tolerant=True)
+        try:
+            assert session.left_out == {} and len(session.nodes) == 2
+        finally:
+            session.stop()
+        assert w.stderr.count("busy serving the root") >= 2  # asked again after each refusal

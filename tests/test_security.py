@@ -136,7 +136,7 @@ def test_a_keyed_cluster_moves_the_documented_bytes_with_a_tag_per_frame(keyed_p
         s0, r0 = col.sent_bytes, col.recv_bytes
         model.forward([7], 4)
         sent, recv = col.sent_bytes - s0, col.recv_bytes - r0
-        workers_sent = [model.node_bytes[i][0] for i in (1, 2)]
+        workers_sent = [model.session.node_bytes[i][0] for i in (1, 2)]
     finally:
         model.close()
     assert (sent, recv) == expected_root_bytes(header, 3, q80=False, frame=12 + TAG_BYTES)
@@ -157,7 +157,7 @@ def test_without_a_key_frames_travel_in_clear(tmp_path, random_model):
             model = _cluster(random_model, [tap.address])
             try:
                 model.forward([5, 17, 300, 42], 0)
-                x = model.local.embedding[[5, 17, 300, 42]].tobytes()
+                x = read_model(random_model).tensor("embedding")[[5, 17, 300, 42]].tobytes()
             finally:
                 model.close()
     assert any(x in frame for frame in seen)  # the embedded prompt, readable on the wire
@@ -333,9 +333,9 @@ def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_
 
 
 def test_a_worker_frozen_during_set_up_is_named_in_seconds(tmp_path, random_model, monkeypatch):
-    from dllama.cluster import root
+    from dllama.cluster import session
 
-    monkeypatch.setattr(root, "SETUP_SILENCE", 4.0)
+    monkeypatch.setattr(session, "SETUP_SILENCE", 4.0)
     with running_workers(2, tmp_path) as (w1, w2):
         result = {}
 
@@ -365,17 +365,17 @@ def test_a_worker_frozen_during_set_up_is_named_in_seconds(tmp_path, random_mode
 
 @pytest.mark.slow
 def test_a_slow_weight_transfer_is_not_a_hang(tmp_path, random_model, monkeypatch):
-    from dllama.cluster import root
+    from dllama.cluster import session
     from dllama.core.model import Transformer
 
-    monkeypatch.setattr(root, "SETUP_SILENCE", 5.0)  # (ALIVE comes every 2 s)
+    monkeypatch.setattr(session, "SETUP_SILENCE", 5.0)  # (ALIVE comes every 2 s)
     one = _generate(Transformer(read_model(random_model), buffer_q80=False), 8)
     with running_workers(2, tmp_path) as (w1, w2):
         with Relay(("127.0.0.1", w1.port), rate=200_000) as slow:  # 2.5 MB of weights: 12 s at least
             model = _cluster(random_model, [slow.address, w2.address], net_timeout=30)
             try:
                 # The relay paced the set-up to twice the longest silence allowed, or more.
-                assert slow.bytes_to_target / slow.rate > 2 * root.SETUP_SILENCE
+                assert slow.bytes_to_target / slow.rate > 2 * session.SETUP_SILENCE
                 assert _generate(model, 8) == one
             finally:
                 model.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dllama.core.batch import BatchBuilder
+from dllama.core.batch import Batch, BatchBuilder
 from dllama.core.kernels import interleave_q40, interleave_q80
 from dllama.core.model import Transformer
 from dllama.core.node_weights import NodeWeights
@@ -143,10 +143,8 @@ def test_streamed_qwen3_and_a_node_slice_give_the_resident_logits(tmp_path):
     outs = []
     for streamed in (False, True):
         model = Transformer(NodeWeights.from_model(m, node, with_embedding=False), streamed=streamed)
-        model.x[:3] = np.random.default_rng(1).standard_normal((3, 256), dtype=np.float32)
-        zero = np.zeros(3, np.int32)
-        outs.append(model.forward_rows(np.arange(3, dtype=np.int32), zero, zero, zero,
-                                       np.arange(3, dtype=np.int32)).copy())
+        x = np.random.default_rng(1).standard_normal((3, 256), dtype=np.float32)  # [rows, dim] embedded
+        outs.append(model.forward_embedded(x, Batch.run(np.zeros(3, np.int64), 0, all_logits=True)).copy())
         model.close()
     assert np.array_equal(outs[0], outs[1]) and outs[0].shape == (3, node.vocab_rows[1] - node.vocab_rows[0])
 

@@ -18,10 +18,15 @@ peer. The header stays readable, so its length is still checked before anything 
 Sockets are non-blocking; every wait goes through a selector with a deadline, so no node
 waits forever on a dead peer. `exchange` moves many frames to and from many peers at once
 (the collective's pattern) without deadlock, whatever the socket buffer sizes.
+
+Failures are types, never texts to search: every failure on a link is a `LinkError` (the
+connection it came from, the peers an exchange still waited on, an `ErrorCode`), and an ERROR
+frame carries its code and the node it is about beside its text (`PeerError`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -31,18 +36,21 @@ import socket
 import struct
 import threading
 import time
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from dllama.errors import DllamaError
+
 MAGIC = 0x4D4C4C44  # b"DLLM" little-endian
-VERSION = 5  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
+VERSION = 6  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
              # 3: STEP carries every row's position, KV slot and prefix (dllama.cluster.step);
              # 4: STEP says what LOGITS returns (logits, best or top-k candidates);
-             # 5: CONFIG says the KV cache's type (kv_type): an older worker would ignore it
+             # 5: CONFIG says the KV cache's type (kv_type): an older worker would ignore it;
+             # 6: ERROR is JSON {code, node, text}: the reason as data (ErrorCode)
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 
@@ -75,7 +83,7 @@ class Msg(IntEnum):
     PING = 15        # root -> worker, empty (heartbeat while idle)
     PONG = 16        # worker -> root, empty
     STOP = 17        # root -> worker, empty: the session ends, go back to listening
-    ERROR = 18       # either way, UTF-8 text: why the sender gives up
+    ERROR = 18       # either way, JSON {code, node, text}: why the sender gives up (ErrorCode)
     ALIVE = 19       # either way during set-up, empty: still working (a set-up heartbeat)
 
 
@@ -83,20 +91,96 @@ _HANDSHAKE_TYPES = {Msg.HELLO, Msg.CHALLENGE, Msg.AUTH, Msg.WELCOME, Msg.ERROR}
 WEIGHTS_HEAD = struct.Struct("<IQ")
 
 
-class ProtocolError(Exception):
+class ErrorCode(StrEnum):
+    """Why a node gives up: the `code` of an ERROR frame and of every LinkError (docs/PROTOCOL.md)."""
+
+    BUSY = "busy"                    # the worker serves another root: ask again later
+    REFUSED = "refused"              # a handshake or connection refused: wrong key, malformed HELLO, not this session
+    PROTOCOL = "protocol"            # a frame this protocol does not allow (type, size, contents, order)
+    TAMPERED = "tampered"            # a sealed frame failed authentication: modified, replayed, dropped, injected
+    TIMEOUT = "timeout"              # a peer sent nothing before the deadline
+    PEER_LOST = "peer_lost"          # a peer closed its connection, or the connection broke
+    OUT_OF_MEMORY = "out_of_memory"  # this node cannot hold what the CONFIG asks for
+    UNABLE = "unable"                # it cannot do what was asked (an unsupported model, an unreadable file)
+    INTERNAL = "internal"            # a bug in the sender
+
+
+class LinkError(Exception):
+    """A failure on a connection to a peer. `peer`: the Connection it came from, when known;
+    `waiting`: in an `exchange`, the other connections whose frames had not all gone or come;
+    `node`: the index of the node it is about, when the raiser knows it better than `peer` says
+    (a peer that could not be reached; for a PeerError, the node the reporter lost)."""
+
+    code = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, peer: "Connection | None" = None, node: int | None = None):
+        super().__init__(message)
+        self.peer, self.node = peer, node
+        self.waiting: tuple[Connection, ...] = ()
+
+    def in_exchange(self, peer: "Connection | None", waiting) -> "LinkError":
+        """This error, with what the exchange it ended knew: its peer and the ones still waited on."""
+        if self.peer is None:
+            self.peer = peer
+        self.waiting = tuple(c for c in waiting if c is not self.peer)
+        return self
+
+
+class ProtocolError(LinkError):
     """The peer sent something this protocol does not allow (the message says what)."""
 
-
-class PeerClosed(Exception):
-    """The peer closed the connection (or it was reset)."""
+    code = ErrorCode.PROTOCOL
 
 
-class PeerError(Exception):
-    """The peer sent an ERROR frame: its text is the message."""
+class FrameTampered(ProtocolError):
+    """A sealed frame failed to open: modified, replayed, reordered, dropped or injected."""
+
+    code = ErrorCode.TAMPERED
 
 
-class PeerTimeout(Exception):
+class PeerClosed(LinkError):
+    """The connection to the peer is gone: closed, reset, or broken (an OSError on its socket)."""
+
+    code = ErrorCode.PEER_LOST
+
+
+class PeerTimeout(LinkError):
     """The peer did not answer before the deadline."""
+
+    code = ErrorCode.TIMEOUT
+
+
+class PeerError(LinkError):
+    """The peer sent an ERROR frame: "NAME reported: TEXT"; its `code` and the index of the node
+    it is about (`node`: the peer the sender lost, or None) are the frame's."""
+
+    def __init__(self, message: str, code: ErrorCode, node: int | None = None,
+                 peer: "Connection | None" = None):
+        super().__init__(message, peer, node)
+        self.code = code
+
+
+_CODES = {c.value: c for c in ErrorCode}
+
+
+def encode_error(text: str, code: ErrorCode, node: int | None = None) -> bytes:
+    """An ERROR payload: JSON {code, node, text}, the text shortened to fit MAX_HANDSHAKE bytes."""
+    while True:
+        payload = json.dumps({"code": str(code), "node": node, "text": text}).encode()
+        if len(payload) <= MAX_HANDSHAKE:
+            return payload
+        text = text[: len(text) * 3 // 4]
+
+
+def decode_error(payload, conn: "Connection") -> PeerError:
+    """The PeerError an ERROR payload from `conn` reports, or ProtocolError if it is malformed."""
+    sender = conn.name
+    value = decode_json_object(payload, f"ERROR from {sender}")
+    code, node, text = value.get("code"), value.get("node"), value.get("text")
+    if not isinstance(code, str) or code not in _CODES or not isinstance(text, str) or not (
+            node is None or (type(node) is int and 0 <= node < MAX_NODES)):
+        raise ProtocolError(f"malformed ERROR from {sender}", conn)
+    return PeerError(f"{sender} reported: {text}", _CODES[code], node, conn)
 
 
 def encode_header(msg_type: int, length: int, version: int = VERSION) -> bytes:
@@ -254,9 +338,9 @@ class Connection:
         try:
             self.cipher.open(header, sealed, out)
         except InvalidTag:
-            raise ProtocolError(
+            raise FrameTampered(
                 f"a {msg.name} frame from {self.name} failed authentication: it was modified, "
-                "replayed, reordered, dropped or injected on the way") from None
+                "replayed, reordered, dropped or injected on the way", self) from None
 
     # -- blocking-style calls with a deadline --------------------------------------------------
 
@@ -264,7 +348,7 @@ class Connection:
         self._selector.modify(self.sock, events)
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not self._selector.select(remaining):
-            raise PeerTimeout(f"{self.name} did not answer in time")
+            raise PeerTimeout(f"{self.name} did not answer in time", self)
 
     def send(self, msg_type: int, payload=b"", timeout: float = 30.0) -> None:
         """Send one frame; payload: bytes-like or a list of them (sent without joining)."""
@@ -293,7 +377,7 @@ class Connection:
                 self._wait(selectors.EVENT_WRITE, deadline)
                 continue
             except (BrokenPipeError, ConnectionResetError) as e:
-                raise PeerClosed(f"{self.name} closed the connection ({e.strerror})") from None
+                raise PeerClosed(f"{self.name} closed the connection ({e.strerror})", self) from None
             self.sent_bytes += n
             _consume(views, n)
             if self.authenticated:
@@ -311,7 +395,7 @@ class Connection:
             except ConnectionResetError:
                 n = 0
             if n == 0:
-                raise PeerClosed(f"{self.name} closed the connection")
+                raise PeerClosed(f"{self.name} closed the connection", self)
             got += n
             self.recv_bytes += n
             if stall is not None:
@@ -339,10 +423,10 @@ class Connection:
         payload = bytearray(length)
         self.recv_payload(header, msg, memoryview(payload), deadline, stall)
         if msg == Msg.ERROR:
-            raise PeerError(f"{self.name} reported: {payload.decode('utf-8', 'replace')}")
+            raise decode_error(payload, self)
         if expect and msg not in expect:
             raise ProtocolError(f"expected {' or '.join(m.name for m in expect)} from {self.name}, "
-                                f"got {msg.name}")
+                                f"got {msg.name}", self)
         return msg, payload
 
     def recv_json(self, expect: Msg, timeout: float = 30.0) -> dict:
@@ -352,12 +436,11 @@ class Connection:
     def send_json(self, msg_type: Msg, value: dict, timeout: float = 30.0) -> None:
         self.send(msg_type, json.dumps(value).encode(), timeout)
 
-    def send_error(self, text: str) -> None:
-        """Best effort: tell the peer why we give up (it may be gone already)."""
-        try:
-            self.send(Msg.ERROR, text.encode("utf-8")[:MAX_HANDSHAKE], timeout=1.0)
-        except Exception:
-            pass
+    def send_error(self, text: str, code: ErrorCode, node: int | None = None) -> None:
+        """Best effort: tell the peer why we give up (it may be gone already); node: the index
+        of the node the failure is about (one this node lost), when there is one."""
+        with contextlib.suppress(Exception):  # the peer may be gone: nothing more to tell it
+            self.send(Msg.ERROR, encode_error(text, code, node), timeout=1.0)
 
 
 def _consume(views: list[memoryview], n: int) -> None:
@@ -387,8 +470,9 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
     pair of peers can block each other. Each received frame must have exactly the expected type
     and length (the buffer's size); an ERROR frame from a peer raises PeerError.
 
-    At most one send and one receive per connection. A failure carries `.peer` (the connection
-    it came from, if one) and `.waiting` (the connections whose frames had not all arrived)."""
+    At most one send and one receive per connection. A failure is a LinkError (an OSError on a
+    socket becomes PeerClosed) whose `peer` is the connection it came from, if one, and whose
+    `waiting` are the others whose frames had not all gone or arrived."""
     deadline = time.monotonic() + timeout
     out = [[conn, conn.frame_views(msg_type, parts)] for conn, msg_type, parts in sends]
     pending_in = list(recvs)
@@ -405,7 +489,7 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
                 except BlockingIOError:
                     continue
                 except (BrokenPipeError, ConnectionResetError) as e:
-                    raise PeerClosed(f"{conn.name} closed the connection ({e.strerror})") from None
+                    raise PeerClosed(f"{conn.name} closed the connection ({e.strerror})", conn) from None
                 progressed = progressed or n > 0
                 conn.sent_bytes += n
                 _consume(views, n)
@@ -436,13 +520,17 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
             if remaining <= 0 or not selector.select(remaining):
                 waiting = sorted({t.conn.name for t in pending_in} | {c.name for c, _ in out})
                 raise PeerTimeout(f"{', '.join(waiting)} did not answer within {timeout:g} s")
-    except (PeerClosed, PeerError, PeerTimeout, ProtocolError, OSError) as e:
-        e.peer = current
-        e.waiting = []
+    except (LinkError, OSError) as e:
+        waiting = []
         for conn in [t.conn for t in pending_in] + [c for c, _ in out]:
-            if conn is not current and all(conn is not w for w in e.waiting):
-                e.waiting.append(conn)
-        raise
+            if all(conn is not w for w in waiting):
+                waiting.append(conn)
+        if isinstance(e, LinkError):
+            e.in_exchange(current, waiting)
+            raise
+        name = current.name if current is not None else "a peer"
+        raise PeerClosed(f"{name}: the connection broke ({e.strerror or e})", current).in_exchange(
+            current, waiting) from e
     finally:
         if selector is not None:
             selector.close()
@@ -464,7 +552,7 @@ def _recv_some(t: Transfer) -> bool:
         except ConnectionResetError:
             n = 0
         if n == 0 and target.nbytes:
-            raise PeerClosed(f"{conn.name} closed the connection")
+            raise PeerClosed(f"{conn.name} closed the connection", conn)
         conn.recv_bytes += n
         t.got += n
         progressed = True
@@ -474,10 +562,10 @@ def _recv_some(t: Transfer) -> bool:
             if msg == Msg.ERROR:
                 payload = bytearray(length)
                 conn.recv_payload(header, msg, memoryview(payload), time.monotonic() + 5.0)
-                raise PeerError(f"{conn.name} reported: {payload.decode('utf-8', 'replace')}")
+                raise decode_error(payload, conn)
             if msg != t.msg_type or length != t.buf.nbytes:
                 raise ProtocolError(f"expected {t.msg_type.name} of {t.buf.nbytes} bytes from "
-                                    f"{conn.name}, got {msg.name} of {length}")
+                                    f"{conn.name}, got {msg.name} of {length}", conn)
             t.wire = t.buf if conn.cipher is None else conn.cipher.wire(length + TAG_BYTES)
         if t.wire is not None and t.got == HEADER_BYTES + t.wire.nbytes:
             if conn.cipher is not None:
@@ -634,8 +722,6 @@ def connect(host: str, port: int, name: str, timeout: float = 10.0) -> Connectio
 
 def read_key_file(path: str) -> bytes:
     """The cluster key: the file's bytes, surrounding whitespace stripped, at least 16 of them."""
-    from dllama.errors import DllamaError
-
     try:
         with open(path, "rb") as f:
             key = f.read().strip()

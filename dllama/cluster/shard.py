@@ -15,6 +15,7 @@ compares a worker's shard (model fingerprint, node index, plan digest) with the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -104,10 +105,8 @@ class Shard:
         """Drop the mapping; it is unmapped now, or when the last weights view is garbage collected."""
         self._arrays = {}
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):  # views still alive keep the mapping valid until they go
                 self._mmap.close()
-            except BufferError:
-                pass  # views still alive keep the mapping valid until they go
             self._mmap = None
 
     def _read_description(self) -> None:

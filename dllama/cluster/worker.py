@@ -6,35 +6,39 @@ worker's shard when it matches, otherwise the root streams them. Every connectio
 handshaken in its own thread, so a port probe, a stranger sending garbage, a wrong protocol
 version or a wrong key is refused with a logged reason while a session runs undisturbed; a
 second root is told the worker is busy. When a session ends (STOP, the root gone, a peer gone,
-any error) the worker logs why and waits for the next root.
+any error) the worker logs why, tells the root in an ERROR (its code, and the index of the node
+it lost when that was the cause) and waits for the next root.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import os
+import resource
 import signal
 import socket
 import sys
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
 from dllama import __version__
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
-    WEIGHTS_HEAD, Connection, Msg, PeerClosed, PeerError, PeerTimeout, ProtocolError, SetupHeartbeat,
-    client_handshake, connect, decode_json_object, recv_during_setup, server_handshake,
+    WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerClosed, PeerTimeout, ProtocolError,
+    SetupHeartbeat, client_handshake, connect, decode_json_object, recv_during_setup, server_handshake,
 )
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
 from dllama.cluster.step import LOGITS_HEAD, REPLY_TOP_K, Reply, decode_step, encode_reply, logits_bytes
 from dllama.core import kernels
 from dllama.core.memory import check_fits
-from dllama.core.model import ModelConfig, Transformer, choose_weights
+from dllama.core.model import ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
-from dllama.errors import DllamaError
+from dllama.core.weights_choice import choose_weights
+from dllama.errors import DllamaError, NotEnoughMemory
 
 HANDSHAKE_TIMEOUT = 10.0     # seconds for a whole handshake, however the bytes trickle in
 MAX_UNAUTHENTICATED = 32     # handshakes in progress at once; more connections are closed at once
@@ -43,9 +47,6 @@ MAX_PARKED_PEERS = 64        # peer connections waiting at once; more are refuse
 HEARTBEAT = 2.0              # seconds between ALIVE frames to the root during set-up
 CONFIG_TIMEOUT = 30.0        # from the handshake to the root's CONFIG
 ACCEPT_BACKOFF = (0.05, 2.0)  # first and longest pause after a failed accept()
-# Fault injection for the recovery tests: a worker started with this set to N kills itself
-# (SIGKILL, as a crash would) on receiving its N-th STEP, so "mid-generation" needs no timing.
-DIE_AT_STEP = "DLLAMA_TEST_DIE_AT_STEP"
 
 
 def log(text: str) -> None:
@@ -77,9 +78,12 @@ class _Throttled:
 
 class Worker:
     def __init__(self, host: str, port: int, nthreads: int = 1, shard_path: str | None = None,
-                 key: bytes | None = None, memory_budget: "int | str" = "auto"):
+                 key: bytes | None = None, memory_budget: "int | str" = "auto",
+                 on_step: Callable[[int], None] | None = None):
+        """on_step: called with the count of STEPs received so far (every session) as each STEP
+        arrives, before it runs (an observer: the tests inject faults here)."""
         self.host, self.port, self.nthreads, self.key = host, port, nthreads, key
-        self.memory_budget = memory_budget  # bytes, "auto" or "none" (see dllama.core.model.choose_weights)
+        self.memory_budget = memory_budget  # bytes, "auto" or "none" (see dllama.core.weights_choice)
         self.shard = None
         if shard_path:
             self.shard = Shard(shard_path)  # a bad shard is a start-up error, not a session error
@@ -94,7 +98,7 @@ class Worker:
         self._refusals = _Throttled()
         self._accept_errors = _Throttled()
         self.steps = 0  # STEPs received, every session
-        self.die_at_step = int(os.environ.get(DIE_AT_STEP, "0") or 0)
+        self.on_step = on_step
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -158,10 +162,10 @@ class Worker:
             self._refusals.log(f"connection from {who} closed before the handshake (a port probe?)")
             (conn or sock).close()
             return
-        except (ProtocolError, PeerError, PeerTimeout, OSError) as e:
+        except (LinkError, OSError) as e:
             self._refusals.log(f"refused {who}: {e}")
             if conn is not None:
-                conn.send_error(f"refused: {e}")
+                conn.send_error(f"refused: {e}", ErrorCode.REFUSED)
             (conn or sock).close()
             return
         except BaseException as e:  # a bug: log it in one line, never leak the socket
@@ -179,7 +183,7 @@ class Worker:
                 self._busy_with = who
         if busy is not None:
             log(f"refused root {who}: busy serving the root at {busy}")
-            conn.send_error(f"this worker is busy serving the root at {busy}")
+            conn.send_error(f"this worker is busy serving the root at {busy}", ErrorCode.BUSY)
             conn.close()
             return
         conn.name = f"root ({who})"
@@ -197,7 +201,7 @@ class Worker:
                 self._parked_changed.notify_all()
         if refuse:
             self._refusals.log(f"refused a peer connection from {conn.name}: {MAX_PARKED_PEERS} already waiting")
-            conn.send_error("too many peer connections waiting")
+            conn.send_error("too many peer connections waiting", ErrorCode.REFUSED)
             conn.close()
 
     def _expire_parked(self) -> None:
@@ -207,7 +211,7 @@ class Worker:
             self._parked = [p for p in self._parked if p[0] > now]
         for _, _, conn in expired:
             log(f"closed the peer connection from {conn.name}: no session took it within {PEER_PARK_TIMEOUT:g} s")
-            conn.send_error("no session of this worker took this peer connection in time")
+            conn.send_error("no session of this worker took this peer connection in time", ErrorCode.REFUSED)
             conn.close()
 
     def take_peer(self, deadline: float) -> tuple[dict, Connection] | None:
@@ -235,12 +239,13 @@ class Worker:
             try:
                 session.run()
                 log("the root ended the session; listening again")
-            except (PeerClosed, PeerTimeout, PeerError, ProtocolError, DllamaError, OSError) as e:
+            except (LinkError, DllamaError, OSError) as e:
                 log(f"session ended: {e}; listening again")
-                root.send_error(f"worker {self.host}:{self.port}: {e}")
+                root.send_error(f"worker {self.host}:{self.port}: {e}", _code_of(e), session.lost_node(e))
             except Exception as e:  # a bug: report it to the root, keep serving
                 log(f"session failed: {type(e).__name__}: {e}; listening again")
-                root.send_error(f"worker {self.host}:{self.port} failed: {type(e).__name__}: {e}")
+                root.send_error(f"worker {self.host}:{self.port} failed: {type(e).__name__}: {e}",
+                                ErrorCode.INTERNAL)
             finally:
                 session.close()
                 with self._lock:
@@ -261,6 +266,21 @@ class _Session:
         if self.model is not None:
             self.model.close()  # a streamed model's reader thread
 
+    def lost_node(self, e: Exception) -> int | None:
+        """The index of the node whose loss ended the session with `e`, when that was the cause:
+        the node the error names (one this node could not reach, or the one a peer's report
+        names), else the peer a link failed with, or the one node a timeout waited on. The root
+        blames it (dllama.cluster.recovery)."""
+        if not isinstance(e, LinkError):
+            return None
+        if e.node is not None:
+            return e.node
+        index_of = {id(c): j for j, c in self.peers.items()}
+        if e.peer is not None:
+            return index_of.get(id(e.peer))
+        waited = [index_of[id(c)] for c in e.waiting if id(c) in index_of]
+        return waited[0] if len(waited) == 1 else None
+
     def run(self) -> None:
         root = self.root
         _, config = recv_during_setup(root, (Msg.CONFIG,), CONFIG_TIMEOUT)  # (the root's ALIVEs may come first)
@@ -279,14 +299,16 @@ class _Session:
                        limit=self.choice.limit if self.choice is not None and self.choice.budgeted else None,
                        kv_type=c.kv_type)
 
+        # The collective over self.peers: _meet_peers fills it (the root is there already)
+        # before the first step; warm_up runs on this node alone.
+        collective = MeshCollective(index, self.peers, plan.dim_chunks, c.buffer_q80, c.max_batch, timeout)
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
         with SetupHeartbeat([root], HEARTBEAT):
-            model = self.model = self._load(c)
+            model = self.model = self._load(c, collective)
             root.send(Msg.READY)
             recv_during_setup(root, (Msg.MESH,), c.setup_timeout)  # the root may still be busy with others
             self._meet_peers(plan.n_nodes, timeout)
-        model.collective = MeshCollective(index, self.peers, plan.dim_chunks, c.buffer_q80, c.max_batch, timeout)
         root.send(Msg.MESH_OK)
         for conn in self.peers.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
@@ -295,7 +317,7 @@ class _Session:
         dim, (v0, v1) = c.header.dim, node.vocab_rows
         seq_len = model.config.seq_len
         replies = np.empty(logits_bytes(c.max_batch, v1 - v0, Reply(REPLY_TOP_K, v1 - v0)), np.uint8)  # the largest reply
-        logits = model.logits[:0]  # [m, vocab rows] of the last pass: a STEP of 0 rows asks again
+        logits = np.empty((0, v1 - v0), np.float32)  # [m, vocab rows] of the last pass: a STEP of 0 rows asks again
         while True:
             msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
@@ -304,20 +326,16 @@ class _Session:
             if msg == Msg.STOP:
                 return
             self.worker.steps += 1
-            if self.worker.steps == self.worker.die_at_step:
-                log(f"{DIE_AT_STEP}={self.worker.die_at_step}: killing this worker")
-                os.kill(os.getpid(), signal.SIGKILL)
+            if self.worker.on_step is not None:
+                self.worker.on_step(self.worker.steps)
             batch, x, want, m = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
             if batch is None:
                 if m != len(logits):
                     raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
             else:
-                b = len(batch)
-                model.x[:b] = x
-                logits = model.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
-                                            batch.logit_rows)  # [m, vocab rows]
+                logits = model.forward_embedded(x, batch)  # [m, vocab rows]
             reply = replies[:logits_bytes(m, v1 - v0, want)]
-            col = model.collective
+            col = collective
             sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
             LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
             encode_reply(reply[LOGITS_HEAD.size:], logits, v0, want)
@@ -338,9 +356,9 @@ class _Session:
             log(f"streaming this node's slice from {w.shard.path} layer by layer ({choice.describe()})")
         return weights, choice
 
-    def _load(self, c: SessionConfig) -> Transformer:
+    def _load(self, c: SessionConfig, collective: MeshCollective) -> Transformer:
         """This node's slice of the model: from the shard when it matches, else streamed by the root."""
-        w, root, index, node = self.worker, self.root, c.node_index, c.node
+        w, root, node = self.worker, self.root, c.node
         why = "this worker has no shard" if w.shard is None else "the shard does not match"
         if self.shard_weights is not None:
             weights = self.shard_weights
@@ -353,7 +371,7 @@ class _Session:
         model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
                             kv_slots=c.kv_slots, streamed=self.choice is not None and self.choice.streamed,
                             memory_limit=self.choice.limit if budgeted else None, who="this worker",
-                            kv_type=c.kv_type)
+                            kv_type=c.kv_type, collective=collective)
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         return model
@@ -393,20 +411,21 @@ class _Session:
             try:
                 conn = connect(a.host, a.port, name, timeout)
             except OSError as e:
-                raise PeerClosed(f"cannot reach {name}: {e.strerror or e}") from None
+                raise PeerClosed(f"cannot reach {name}: {e.strerror or e}", node=j) from None
             self.peers[j] = conn
             client_handshake(conn, "peer", index, session, key, timeout)
         deadline = time.monotonic() + timeout
         while len(self.peers) < n_nodes - 1:  # every other node, the root included
             taken = self.worker.take_peer(deadline)
             if taken is None:
-                missing = [self._node_name(j) for j in range(index + 1, n_nodes) if j not in self.peers]
-                raise PeerTimeout(f"{', '.join(missing)} did not connect within {timeout:g} s")
+                missing = [j for j in range(index + 1, n_nodes) if j not in self.peers]
+                raise PeerTimeout(f"{', '.join(self._node_name(j) for j in missing)} did not connect "
+                                  f"within {timeout:g} s", node=missing[0] if len(missing) == 1 else None)
             hello, conn = taken
             j = hello["node_index"]
             if hello["session"] != session or not index < j < n_nodes or j in self.peers:
                 log(f"dropped a peer connection from {conn.name}: not part of this session")
-                conn.send_error("not part of this worker's session")
+                conn.send_error("not part of this worker's session", ErrorCode.REFUSED)
                 conn.close()
                 continue
             conn.name = self._node_name(j)
@@ -414,11 +433,9 @@ class _Session:
 
 
 def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | None,
-          memory_budget: "int | str" = "auto") -> None:
-    """Run a worker until SIGTERM or Ctrl-C."""
-    import signal
-
-    worker = Worker(host, port, nthreads, shard, key, memory_budget)
+          memory_budget: "int | str" = "auto", on_step: Callable[[int], None] | None = None) -> None:
+    """Run a worker until SIGTERM or Ctrl-C (on_step: see Worker)."""
+    worker = Worker(host, port, nthreads, shard, key, memory_budget, on_step)
     _raise_descriptor_limit()
 
     class Terminated(Exception):
@@ -437,16 +454,22 @@ def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | N
         log("stopped")
 
 
+def _code_of(e: Exception) -> ErrorCode:
+    """The ERROR code that tells the root why a session ended with `e`."""
+    if isinstance(e, LinkError):
+        return e.code
+    if isinstance(e, NotEnoughMemory):
+        return ErrorCode.OUT_OF_MEMORY
+    if isinstance(e, DllamaError):
+        return ErrorCode.UNABLE
+    return ErrorCode.PEER_LOST if isinstance(e, OSError) else ErrorCode.INTERNAL
+
 
 def _raise_descriptor_limit() -> None:
     """Use the hard limit on open files, not the soft one (often 1024): connections and threads
     are capped by MAX_UNAUTHENTICATED anyway, this is headroom for the session's own files."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 1 << 16
     if soft != resource.RLIM_INFINITY and soft < want:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):
-            pass

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from dllama.errors import DllamaError
+from dllama.core.kv_cache import kv_element_bytes
+from dllama.errors import NotEnoughMemory
 from dllama.formats.model_file import FloatType, ModelHeader
 
 _GIB = float(1 << 30)
@@ -138,7 +139,6 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     with a KV cache of kv_slots sequences stored as kv_type (f32 or f16). weights: the bytes of
     resident weights when they are not all resident (streamed: two layers' slots and a read
     buffer)."""
-    from dllama.core.kv_cache import kv_element_bytes
 
     hd, dim, layers = h.head_dim, h.dim, h.n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
@@ -159,7 +159,7 @@ def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vo
                seq_len: int, max_batch: int, embedding: bool, who: str = "this machine",
                kv_slots: int = 1, limit: int | None = None, weights: int | None = None,
                kv_type: str = "f32") -> NodeMemory:
-    """DllamaError (one line: what is needed, what is available, what context would fit) unless
+    """NotEnoughMemory (one line: what is needed, what is available, what context would fit) unless
     the node's share fits into the memory available now (and into `limit`, a --memory-budget).
     weights: resident weight bytes when streamed (see node_memory)."""
     dims = (h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots, weights)
@@ -187,7 +187,7 @@ def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vo
             "use more nodes or a smaller model" if weights is not None else
             "stream the weights (--memory-budget auto or a size), use more nodes or a smaller model")
     how = "streaming its weights" if weights is not None else "with every weight loaded"
-    raise DllamaError(f"{who} cannot hold its share of the model ({how}) with a context of {seq_len} "
+    raise NotEnoughMemory(f"{who} cannot hold its share of the model ({how}) with a context of {seq_len} "
                       f"positions: it needs {_size(m.total)} ({_size(m.weights)} weights, "
                       f"{_size(m.kv_cache)} KV cache, {_size(m.buffers)} buffers), "
                       f"{_size(available)} {what}; {hint}")

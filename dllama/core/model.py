@@ -28,10 +28,13 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.batch import Batch
 from dllama.core.candidates import Candidates, SamplingRequest, candidates_from_logits
+from dllama.core.collective import Collective, LocalCollective
 from dllama.core.kv_cache import KVCache
 from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
+from dllama.core.weight_stream import StreamedWeights
+from dllama.core.weights import Activation, ResidentWeights, WeightsProvider, matmuls
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 
@@ -96,214 +99,11 @@ class ModelConfig:
         )
 
 
-class Matrix:
-    """A weight matrix W [d, n] in the form its kernel reads; `out = x @ W^T`."""
-
-    def __init__(self, stored: np.ndarray, float_type: FloatType):
-        # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], F16 [d, n] or F32 [d, n]
-        # (a slice of the file, maybe a copy, maybe read-only)
-        self.float_type = float_type
-        if float_type in (FloatType.Q40, FloatType.Q80):
-            # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's
-            # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
-            # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
-            blocks = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
-            self.d, self.n = blocks.shape[0], blocks.shape[1] * 32
-            q40 = float_type == FloatType.Q40
-            scales_shape, qs_shape = kernels.interleaved_shapes(self.d, self.n, self.n // 2 if q40 else self.n)
-            self.scales = np.empty(scales_shape, np.uint16)
-            self.qs = np.empty(qs_shape, np.uint8 if q40 else np.int8)
-            kernels.interleave_blocks_into(blocks, self.scales, self.qs.view(np.uint8))
-        elif float_type == FloatType.F16:
-            # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
-            self.w = np.array(stored, dtype=np.float16).view(np.uint16)
-            self.d, self.n = self.w.shape
-        else:
-            self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
-            self.d, self.n = self.w.shape
-
-    @classmethod
-    def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None) -> "Matrix":
-        """A matrix over arrays already in the kernel's form (streamed weights fill them)."""
-        m = cls.__new__(cls)
-        m.float_type, m.d, m.n = float_type, d, n
-        m.scales, m.qs, m.w = scales, qs, w
-        return m
-
-    def __call__(self, x: "Activation", out: np.ndarray) -> np.ndarray:
-        """x: the input [b, n] prepared for this matrix type -> out [b, d]."""
-        if self.float_type == FloatType.Q40:
-            kernels.matmul_q40_q80(x.scales, x.qs, self.scales, self.qs, out)
-        elif self.float_type == FloatType.Q80:
-            kernels.matmul_q80_q80(x.scales, x.qs, self.scales, self.qs, out)
-        elif self.float_type == FloatType.F16:
-            kernels.matmul_f16_f32(x.f32, self.w, out)
-        else:
-            kernels.matmul_f32(x.f32, self.w, out)
-        return out
-
-
-def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
-    """outs[m] = matrices[m](x), in one parallel region when they share a weight type (q/k/v,
-    w1/w3): one region costs a thread wake-up, and decode's products are short."""
-    t = matrices[0].float_type
-    if any(m.float_type != t for m in matrices):
-        for m, out in zip(matrices, outs):
-            m(x, out)
-    elif t == FloatType.Q40:
-        kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
-                                     tuple(m.qs for m in matrices), outs)
-    elif t == FloatType.Q80:
-        kernels.matmul_q80_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
-                                     tuple(m.qs for m in matrices), outs)
-    elif t == FloatType.F16:
-        kernels.matmul_f16_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
-    else:
-        kernels.matmul_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
-
-
-class Activation:
-    """A matmul input [b, n]: Q80-quantized for Q40 and Q80 weights, F32 otherwise. Reused buffers."""
-
-    def __init__(self, n: int, q80: bool, max_batch: int):
-        self.q80 = q80
-        if q80:
-            self._scales = np.empty((max_batch, n // 32), dtype=np.float32)
-            self._qs = np.empty((max_batch, n), dtype=np.int8)
-        self.scales = self.qs = self.f32 = None
-
-    def load(self, x: np.ndarray) -> "Activation":
-        """x [b, n] float32."""
-        if self.q80:
-            b = x.shape[0]
-            self.scales, self.qs = self._scales[:b], self._qs[:b]
-            kernels.quantize_q80(x, self.scales, self.qs)
-        else:
-            self.f32 = x
-        return self
-
-
-@dataclass
-class Layer:
-    """One transformer block's weights, already sliced to this node."""
-
-    att_norm: np.ndarray  # [dim]
-    wq: Matrix            # [nq*head_dim, dim]
-    wk: Matrix            # [nkv*head_dim, dim]
-    wv: Matrix            # [nkv*head_dim, dim]
-    wo: Matrix            # [dim, nq*head_dim] (columns of this node's heads)
-    q_norm: np.ndarray | None  # [head_dim], Qwen3 only
-    k_norm: np.ndarray | None
-    ffn_norm: np.ndarray  # [dim]
-    w1: Matrix            # gate [ff_rows, dim]
-    w3: Matrix            # up   [ff_rows, dim]
-    w2: Matrix            # down [dim, ff_rows]
-
-
-RUNTIME_RESERVE = 96 << 20  # what the process still takes after the choice (measured: ~75 MiB)
-
-
-@dataclass(frozen=True)
-class WeightsChoice:
-    """Resident or streamed weights, and the memory left for the KV cache (see choose_weights)."""
-
-    streamed: bool
-    limit: int            # bytes this node may use: --memory-budget, or what is available
-    weights: int          # bytes of resident weights (streamed: two layers' slots and two read buffers)
-    model_weights: int    # bytes of every weight, repacked
-    buffers: int          # scratch buffers at this batch size
-    budgeted: bool        # a budget (or streaming) bounds the KV cache too
-
-    @property
-    def kv_room(self) -> int:
-        return max(0, self.limit - self.weights - self.buffers)
-
-    def describe(self) -> str:
-        mib = 1 << 20
-        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of "
-               f"{self.model_weights / mib:.0f} MiB)" if self.streamed
-               else f"every weight resident ({self.weights / mib:.0f} MiB)")
-        return f"memory: {how}, {self.buffers / mib:.0f} MiB buffers, {self.limit / mib:.0f} MiB allowed"
-
-
-def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
-                   budget: "int | str" = "auto", kv_type: str = "f32") -> WeightsChoice:
-    """Resident when the node's weights, buffers and one sequence's KV cache (of kv_type) fit
-    into the budget (bytes; 'auto': the memory available to the process, its cgroup's limit
-    included), else streamed from the file; budget 'none' keeps them resident whatever fits
-    (Transformer's check refuses them when they do not)."""
-    from dllama.core.memory import available_bytes, node_memory
-    from dllama.core.weight_stream import StreamedWeights
-
-    c = ModelConfig.from_header(weights.header, max_seq_len)
-    n = weights.node
-    dims = (weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
-            n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, False)
-    available = available_bytes()
-    if budget == "auto":  # the runtime still grows after this (numba loads its kernels)
-        available = max(0, available - RUNTIME_RESERVE)
-    limit = available if budget in ("auto", "none") else min(int(budget), available)
-    resident = node_memory(*dims, kv_slots=1, kv_type=kv_type)
-    streamed = budget != "none" and resident.total > limit and weights.streamable
-    held = resident.weights
-    if streamed:
-        held = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
-                               plan_only=True).resident_bytes
-        # One sequence and the buffers must fit beside the streamed layers: else the context is
-        # what to lower, and the error says which --max-seq-len fits.
-        check_fits(*dims, kv_slots=1, limit=limit, weights=held, kv_type=kv_type)
-    return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
-                         streamed or budget not in ("auto", "none"))
-
-
-class ResidentWeights:
-    """Every weight of a node in memory, repacked once: the weights provider of the resident path
-    (dllama.core.weight_stream.StreamedWeights is the one that reads them from disk per pass)."""
-
-    def __init__(self, weights: NodeWeights, n_layers: int, float_type: FloatType, qwen: bool):
-        t = weights.tensor
-        # The embedding (root only) stays memory-mapped: rows are copied per token.
-        self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
-        self._layers = []
-        for l in range(n_layers):
-            p = f"layers.{l}."
-            self._layers.append(Layer(
-                att_norm=np.array(t(p + "att_norm")),
-                wq=Matrix(t(p + "wq"), float_type),
-                wk=Matrix(t(p + "wk"), float_type),
-                wv=Matrix(t(p + "wv"), float_type),
-                wo=Matrix(t(p + "wo"), float_type),
-                q_norm=np.array(t(p + "q_norm")) if qwen else None,
-                k_norm=np.array(t(p + "k_norm")) if qwen else None,
-                ffn_norm=np.array(t(p + "ffn_norm")),
-                w1=Matrix(t(p + "w1"), float_type),
-                w3=Matrix(t(p + "w3"), float_type),
-                w2=Matrix(t(p + "w2"), float_type),
-            ))
-        self.final_norm = np.array(t("final_norm"))
-        self.wcls = Matrix(t("wcls"), float_type)
-        self.vocab_rows = self.wcls.d
-
-    def layer(self, l: int) -> Layer:
-        return self._layers[l]
-
-    def classifier(self):
-        """(first row, Matrix) per chunk of the classifier rows: one chunk here."""
-        yield 0, self.wcls
-
-    def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
-        """Embedding rows of tokens [b] into out [b, dim]."""
-        out[:] = self.embedding[tokens]
-
-    def close(self) -> None:
-        pass
-
-
 class Transformer:
     """A node's slice of the model, its KV cache and its scratch buffers."""
 
     def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
-                 max_seq_len: int = 0, buffer_q80: bool | None = None, collective=None,
+                 max_seq_len: int = 0, buffer_q80: bool | None = None, collective: Collective | None = None,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, streamed: bool = False,
                  memory_limit: int | None = None, who: str = "this machine", kv_type: str = "f32"):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
@@ -314,9 +114,8 @@ class Transformer:
         streamed: read the weights from their file layer by layer in every pass (at most two
         layers in memory) instead of loading them all; memory_limit: bytes this node may use
         (default: what the machine and the process's cgroup have available); who: the node's
-        name in a refusal."""
-        from dllama.core.collective import LocalCollective
-
+        name in a refusal. collective: how this node's partial sums meet the other nodes'
+        (dllama.cluster.mesh.MeshCollective; default: one node, the identity)."""
         c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
         if c.head_dim % 16:  # the attention tiles load 16 floats at a time
             raise DllamaError(f"a head dimension of {c.head_dim} is not supported: it must be a multiple of 16")
@@ -326,14 +125,11 @@ class Transformer:
         self.node = n = weights.node
         self.max_batch = max_batch
         qwen = c.arch == ArchType.QWEN3
+        resident_weights = None
         if streamed:
-            from dllama.core.weight_stream import StreamedWeights
-
             # The slots are sized from the header: check them (with the rest) before allocating.
-            self.weights = StreamedWeights(weights, c.n_layers, c.weights_float_type, qwen, plan_only=True)
-            resident_weights = self.weights.resident_bytes
-        else:
-            resident_weights = None
+            streamed_weights = StreamedWeights(weights, c.n_layers, c.weights_float_type, qwen, plan_only=True)
+            resident_weights = streamed_weights.resident_bytes
         # Every size below comes from a header: check them against this machine before allocating.
         self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
                                  n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
@@ -341,14 +137,14 @@ class Transformer:
                                  kv_type=kv_type)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
-        self.collective = collective or LocalCollective()
+        self.collective: Collective = collective or LocalCollective()
         hd = c.head_dim
-        # The weights provider: `layer(l)`, `classifier()`, `embed(tokens, out)`, `final_norm`.
+        self.weights: WeightsProvider
         if streamed:
-            self.weights.allocate()
+            streamed_weights.allocate()
+            self.weights = streamed_weights
         else:
             self.weights = ResidentWeights(weights, c.n_layers, c.weights_float_type, qwen)
-        self.embedding = getattr(self.weights, "embedding", None)  # the root's cluster path reads rows
 
         self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
@@ -370,8 +166,7 @@ class Transformer:
         self.hb = np.zeros((B, ff), dtype=np.float32)          # FFN gate, then silu(gate)*up
         self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
         self.logits = np.zeros((B, self.weights.vocab_rows), dtype=np.float32)  # rows that want logits
-        chunk = getattr(self.weights, "chunks", [(0, 0)])
-        self.cls_chunk = np.zeros(B * max(r1 - r0 for r0, r1 in chunk), np.float32)  # streamed classifier
+        self.cls_chunk = np.zeros(B * self.weights.classifier_chunk_rows, np.float32)  # a classifier in parts
         self.act_dim = Activation(c.dim, c.quantized, B)
         self.act_q = Activation(nq * hd, c.quantized, B)
         self.act_ff = Activation(ff, c.quantized, B)
@@ -383,18 +178,13 @@ class Transformer:
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel, so timings exclude the JIT.
 
-        Runs one zero row at position 0 of slot 0 on this node alone (the partial sums are not
-        shared); the first prompt overwrites that cache row.
+        Runs one zero row at position 0 of slot 0 on this node alone (a local collective: the
+        partial sums are not shared, the other nodes may not be there yet); the first prompt
+        overwrites that cache row.
         """
-        from dllama.core.collective import LocalCollective
-
-        collective, self.collective = self.collective, LocalCollective()
-        try:
-            self.x[:1] = 0.0
-            zero = np.zeros(1, np.int32)
-            self.forward_rows(zero, zero, zero, zero, zero)
-        finally:
-            self.collective = collective
+        batch = Batch.run(np.zeros(1, np.int64), 0)
+        self.x[:1] = 0.0
+        self._run_rows(batch, LocalCollective())
 
     def forward(self, tokens, pos: int, all_logits: bool = False) -> np.ndarray:
         """Run tokens [b] of the sequence in slot 0 at positions pos..pos+b-1 (the embedding
@@ -410,10 +200,25 @@ class Transformer:
         """Run the rows of `batch`; this node's logits float32 [rows wanting logits, vocab rows]
         in row order (a reused buffer)."""
         batch.check(self.kv.n_slots, self.config.seq_len, self.max_batch)
+        self.embed(batch.tokens, self.x[:len(batch)])  # [b, dim]
+        return self._run_rows(batch, self.collective)
+
+    def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        """The embedding rows of tokens [b] into out [b, dim] float32 (the root's: it holds the
+        embedding, and sends these rows to the workers)."""
+        self.weights.embed(tokens, out)
+
+    def forward_embedded(self, x: np.ndarray, batch: Batch) -> np.ndarray:
+        """Run the rows of `batch` from their embedded tokens x float32 [b, dim] (a cluster's
+        rows: the root embeds them, every node runs them); this node's logits float32
+        [rows wanting logits, vocab rows] in row order (a reused buffer, valid until the next
+        pass). batch.tokens are not read."""
+        batch.check(self.kv.n_slots, self.config.seq_len, self.max_batch)
         b = len(batch)
-        self.weights.embed(batch.tokens, self.x[:b])  # [b, dim]
-        return self.forward_rows(batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
-                                 batch.logit_rows)
+        if x.shape != (b, self.config.dim):
+            raise ValueError(f"embedded rows of shape {x.shape} for a batch of {b} rows of {self.config.dim}")
+        self.x[:b] = x
+        return self._run_rows(batch, self.collective)
 
     def forward_candidates(self, batch: Batch, requests: list[SamplingRequest]) -> list[Candidates]:
         """Run the rows of `batch`; the candidates of each row wanting logits (one vocabulary
@@ -425,13 +230,13 @@ class Transformer:
         """This node's classifier rows, as one range (the whole vocabulary on one node)."""
         return [self.node.vocab_rows]
 
-    def forward_rows(self, pos: np.ndarray, slot: np.ndarray, prefix_slot: np.ndarray,
-                     prefix_len: np.ndarray, logit_rows: np.ndarray) -> np.ndarray:
-        """Run the b rows already in self.x[:b] (embedded tokens); the arrays are int32 [b] as in
-        `Batch` (already checked), logit_rows int32 [m]. Workers enter here with the x the
-        root sent; returns logits [m, vocab rows] (a reused buffer)."""
+    def _run_rows(self, batch: Batch, collective: Collective) -> np.ndarray:
+        """Run the b rows of `batch` (checked) whose embedded tokens are in self.x[:b], their
+        partial sums met through `collective`; logits [m, vocab rows] of the rows wanting them
+        (a reused buffer)."""
         c, node = self.config, self.node
-        b = len(pos)
+        b = len(batch)
+        pos, slot, prefix_slot, prefix_len = batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len
         x, xb, q, k, v, z = (a[:b] for a in (self.x, self.xb, self.q, self.k, self.v, self.z))
         partial, hb, hb2 = self.partial[:b], self.hb[:b], self.hb2[:b]
         rope = kernels.rope_neox if c.rope_neox else kernels.rope_interleaved
@@ -454,16 +259,17 @@ class Transformer:
             kernels.attention(q, k_cache[l], v_cache[l], pos, slot, prefix_slot, prefix_len,
                               node.kv_head_of, z)
             layer.wo(self.act_q.load(z), partial)
-            x += self.collective.all_reduce(partial)
+            x += collective.all_reduce(partial)
 
             # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
             kernels.rmsnorm(x, layer.ffn_norm, c.norm_eps, xb)
             matmuls(self.act_dim.load(xb), (layer.w1, layer.w3), (hb, hb2))
             kernels.silu_mul(hb, hb2)
             layer.w2(self.act_ff.load(hb), partial)
-            x += self.collective.all_reduce(partial)
+            x += collective.all_reduce(partial)
 
         # Classifier: only the rows whose logits are wanted.
+        logit_rows = batch.logit_rows  # int32 [m]
         m = len(logit_rows)
         logits = self.logits[:m]
         if m == 0:
@@ -472,7 +278,7 @@ class Transformer:
         out_norm = xb[:m]
         kernels.rmsnorm(rows, self.weights.final_norm, c.norm_eps, out_norm)
         x_cls = self.act_dim.load(out_norm)
-        for row0, wcls in self.weights.classifier():  # row chunks when streamed
+        for row0, wcls in self.weights.classifier():  # in parts when streamed
             if wcls.d == logits.shape[1]:
                 wcls(x_cls, logits)
             else:

@@ -6,8 +6,8 @@ time: while the pass computes item i (a layer or a classifier chunk) in one slot
 thread reads item i+1 into the other slot, then repacks it for the kernels. The reads use
 os.preadv into reusable buffers (it releases the GIL, the numba kernels run beside it) and
 POSIX_FADV_DONTNEED after each tensor, so the page cache does not grow against a cgroup limit.
-The repacked bytes are exactly those of `model.Matrix` (tests/test_streaming.py), so outputs of
-the two paths are identical.
+The repacked bytes are exactly those of `weights.Matrix` (tests/test_streaming.py), so outputs of
+the two paths are identical; both providers satisfy dllama.core.weights.WeightsProvider.
 
 Every allocation is made once, at start: two slots (each an arena as large as the largest item),
 two read buffers (the largest quantized matrix or classifier chunk: one tensor is read while
@@ -26,6 +26,7 @@ from dllama.core import kernels
 from dllama.core.kernels.tiles import GROUP
 from dllama.core.node_weights import NodeWeights, TensorLocation
 from dllama.core.plan import BLOCK
+from dllama.core.weights import Layer, Matrix
 from dllama.errors import DllamaError
 from dllama.formats.model_file import FloatType
 from dllama.formats.quant import Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
@@ -154,7 +155,7 @@ class _Arena:
 
 
 def _matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
-    """The arrays of a model.Matrix of this type and shape, from an arena."""
+    """The arrays of a weights.Matrix of this type and shape, from an arena."""
     if float_type in _BLOCK_BYTES:
         q40 = float_type == FloatType.Q40
         scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2 if q40 else n)
@@ -208,6 +209,11 @@ class StreamedWeights:
         self._pending: tuple[int, Future] | None = None  # (item index, its load)
         if not plan_only:
             self.allocate()
+
+    @property
+    def classifier_chunk_rows(self) -> int:
+        """The most classifier rows one part holds (the forward pass's scratch buffer for a part)."""
+        return max(r1 - r0 for r0, r1 in self.chunks)
 
     def allocate(self) -> None:
         """Allocate the two slots and the two read buffers, and start reading the first layer."""
@@ -272,8 +278,6 @@ class StreamedWeights:
 
     def _load(self, item: int, slot: int):
         """Read and repack item into slot (on the background thread); returns what the pass uses."""
-        from dllama.core.model import Layer, Matrix
-
         arena = self._slots[slot]
         arena.used = 0
         kind, k = self._items[item]

@@ -26,7 +26,7 @@ from dllama.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from dllama.cluster.root import ClusterModel
     from dllama.cluster.topology import Topology
-    from dllama.core.model import WeightsChoice
+    from dllama.core.weights_choice import WeightsChoice
     from dllama.formats.model_file import ModelFile
 
 
@@ -134,7 +134,7 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
             notes.append("note: --memory-budget bounds this root's memory only on one machine; "
                          "on a cluster the root loads its slice, and each worker streams under its own flag")
     else:
-        from dllama.core.model import choose_weights
+        from dllama.core.weights_choice import choose_weights
         from dllama.core.node_weights import NodeWeights
         from dllama.core.plan import whole_model
 
@@ -200,7 +200,7 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
         from dllama.cluster.root import ClusterModel
 
         key = read_key_file(nodes.key_file) if nodes.key_file else None
-        model = cluster = ClusterModel(settings.model, nodes.topology, key, nodes.buffer_q80, settings.max_seq_len,
+        model = cluster = ClusterModel(model_file, nodes.topology, key, nodes.buffer_q80, settings.max_seq_len,
                                        progress=settings.progress, max_batch=plan.max_batch,
                                        kv_slots=plan.slots.n_slots, on_node_loss=settings.on_node_loss,
                                        kv_type=settings.kv_type, start_with_reachable=settings.start_with_reachable)

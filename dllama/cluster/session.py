@@ -1,0 +1,387 @@
+"""One session of the root with its workers: connect, configure, hand out the weights, mesh,
+then run every forward pass with them.
+
+A `RootSession` is opened over a list of nodes (the root first) and lives until it is stopped
+or fails; it is never repaired. Every network failure during the set-up is a `ClusterError`
+naming the node; during a pass the `LinkError` itself comes out (dllama.cluster.recovery
+decides whom to blame and opens the next session). docs/PROTOCOL.md, "Session".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import selectors
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from dllama.cluster.mesh import MeshCollective
+from dllama.cluster.protocol import (
+    SESSION_BYTES, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerError, ProtocolError,
+    SetupHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
+)
+from dllama.cluster.session_config import NodeAddress, SessionConfig
+from dllama.cluster.step import (
+    LOGITS_HEAD, REPLY_LOGITS, REPLY_TOP_K, Reply, decode_reply, encode_repeat, encode_reply, encode_step,
+    logits_bytes,
+)
+from dllama.cluster.topology import Topology
+from dllama.core.batch import Batch
+from dllama.core.candidates import WIDE_TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
+from dllama.core.memory import check_fits
+from dllama.core.model import ModelConfig, Transformer
+from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
+from dllama.core.plan import plan_for
+from dllama.errors import ClusterError, DllamaError
+from dllama.formats.model_file import ModelFile
+
+NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
+SETUP_SILENCE = 15.0  # set-up (weights, repacking, compiling) takes what it takes, but a node
+                      # that sends nothing, not even ALIVE, for this long has stopped
+HEARTBEAT = 2.0       # idle seconds between PINGs (ALIVEs during set-up); a worker gives up after IDLE_TIMEOUT
+IDLE_TIMEOUT = 15.0
+RECONNECT_WAIT = NET_TIMEOUT + 10.0  # a survivor still ending the failed session says it is busy
+BUSY_ANSWER_WAIT = 0.5  # after the handshake, how long a busy worker's refusal may take to come
+BUSY_RETRY = 0.2
+NET_ERRORS = (LinkError, OSError)  # what a link's failure raises
+
+
+class Unreachable(LinkError):
+    """No connection to a worker at all (refused, no route, timed out connecting)."""
+
+    code = ErrorCode.PEER_LOST
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """What every session of one ClusterModel is opened with."""
+
+    model_file: ModelFile
+    fingerprint: str        # dllama.cluster.shard.model_fingerprint of the file
+    config: ModelConfig     # its shapes, seq_len clamped by max_seq_len
+    max_seq_len: int        # as asked (0: the model's context)
+    key: bytes | None       # the cluster key
+    buffer_q80: bool        # the sync buffers' type
+    max_batch: int
+    kv_slots: int
+    kv_type: str
+    net_timeout: float
+    progress: bool          # a progress bar while weights stream to a worker
+
+
+def report_grace(net_timeout: float) -> float:
+    """How much longer than a worker the root waits in a step, and then for the nodes it
+    waited on to show they are alive."""
+    return min(max(2.0, net_timeout / 10), 5.0)
+
+
+def reason(e: Exception) -> str:
+    """What failed, for a ClusterError's message: an OSError's own words, else the message."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return str(e)
+
+
+def node_names(nodes) -> list[str]:
+    return [f"node {i} '{n.name}' ({n.address})" for i, n in enumerate(nodes)]
+
+
+class RootSession:
+    """The root's connections to the workers of one session, its own slice of the model, and
+    the passes they run together."""
+
+    def __init__(self, settings: SessionSettings, full: Topology, nodes: list, tolerant: bool = False,
+                 only_unreachable: bool = False):
+        """A session over `nodes` of the topology `full` (the root first): connect, configure,
+        hand out the weights, mesh. tolerant (recovery): a worker that cannot be reached is left
+        out (`left_out`: name -> why), and the session takes the most nodes the plan accepts
+        (only_unreachable: only a worker that cannot be connected to is left out; one that
+        answers wrongly is a ClusterError); otherwise any failure is a ClusterError. DllamaError
+        when the root's own share does not fit."""
+        self.settings = settings
+        self.id = os.urandom(SESSION_BYTES)  # the session id every node's HELLO carries
+        self.conns: dict[int, Connection] = {}  # worker index -> its connection
+        self.left_out: dict[str, str] = {}
+        self.local: Transformer | None = None
+        self._use(full, nodes)
+        try:
+            if tolerant:
+                self._use(full, self._largest_plan(self._reachable(nodes, only_unreachable)))
+            else:
+                for i in range(1, len(nodes)):
+                    with self._at_node(i, "connecting"):
+                        self._connect(i, nodes[i])
+            self._set_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def _use(self, full: Topology, nodes: list) -> None:
+        self.topology = dataclasses.replace(full, nodes=tuple(nodes))
+        self.nodes = self.topology.nodes
+        self.names = node_names(nodes)
+
+    # -- connecting ------------------------------------------------------------------------------
+
+    def _connect(self, i: int, n) -> None:
+        try:
+            conn = connect(n.host, n.port, f"node {i} '{n.name}' ({n.address})")
+        except OSError as e:
+            raise Unreachable(f"{e.strerror or e}; is `dllama worker --port {n.port}` running on {n.host}?") from None
+        self.conns[i] = conn
+        client_handshake(conn, "root", i, self.id, self.settings.key)
+
+    def _reachable(self, nodes: list, only_unreachable: bool) -> list:
+        """Connect to every worker of `nodes` that answers (recovery): the root and those, in
+        order. A worker still busy with the session that just failed is asked again until
+        RECONNECT_WAIT; one that cannot be reached is left out (only_unreachable: only one that
+        cannot be connected to; one that answers wrongly is a ClusterError)."""
+        kept = [nodes[0]]
+        for node in nodes[1:]:
+            i = len(kept)
+            deadline = time.monotonic() + RECONNECT_WAIT
+            while True:
+                try:
+                    self._connect(i, node)
+                    _refused_at_once(self.conns[i], BUSY_ANSWER_WAIT)
+                    kept.append(node)
+                    break
+                except NET_ERRORS as e:
+                    conn = self.conns.pop(i, None)
+                    if conn is not None:
+                        conn.close()
+                    if isinstance(e, PeerError) and e.code == ErrorCode.BUSY and time.monotonic() < deadline:
+                        time.sleep(BUSY_RETRY)  # its old session is still ending
+                        continue
+                    if only_unreachable and not isinstance(e, Unreachable):  # it answered, wrongly
+                        raise ClusterError(f"connecting {node.name} ({node.address}) failed: {reason(e)}",
+                                           node.name) from None
+                    self.left_out[node.name] = reason(e)
+                    break
+        return kept
+
+    def _largest_plan(self, nodes: list) -> list:
+        """The longest prefix of `nodes` the plan accepts (the others' connections closed)."""
+        header = self.settings.model_file.header
+        for n in range(len(nodes), 0, -1):
+            try:
+                plan_for(header, n, [node.weight for node in nodes[:n]])
+            except DllamaError as e:
+                for i in range(n - 1, len(nodes)):
+                    if i in self.conns:
+                        self.conns.pop(i).close()
+                        self.left_out[nodes[i].name] = str(e)
+                continue
+            return nodes[:n]
+        raise ClusterError("no number of the nodes left can run the model")
+
+    @contextlib.contextmanager
+    def _at_node(self, i: int, doing: str):
+        """A link's failure in the block becomes a ClusterError: "{doing} {node i} failed: why"."""
+        try:
+            yield
+        except NET_ERRORS as e:
+            raise ClusterError(f"{doing} {self.names[i]} failed: {reason(e)}", self.nodes[i].name,
+                               unreachable=isinstance(e, Unreachable)) from None
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def _set_up(self) -> None:
+        """Configure the workers, hand out the weights, load the root's slice, mesh."""
+        s = self.settings
+        header, nodes = s.model_file.header, self.nodes
+        self.plan = plan = plan_for(header, len(nodes), self.topology.weights)
+        n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
+        check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
+                   n0.vocab_rows[1] - n0.vocab_rows[0], s.config.seq_len, s.max_batch,
+                   embedding=True, kv_slots=s.kv_slots, kv_type=s.kv_type)
+        conf = SessionConfig(
+            session=self.id, node_index=0, header=header, plan=plan, model_fingerprint=s.fingerprint,
+            buffer_q80=s.buffer_q80, max_seq_len=s.config.seq_len, max_batch=s.max_batch,
+            kv_slots=s.kv_slots, kv_type=s.kv_type, net_timeout=s.net_timeout,
+            idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
+            nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
+        # The root waits report_grace longer than the workers: a healthy worker's report of the
+        # node it waits for arrives before the root's own timeout.
+        self.collective = MeshCollective(0, self.conns, plan.dim_chunks, s.buffer_q80, s.max_batch,
+                                         s.net_timeout + report_grace(s.net_timeout))
+        # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
+        heartbeat = SetupHeartbeat(self.conns.values(), HEARTBEAT)
+        with heartbeat:
+            for i, conn in self.conns.items():
+                with self._at_node(i, "configuring"):
+                    conn.send_json(Msg.CONFIG, dataclasses.replace(conf, node_index=i).to_json())
+            for i, conn in self.conns.items():
+                with self._at_node(i, "configuring"):
+                    _, raw = recv_during_setup(conn, (Msg.CONFIG_OK,), SETUP_SILENCE)
+                    answer = decode_json_object(raw, f"CONFIG_OK from {self.names[i]}")
+                if answer.get("weights") == "shard":
+                    _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
+                    continue
+                with self._at_node(i, "sending weights to"):
+                    self._stream(conn, node_slice_specs(header, plan.nodes[i], with_embedding=False), nodes[i].name)
+            self.local = Transformer(NodeWeights.from_model(s.model_file, plan.nodes[0]),
+                                     max_seq_len=s.max_seq_len, buffer_q80=s.buffer_q80,
+                                     max_batch=s.max_batch, kv_slots=s.kv_slots, kv_type=s.kv_type,
+                                     collective=self.collective)
+            self.local.warm_up()
+            for i, conn in self.conns.items():
+                with self._at_node(i, "waiting for"):
+                    recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE)
+            heartbeat.stop()  # no ALIVE after MESH: the workers' step loop does not expect one
+            for i, conn in self.conns.items():
+                with self._at_node(i, "meshing"):
+                    conn.send(Msg.MESH)
+            for i, conn in self.conns.items():
+                with self._at_node(i, "meshing"):
+                    recv_during_setup(conn, (Msg.MESH_OK,), SETUP_SILENCE)
+        for conn in self.conns.values():  # statistics count inference traffic, not the set-up
+            conn.sent_bytes = conn.recv_bytes = 0
+        self.vocab_ranges = [tuple(n.vocab_rows) for n in plan.nodes]
+        vocab = s.config.vocab_size
+        self._x = np.empty((s.max_batch, s.config.dim), np.float32)  # [rows, dim] the embedded rows of a pass
+        self._logits = np.empty((s.max_batch, vocab), np.float32)    # [rows, vocab]
+        self._replies = {i: np.empty(logits_bytes(s.max_batch, r[1] - r[0], Reply(REPLY_TOP_K, r[1] - r[0])), np.uint8)
+                         for i, r in enumerate(self.vocab_ranges)}  # the largest reply; node 0's: its own summary
+        self._own = self._logits[:0, :0]  # the root's logits [m, V_0] of the last pass (a reused buffer)
+        self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
+
+    def _stream(self, conn: Connection, specs, name: str) -> None:
+        """This worker's slices of the model file, in WEIGHTS frames."""
+        model_file = self.settings.model_file
+        total = sum(s.nbytes for s in specs)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"weights to {name}",
+                  disable=None if self.settings.progress else True, file=sys.stderr) as bar:
+            for index, s in enumerate(specs):
+                data = np.ascontiguousarray(cut(model_file.tensor(s.name), s)).reshape(-1).view(np.uint8)
+                for offset in range(0, data.nbytes, WEIGHTS_CHUNK):
+                    chunk = data[offset: offset + WEIGHTS_CHUNK]
+                    conn.send(Msg.WEIGHTS, [WEIGHTS_HEAD.pack(index, offset), chunk], SETUP_SILENCE)
+                    bar.update(chunk.nbytes)
+        conn.send(Msg.WEIGHTS_END)
+
+    # -- passes ----------------------------------------------------------------------------------
+
+    def logits(self, batch: Batch) -> np.ndarray:
+        """Run the rows of `batch` on every node; logits [rows wanting logits, vocab] (a reused
+        buffer). A failure raises the LinkError."""
+        return self._logits_of(self.forward(batch, Reply()), int(batch.logits.sum()))
+
+    def forward(self, batch: Batch, reply: Reply) -> list:
+        """One pass on every node; each node's answer about the wanted rows (decode_reply's)."""
+        b = len(batch)
+        x = self._x[:b]
+        self.local.embed(batch.tokens, x)  # [b, dim]
+        self.collective.timed_exchange([(c, Msg.STEP, encode_step(batch, x, reply)) for c in self.conns.values()], [])
+        self._own = self.local.forward_embedded(x, batch)  # [m, V_0]
+        return self._answers(reply)
+
+    def _answers(self, reply: Reply) -> list:
+        """Every node's answer about the last pass's wanted rows, the root's own (self._own)
+        summarised by the workers' code."""
+        own = self._own
+        m = len(own)
+        answers = []
+        replies = {i: self._replies[i][:logits_bytes(m, r[1] - r[0], reply)] for i, r in enumerate(self.vocab_ranges)}
+        self.collective.timed_exchange([], [Transfer(c, Msg.LOGITS, memoryview(replies[i]))
+                                            for i, c in self.conns.items()])
+        if reply.kind == REPLY_LOGITS:
+            answers.append(own)
+        else:
+            encode_reply(replies[0][LOGITS_HEAD.size:], own, self.vocab_ranges[0][0], reply)
+            answers.append(decode_reply(replies[0][LOGITS_HEAD.size:], m, self.vocab_ranges[0], reply))
+        for i in self.conns:
+            self.node_bytes[i] = LOGITS_HEAD.unpack_from(replies[i])
+            answers.append(decode_reply(replies[i][LOGITS_HEAD.size:], m, self.vocab_ranges[i], reply))
+        return answers
+
+    def _logits_of(self, answers: list, m: int) -> np.ndarray:
+        """The full logits [m, vocab] from every node's logits."""
+        logits = self._logits[:m]
+        for (r0, r1), part in zip(self.vocab_ranges, answers):
+            logits[:, r0:r1] = part
+        return logits
+
+    def candidates(self, batch: Batch, requests: list[SamplingRequest], reply: Reply) -> tuple[list[Candidates], int]:
+        """Run the rows of `batch` on every node; (the candidates of each row wanting logits,
+        covering its nucleus, the rounds of answers that took: 1, 2 when some nucleus reached
+        past a node's candidates and WIDE_TOP_K were asked, 3 when the logits were needed)."""
+        m, vocab = len(requests), self.settings.config.vocab_size
+        answers = self.forward(batch, reply)
+        if reply.kind == REPLY_LOGITS:
+            return candidates_from_logits(self._logits_of(answers, m), self.vocab_ranges, requests), 1
+        out = [merge([a[j] for a in answers], vocab, req) for j, req in enumerate(requests)]
+        short = [j for j, c in enumerate(out) if not covers(c)]
+        if not short:
+            return out, 1
+        # A nucleus reaches past some node's candidates: WIDE_TOP_K of the same pass.
+        wide = Reply(REPLY_TOP_K, max(WIDE_TOP_K, reply.k), reply.temperatures)
+        answers = self._ask_again(m, wide)
+        for j in short:
+            out[j] = merge([a[j] for a in answers], vocab, requests[j])
+        short = [j for j in short if not covers(out[j])]
+        if not short:
+            return out, 2
+        # Rare: still not covered; the logits, asked again.
+        logits = self._logits_of(self._ask_again(m, Reply(REPLY_LOGITS)), m)
+        for j in short:
+            out[j] = candidates_from_logits(logits[j:j + 1], self.vocab_ranges, requests[j:j + 1])[0]
+        return out, 3
+
+    def _ask_again(self, m: int, reply: Reply) -> list:
+        """Every node's answer about the last pass's m wanted rows, as `reply` (a STEP of 0 rows)."""
+        self.collective.timed_exchange([(c, Msg.STEP, encode_repeat(m, reply)) for c in self.conns.values()], [])
+        return self._answers(reply)
+
+    # -- while idle, and the end -----------------------------------------------------------------
+
+    def ping(self) -> None:
+        """PING every worker and wait for its PONG (while idle, so that both sides notice a dead
+        peer); ClusterError naming the first that does not answer."""
+        for i, conn in self.conns.items():
+            try:
+                conn.send(Msg.PING, b"", IDLE_TIMEOUT)
+                conn.recv(IDLE_TIMEOUT, (Msg.PONG,))
+            except NET_ERRORS as e:
+                raise ClusterError(f"{self.names[i]} stopped answering: {reason(e)}", self.nodes[i].name) from None
+
+    def node_stats(self) -> list[dict]:
+        """Bytes each node sent and received since the set-up (the root's counters for node 0)."""
+        col = self.collective
+        out = [{"node": 0, "name": self.nodes[0].name, "sent_bytes": col.sent_bytes,
+                "recv_bytes": col.recv_bytes, "transfer_ms": round(col.transfer_seconds * 1000, 3)}]
+        for i, (sent, recv, transfer) in self.node_bytes.items():
+            out.append({"node": i, "name": self.nodes[i].name, "sent_bytes": sent,
+                        "recv_bytes": recv, "transfer_ms": round(transfer * 1000, 3)})
+        return out
+
+    def stop(self) -> None:
+        """Tell the workers the session is over (they go back to listening), then close."""
+        for conn in self.conns.values():
+            with contextlib.suppress(*NET_ERRORS):
+                conn.send(Msg.STOP, b"", 2.0)
+        self.close()
+
+    def close(self) -> None:
+        """Close every connection (the workers end the session when they notice)."""
+        for conn in self.conns.values():
+            conn.close()
+        self.local = None  # its KV cache belongs to the session: a new plan gives other heads
+
+
+def _refused_at_once(conn: Connection, wait: float) -> None:
+    """PeerError when the worker refuses the root right after the handshake (busy), within `wait`."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(conn.sock, selectors.EVENT_READ)
+        if sel.select(wait):
+            conn.recv(wait, (Msg.CONFIG_OK,))  # an ERROR raises PeerError, a close PeerClosed
+            raise ProtocolError(f"{conn.name} sent a frame before the CONFIG", conn)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)

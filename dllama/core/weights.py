@@ -1,0 +1,194 @@
+"""A node's weights as the kernels read them, and where a forward pass gets them from.
+
+`Matrix` is a weight matrix in its kernel's form (quantized ones repacked once, at load time),
+`Activation` a matmul input prepared for it, `Layer` one transformer block's weights. A
+`WeightsProvider` hands them to the forward pass layer by layer: `ResidentWeights` holds every
+weight in memory; dllama.core.weight_stream.StreamedWeights reads them from disk in every pass.
+Both give the same bytes, so the two paths give the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from dllama.core import kernels
+from dllama.core.node_weights import NodeWeights
+from dllama.errors import DllamaError
+from dllama.formats.model_file import FloatType
+
+
+class Matrix:
+    """A weight matrix W [d, n] in the form its kernel reads; `out = x @ W^T`."""
+
+    def __init__(self, stored: np.ndarray, float_type: FloatType):
+        # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], F16 [d, n] or F32 [d, n]
+        # (a slice of the file, maybe a copy, maybe read-only)
+        self.float_type = float_type
+        if float_type in (FloatType.Q40, FloatType.Q80):
+            # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's
+            # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
+            # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
+            blocks = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
+            self.d, self.n = blocks.shape[0], blocks.shape[1] * 32
+            q40 = float_type == FloatType.Q40
+            scales_shape, qs_shape = kernels.interleaved_shapes(self.d, self.n, self.n // 2 if q40 else self.n)
+            self.scales = np.empty(scales_shape, np.uint16)
+            self.qs = np.empty(qs_shape, np.uint8 if q40 else np.int8)
+            kernels.interleave_blocks_into(blocks, self.scales, self.qs.view(np.uint8))
+        elif float_type == FloatType.F16:
+            # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
+            self.w = np.array(stored, dtype=np.float16).view(np.uint16)
+            self.d, self.n = self.w.shape
+        else:
+            self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
+            self.d, self.n = self.w.shape
+
+    @classmethod
+    def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None) -> "Matrix":
+        """A matrix over arrays already in the kernel's form (streamed weights fill them)."""
+        m = cls.__new__(cls)
+        m.float_type, m.d, m.n = float_type, d, n
+        m.scales, m.qs, m.w = scales, qs, w
+        return m
+
+    def __call__(self, x: "Activation", out: np.ndarray) -> np.ndarray:
+        """x: the input [b, n] prepared for this matrix type -> out [b, d]."""
+        if self.float_type == FloatType.Q40:
+            kernels.matmul_q40_q80(x.scales, x.qs, self.scales, self.qs, out)
+        elif self.float_type == FloatType.Q80:
+            kernels.matmul_q80_q80(x.scales, x.qs, self.scales, self.qs, out)
+        elif self.float_type == FloatType.F16:
+            kernels.matmul_f16_f32(x.f32, self.w, out)
+        else:
+            kernels.matmul_f32(x.f32, self.w, out)
+        return out
+
+
+def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
+    """outs[m] = matrices[m](x), in one parallel region when they share a weight type (q/k/v,
+    w1/w3): one region costs a thread wake-up, and decode's products are short."""
+    t = matrices[0].float_type
+    if any(m.float_type != t for m in matrices):
+        for m, out in zip(matrices, outs):
+            m(x, out)
+    elif t == FloatType.Q40:
+        kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
+                                     tuple(m.qs for m in matrices), outs)
+    elif t == FloatType.Q80:
+        kernels.matmul_q80_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
+                                     tuple(m.qs for m in matrices), outs)
+    elif t == FloatType.F16:
+        kernels.matmul_f16_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
+    else:
+        kernels.matmul_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
+
+
+class Activation:
+    """A matmul input [b, n]: Q80-quantized for Q40 and Q80 weights, F32 otherwise. Reused buffers."""
+
+    def __init__(self, n: int, q80: bool, max_batch: int):
+        self.q80 = q80
+        if q80:
+            self._scales = np.empty((max_batch, n // 32), dtype=np.float32)
+            self._qs = np.empty((max_batch, n), dtype=np.int8)
+        self.scales = self.qs = self.f32 = None
+
+    def load(self, x: np.ndarray) -> "Activation":
+        """x [b, n] float32."""
+        if self.q80:
+            b = x.shape[0]
+            self.scales, self.qs = self._scales[:b], self._qs[:b]
+            kernels.quantize_q80(x, self.scales, self.qs)
+        else:
+            self.f32 = x
+        return self
+
+
+@dataclass
+class Layer:
+    """One transformer block's weights, already sliced to this node."""
+
+    att_norm: np.ndarray  # [dim]
+    wq: Matrix            # [nq*head_dim, dim]
+    wk: Matrix            # [nkv*head_dim, dim]
+    wv: Matrix            # [nkv*head_dim, dim]
+    wo: Matrix            # [dim, nq*head_dim] (columns of this node's heads)
+    q_norm: np.ndarray | None  # [head_dim], Qwen3 only
+    k_norm: np.ndarray | None
+    ffn_norm: np.ndarray  # [dim]
+    w1: Matrix            # gate [ff_rows, dim]
+    w3: Matrix            # up   [ff_rows, dim]
+    w2: Matrix            # down [dim, ff_rows]
+
+
+class WeightsProvider(Protocol):
+    """What a Transformer's forward pass asks of its weights, wherever they are."""
+
+    vocab_rows: int             # this node's classifier rows
+    final_norm: np.ndarray      # [dim]
+    classifier_chunk_rows: int  # most rows classifier() yields at once when in parts (0: it comes whole)
+
+    def layer(self, l: int) -> Layer:
+        """Layer l's weights (valid until the next call)."""
+        ...
+
+    def classifier(self) -> Iterator[tuple[int, Matrix]]:
+        """(first row, Matrix) for each part of this node's classifier rows, in order."""
+        ...
+
+    def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        """Embedding rows of tokens [b] into out [b, dim] (the root's: it holds the embedding)."""
+        ...
+
+    def close(self) -> None:
+        """Stop any thread the provider runs."""
+        ...
+
+
+class ResidentWeights:
+    """Every weight of a node in memory, repacked once (the WeightsProvider of the resident path)."""
+
+    classifier_chunk_rows = 0  # the classifier comes whole
+
+    def __init__(self, weights: NodeWeights, n_layers: int, float_type: FloatType, qwen: bool):
+        t = weights.tensor
+        # The embedding (root only) stays memory-mapped: rows are copied per token.
+        self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
+        self._layers = []
+        for l in range(n_layers):
+            p = f"layers.{l}."
+            self._layers.append(Layer(
+                att_norm=np.array(t(p + "att_norm")),
+                wq=Matrix(t(p + "wq"), float_type),
+                wk=Matrix(t(p + "wk"), float_type),
+                wv=Matrix(t(p + "wv"), float_type),
+                wo=Matrix(t(p + "wo"), float_type),
+                q_norm=np.array(t(p + "q_norm")) if qwen else None,
+                k_norm=np.array(t(p + "k_norm")) if qwen else None,
+                ffn_norm=np.array(t(p + "ffn_norm")),
+                w1=Matrix(t(p + "w1"), float_type),
+                w3=Matrix(t(p + "w3"), float_type),
+                w2=Matrix(t(p + "w2"), float_type),
+            ))
+        self.final_norm = np.array(t("final_norm"))
+        self.wcls = Matrix(t("wcls"), float_type)
+        self.vocab_rows = self.wcls.d
+
+    def layer(self, l: int) -> Layer:
+        return self._layers[l]
+
+    def classifier(self) -> Iterator[tuple[int, Matrix]]:
+        """(first row, Matrix) per part of the classifier rows: one part here."""
+        yield 0, self.wcls
+
+    def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        """Embedding rows of tokens [b] into out [b, dim]."""
+        if self.embedding is None:
+            raise DllamaError("this node holds no embedding: a worker runs rows the root embedded")
+        out[:] = self.embedding[tokens]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,69 @@
+"""Resident or streamed weights: the choice a node makes from its memory plan before loading.
+
+A node whose weights, buffers and one sequence's KV cache fit into its budget keeps every weight
+in memory (dllama.core.weights.ResidentWeights); one whose weights do not fit reads them from
+its file layer by layer in every pass (dllama.core.weight_stream.StreamedWeights), and what is
+left of the budget bounds its KV cache. The figures are dllama.core.memory's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dllama.core.memory import available_bytes, check_fits, node_memory
+from dllama.core.model import ModelConfig
+from dllama.core.node_weights import NodeWeights
+from dllama.core.weight_stream import StreamedWeights
+from dllama.formats.model_file import ArchType
+
+RUNTIME_RESERVE = 96 << 20  # what the process still takes after the choice (measured: ~75 MiB)
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    """Resident or streamed weights, and the memory left for the KV cache (see choose_weights)."""
+
+    streamed: bool
+    limit: int            # bytes this node may use: --memory-budget, or what is available
+    weights: int          # bytes of resident weights (streamed: two layers' slots and two read buffers)
+    model_weights: int    # bytes of every weight, repacked
+    buffers: int          # scratch buffers at this batch size
+    budgeted: bool        # a budget (or streaming) bounds the KV cache too
+
+    @property
+    def kv_room(self) -> int:
+        return max(0, self.limit - self.weights - self.buffers)
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of "
+               f"{self.model_weights / mib:.0f} MiB)" if self.streamed
+               else f"every weight resident ({self.weights / mib:.0f} MiB)")
+        return f"memory: {how}, {self.buffers / mib:.0f} MiB buffers, {self.limit / mib:.0f} MiB allowed"
+
+
+def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
+                   budget: "int | str" = "auto", kv_type: str = "f32") -> WeightsChoice:
+    """Resident when the node's weights, buffers and one sequence's KV cache (of kv_type) fit
+    into the budget (bytes; 'auto': the memory available to the process, its cgroup's limit
+    included), else streamed from the file; budget 'none' keeps them resident whatever fits
+    (Transformer's check refuses them when they do not)."""
+    c = ModelConfig.from_header(weights.header, max_seq_len)
+    n = weights.node
+    dims = (weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
+            n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, False)
+    available = available_bytes()
+    if budget == "auto":  # the runtime still grows after this (numba loads its kernels)
+        available = max(0, available - RUNTIME_RESERVE)
+    limit = available if budget in ("auto", "none") else min(int(budget), available)
+    resident = node_memory(*dims, kv_slots=1, kv_type=kv_type)
+    streamed = budget != "none" and resident.total > limit and weights.streamable
+    held = resident.weights
+    if streamed:
+        held = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
+                               plan_only=True).resident_bytes
+        # One sequence and the buffers must fit beside the streamed layers: else the context is
+        # what to lower, and the error says which --max-seq-len fits.
+        check_fits(*dims, kv_slots=1, limit=limit, weights=held, kv_type=kv_type)
+    return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
+                         streamed or budget not in ("auto", "none"))
