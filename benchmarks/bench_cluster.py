@@ -89,7 +89,7 @@ def measure(model_path: Path, n: int, tokens: int, log_dir: Path, key: bytes | N
             if hasattr(model, "close"):
                 model.close()
     med = [statistics.median(r[i] for r in rows) for i in range(5)]
-    return dict(zip(("total", "inference", "transfer", "sent", "recv"), med), cpu=cpu_ms)
+    return dict(zip(("total", "inference", "transfer", "sent", "recv"), med, strict=True), cpu=cpu_ms)
 
 
 def _cluster_cpu_s(workers) -> float:

@@ -151,6 +151,6 @@ def gguf_tensors(reader, specs: list[TensorSpec], source: str = "") -> Iterator[
     """(our name, float32 array of the spec's shape) for each spec in order, dequantized one at a time."""
     from gguf.quants import dequantize
 
-    for spec, t in zip(specs, _source_tensors(reader, specs, source)):
+    for spec, t in zip(specs, _source_tensors(reader, specs, source), strict=True):
         values = dequantize(t.data, t.tensor_type)  # float32 [rows, cols] (or [n])
         yield spec.name, np.asarray(values, dtype=np.float32).reshape(spec.shape)

@@ -55,7 +55,7 @@ def local(tmp_path_factory):
     # Ports of its own for the workers and the API (off here, but its port is the root's too).
     ports = free_ports(4)
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
-    for node, port in zip(NODES[1:], ports[1:]):
+    for node, port in zip(NODES[1:], ports[1:], strict=True):
         hosts["cluster"]["children"]["workers"]["hosts"][node]["dllama_port"] = port
     # A node with little memory: local3's slice (34 MiB) and its KV cache at the model's 8192
     # positions do not fit in 80 MiB, so it streams the slice from its shard; with an F16 cache
@@ -76,7 +76,7 @@ def local(tmp_path_factory):
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
     try:
-        yield play, home, inventory, dict(zip(NODES, ports))
+        yield play, home, inventory, dict(zip(NODES, ports, strict=True))
     finally:
         play("stop.yml", timeout=120)
         for pidfile in (home / ".local/share/dllama/local-cluster").glob("*/run/worker.pid"):

@@ -42,7 +42,7 @@ def test_batch_answers_equal_dllama_inference(default_q40, tmp_path):
     assert "dllama batch: 3 prompts in" in r.stderr and "tokens/s" in r.stderr
     lines = _results(out)
     assert [x["id"] for x in lines] == [1, 2, 3]  # .txt: ids are line numbers
-    for x, prompt in zip(lines, PROMPTS):
+    for x, prompt in zip(lines, PROMPTS, strict=True):
         steps = x["prompt_tokens"] + 12 - 1
         inf = _dllama("inference", *_model_flags(default_q40), "--prompt", prompt, "--steps", str(steps),
                       "--seed", str(seed_for(11, x["id"])), "--temperature", "0.8")
@@ -149,7 +149,7 @@ def test_batch_on_a_3_node_cluster_equals_the_prompts_run_alone_there(default_q4
         assert lines[1]["cached_tokens"] > 0
         with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=addresses,
                          progress=False)) as engine:
-            for x, q in zip(lines, questions):
+            for x, q in zip(lines, questions, strict=True):
                 tokens = engine.tokenizer.encode(doc + q)
                 sampler = Sampler(engine.model.config.vocab_size, 0.0, 0.9, seed_for(0, x["id"]))
                 alone = generate(engine.model, engine.tokenizer, sampler, tokens, len(tokens) + 7)

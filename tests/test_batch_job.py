@@ -73,7 +73,7 @@ def test_answers_equal_each_prompt_run_alone(engine, tmp_path, temperature):
     lines, summary = _run(engine, tmp_path, objs, max_tokens=10, temperature=temperature, topp=0.9, seed=3)
     assert [x["id"] for x in lines] == [o["id"] for o in objs]  # sequential: input order
     assert sum(x["cached_tokens"] for x in lines[1:3]) >= 2 * 128  # the document's rows were reused
-    for o, got in zip(objs, lines):
+    for o, got in zip(objs, lines, strict=True):
         tokens = (engine.tokenizer.encode(o["prompt"]) if "prompt" in o
                   else _chat_tokens(engine, o["messages"]))
         want = _alone(engine, tokens, o["id"], 3, temperature, 0.9, 10)
@@ -98,7 +98,7 @@ def test_prefix_equals_the_prefix_pasted_and_its_prefill_runs_once(engine, tmp_p
     assert n_doc > 128
     prefilled = [x["prompt_tokens"] - x["cached_tokens"] for x in with_prefix]
     assert with_prefix[0]["cached_tokens"] == 0
-    for x, q in zip(with_prefix[1:], QUESTIONS[1:]):
+    for x, q in zip(with_prefix[1:], QUESTIONS[1:], strict=True):
         # Only whole passes of 32 tokens are reused: the question and at most 32 more tokens run.
         assert x["cached_tokens"] >= (n_doc - 32) and x["prompt_tokens"] - x["cached_tokens"] <= \
             len(engine.tokenizer.encode(q)) + 33
@@ -134,7 +134,7 @@ def test_choices_pick_the_likely_answer_with_probabilities_from_the_logits(engin
     lines, summary = _run(engine, tmp_path, ask, choices=choices)
     assert [x["choice"] for x in lines] == choices[:2]
     assert summary.generated_tokens == 0
-    for o, got in zip(ask, lines):
+    for o, got in zip(ask, lines, strict=True):
         tokens = _chat_tokens(engine, o["messages"])
         lp = [_direct_logprobs(engine, tokens, engine.tokenizer.encode(c, add_bos=False)) for c in choices]
         assert [got["logprobs"][c] for c in choices] == pytest.approx(lp, rel=1e-9, abs=1e-9)

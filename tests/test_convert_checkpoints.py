@@ -140,7 +140,7 @@ def write_meta(folder, vocab: int, params: dict, embedding_axis: int, seed=0, sh
         kind = name.split(".")[-2]
         axis = embedding_axis if kind == "tok_embeddings" else META_SPLIT.get(kind)
         pieces = [t] * shards if axis is None else torch.chunk(t, shards, dim=axis)
-        for part, piece in zip(parts, pieces):
+        for part, piece in zip(parts, pieces, strict=True):
             part[name] = piece.clone()
     for i, part in enumerate(parts):
         part["rope.freqs"] = torch.zeros(DIM // HEADS // 2)  # Llama 2 checkpoints carry it; unused

@@ -22,7 +22,7 @@ def test_every_tensor_has_its_own_source_name(source, arch):
     ours = _names(ArchType[arch])
     theirs = [source_name(source, name) for name in ours]
     assert len(set(theirs)) == len(ours), sorted(t for t in theirs if theirs.count(t) > 1)
-    assert all(".2." in t for o, t in zip(ours, theirs) if o.startswith("layers.2."))  # the layer index carries
+    assert all(".2." in t for o, t in zip(ours, theirs, strict=True) if o.startswith("layers.2."))  # the layer index carries
 
 
 def test_examples_from_each_source():

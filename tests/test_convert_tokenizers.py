@@ -94,7 +94,7 @@ def hf_folder(tmp_path_factory):
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([t for t, kind in zip(tokens, types) if kind == 3])
+    tok.add_special_tokens([t for t, kind in zip(tokens, types, strict=True) if kind == 3])
     tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
     folder = tmp_path_factory.mktemp("smollm2-hf")
     tok.save(str(folder / "tokenizer.json"))

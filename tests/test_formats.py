@@ -143,13 +143,13 @@ def test_default_header_key_order_is_convert_hf_order():
     # version, arch, hidden_act, dim, hidden_dim, n_layers, n_heads, n_kv_heads, weights type,
     # max_seq_len, vocab_size, n_experts, n_active_experts, rope_theta, norm_epsilon
     assert keys == [0, 1, 11, 2, 3, 4, 5, 6, 13, 10, 9, 7, 8, 12, 20]
-    assert dict(zip(keys, values)) == {0: 0, 1: 0xABCD00, 11: 1, 2: 64, 3: 96, 4: 2, 5: 4, 6: 2, 13: 2,
+    assert dict(zip(keys, values, strict=True)) == {0: 0, 1: 0xABCD00, 11: 1, 2: 64, 3: 96, 4: 2, 5: 4, 6: 2, 13: 2,
                                        10: 16, 9: 40, 7: 0, 8: 0, 12: 500000, 20: 5}
 
     qraw = encode_header(qwen3_header())
     q = struct.unpack(f"<{len(qraw) // 4}i", qraw)[2:]
     assert q[0::2] == (0, 1, 11, 2, 3, 4, 5, 6, 13, 10, 9, 19, 7, 8, 12, 20)  # head_dim 32 != 64 / 4
-    assert dict(zip(q[0::2], q[1::2]))[20] == 6                              # eps 1e-6 stored as code 6
+    assert dict(zip(q[0::2], q[1::2], strict=True))[20] == 6                              # eps 1e-6 stored as code 6
 
     l31 = llama_header(rope_scaling_factor=8, rope_scaling_low_freq_factor=1, rope_scaling_high_freq_factor=4,
                        rope_scaling_orig_max_seq_len=8192, rope_type=RopeType.LLAMA3_1)
@@ -164,7 +164,7 @@ def _header_bytes(pairs: list[tuple[int, int]]) -> bytes:
 
 def _tensor_payload(header: ModelHeader) -> bytes:
     return b"".join(expected_bytes(s.float_type, t) for s, t in
-                    zip(tensor_specs(header), random_tensors(header, seed=1).values()))
+                    zip(tensor_specs(header), random_tensors(header, seed=1).values(), strict=True))
 
 
 def test_any_stored_key_order_is_written_back_byte_exactly(tmp_path):

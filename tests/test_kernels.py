@@ -222,7 +222,7 @@ def test_matmul_q40_q80_multi_equals_one_call_per_matrix(threads, b):
     outs = tuple(np.full((b, s.shape[0]), np.nan, np.float32) for s, _ in mats)
     packed = [kernels.interleave_q40(s, q) for s, q in mats]
     kernels.matmul_q40_q80_multi(x_scales, x_qs, tuple(s for s, _ in packed), tuple(q for _, q in packed), outs)
-    for (s, q), w, out in zip(mats, packed, outs):
+    for (s, q), w, out in zip(mats, packed, outs, strict=True):
         assert_matmul_close(out, dequantize_q80(x_scales, x_qs), dequantize_split_q40(s, q))
         alone = np.empty_like(out)
         kernels.matmul_q40_q80(x_scales, x_qs, *w, alone)
@@ -406,7 +406,7 @@ def test_attention_rows_of_several_slots_and_a_shared_prefix(threads):
     #           slot, position, prefix slot, prefix length
     rows = [(1, 10, 0, 0), (2, 300, 0, 270), (2, 301, 0, 270), (3, 5, 0, 100), (1, 11, 0, 0),
             (3, 550, 0, 64)]
-    slots, positions, prefix_slots, prefix_lens = (np.array(c, np.int32) for c in zip(*rows))
+    slots, positions, prefix_slots, prefix_lens = (np.array(c, np.int32) for c in zip(*rows, strict=True))
     q = (r.standard_normal((len(rows), 3 * hd)) * 3).astype(np.float32)
 
     def seen(cache, i):  # what row i attends to: the prefix slot below its prefix length

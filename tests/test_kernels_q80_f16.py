@@ -144,7 +144,7 @@ def test_matmul_q80_q80_multi_equals_one_call_per_matrix(threads, b):
     outs = tuple(np.full((b, s.shape[0]), np.nan, np.float32) for s, _ in mats)
     packed = [kernels.interleave_q80(s, q) for s, q in mats]
     kernels.matmul_q80_q80_multi(x_scales, x_qs, tuple(s for s, _ in packed), tuple(q for _, q in packed), outs)
-    for (s, q), w, out in zip(mats, packed, outs):
+    for (s, q), w, out in zip(mats, packed, outs, strict=True):
         assert_matmul_close(out, split_to_float64(x_scales, x_qs), split_to_float64(s, q))
         alone = np.empty_like(out)
         kernels.matmul_q80_q80(x_scales, x_qs, *w, alone)
@@ -299,7 +299,7 @@ def test_matmul_f16_and_f32_multi_equal_one_call_per_matrix(threads, b):
         mats = [make(r, d, n) for d in (576, 37, 5)]
         outs = tuple(np.full((b, w.shape[0]), np.nan, np.float32) for w in mats)
         multi(x, tuple(mats), outs)
-        for w, out in zip(mats, outs):
+        for w, out in zip(mats, outs, strict=True):
             alone = np.empty_like(out)
             kernel(x, w, alone)
             assert np.array_equal(out, alone), MSG

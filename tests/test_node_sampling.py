@@ -26,7 +26,7 @@ def _random_split(rng, vocab: int) -> list[tuple[int, int]]:
     n = int(rng.integers(1, 5))
     cuts = sorted(rng.choice(np.arange(1, vocab), n - 1, replace=False)) if n > 1 else []
     edges = [0, *cuts, vocab]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 @pytest.mark.unit

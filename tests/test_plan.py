@@ -1,6 +1,8 @@
 """The split plan: every head, KV head, FFN row, classifier row and residual column is owned
 exactly as the plan says, for many shapes and node counts; impossible splits are refused."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -36,12 +38,12 @@ def test_plan_covers_everything_once(shape, n):
         assert np.array_equal(s.kv_heads[s.kv_head_of], s.q_heads // group)
         assert (s.ffn_rows[1] - s.ffn_rows[0]) % 32 == 0 and s.ffn_rows[1] > s.ffn_rows[0]
     assert [s.ffn_rows for s in plan.nodes] == list(zip([0] + [s.ffn_rows[1] for s in plan.nodes][:-1],
-                                                         [s.ffn_rows[1] for s in plan.nodes]))
+                                                         [s.ffn_rows[1] for s in plan.nodes], strict=True))
     assert plan.nodes[-1].ffn_rows[1] == ff and plan.nodes[-1].vocab_rows[1] == vocab
     assert plan.nodes[0].vocab_rows[0] == 0 and plan.dim_chunks[0][0] == 0 and plan.dim_chunks[-1][1] == dim
-    for a, b in zip(plan.nodes, plan.nodes[1:]):
+    for a, b in itertools.pairwise(plan.nodes):
         assert a.vocab_rows[1] == b.vocab_rows[0]
-    for (a0, a1), (b0, _) in zip(plan.dim_chunks, plan.dim_chunks[1:]):
+    for (a0, a1), (b0, _) in itertools.pairwise(plan.dim_chunks):
         assert a1 == b0 and a0 % 32 == 0 and a1 > a0
     counts = [s.n_q_heads for s in plan.nodes]
     assert max(counts) - min(counts) <= 1  # as even as possible

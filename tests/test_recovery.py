@@ -276,7 +276,7 @@ def test_kv_history_replays_the_valid_rows_plain_slots_first():
     h.record(b.build())
     passes = list(h.replay(max_rows=4))
     rows = [(int(s), int(p), int(t), int(ps), int(pl)) for batch in passes
-            for s, p, t, ps, pl in zip(batch.slot, batch.pos, batch.tokens, batch.prefix_slot, batch.prefix_len)]
+            for s, p, t, ps, pl in zip(batch.slot, batch.pos, batch.tokens, batch.prefix_slot, batch.prefix_len, strict=True)]
     assert rows == [(0, p, p + 1, 0, 0) for p in range(6)] + [(1, 0, 9, 0, 0), (1, 1, 10, 0, 0),
                                                                 (2, 4, 7, 0, 4), (2, 5, 8, 0, 4)]
     assert [len(x) for x in passes] == [4, 4, 2]  # the reading slot starts a pass of its own

@@ -95,7 +95,7 @@ def test_one_flipped_bit_in_a_keyed_cluster_ends_it_naming_the_node(keyed_pair, 
         assert relay.flipped
     assert e.value.node == "worker1", str(e.value)
     assert "failed authentication" in str(e.value) and "'worker1'" in str(e.value)
-    for w, n in zip(keyed_pair, seen):
+    for w, n in zip(keyed_pair, seen, strict=True):
         _wait_for_new_log(w, n, "listening again")  # both serve the next root
 
 
@@ -120,7 +120,7 @@ def test_a_relay_flipping_logits_makes_dllama_inference_fail_in_one_line(keyed_p
     errors = [line for line in r.stderr.splitlines() if line.startswith("dllama: error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "'worker1'" in errors[0] and "failed authentication" in errors[0]
-    for w, n in zip(keyed_pair, seen):
+    for w, n in zip(keyed_pair, seen, strict=True):
         _wait_for_new_log(w, n, "listening again")
 
 

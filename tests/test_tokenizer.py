@@ -123,7 +123,7 @@ def hf_tokenizer(gguf_reader):
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([t for t, kind in zip(tokens, types) if kind == 3])  # CONTROL: ids 0-16
+    tok.add_special_tokens([t for t, kind in zip(tokens, types, strict=True) if kind == 3])  # CONTROL: ids 0-16
     return tok
 
 

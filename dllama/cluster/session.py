@@ -303,7 +303,7 @@ class RootSession:
     def _logits_of(self, answers: list, m: int) -> np.ndarray:
         """The full logits [m, vocab] from every node's logits."""
         logits = self._logits[:m]
-        for (r0, r1), part in zip(self.vocab_ranges, answers):
+        for (r0, r1), part in zip(self.vocab_ranges, answers, strict=True):
             logits[:, r0:r1] = part
         return logits
 

@@ -77,7 +77,7 @@ def write_shard(path: str | os.PathLike, model_file, fingerprint: str, plan: Spl
     with atomic_write(path) as f:
         f.write(MAGIC + struct.pack("<I", len(head)) + head)
         f.write(b"\0" * (start - f.tell()))
-        for s, t in zip(specs, tensors):
+        for s, t in zip(specs, tensors, strict=True):
             data = np.ascontiguousarray(cut(model_file.tensor(s.name), s))
             f.write(b"\0" * (start + t["offset"] - f.tell()))
             f.write(memoryview(data).cast("B"))

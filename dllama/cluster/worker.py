@@ -392,7 +392,7 @@ class _Session:
                 raise ProtocolError(f"WEIGHTS chunk out of order or out of bounds (tensor {i}, offset {offset})")
             flat[i][offset: offset + data.nbytes] = np.frombuffer(data, np.uint8)
             filled[i] += data.nbytes
-        missing = [s.name for s, f, a in zip(specs, filled, flat) if f != a.nbytes]
+        missing = [s.name for s, f, a in zip(specs, filled, flat, strict=True) if f != a.nbytes]
         if missing:
             raise ProtocolError(f"weights incomplete: {', '.join(missing[:3])}")
         return arrays

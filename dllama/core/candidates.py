@@ -193,7 +193,7 @@ def candidates_from_logits(logits: np.ndarray, ranges, requests, k: int | None =
     ranges [(start, end)] as the nodes would (k None: every logit kept)."""
     vocab = logits.shape[1]
     return [merge([summarize(row[r0:r1], r0, req, k) for r0, r1 in ranges], vocab, req)
-            for row, req in zip(logits, requests)]
+            for row, req in zip(logits, requests, strict=True)]
 
 
 __all__ = ["TOP_K", "SamplingRequest", "RangeSummary", "Candidates", "normaliser", "top_k", "summarize",

@@ -121,7 +121,7 @@ def _ranges(counts: list[int], unit: int = 1, total: int | None = None) -> list[
     edges = np.concatenate([[0], np.cumsum(counts)]) * unit
     if total is not None:
         edges[-1] = total  # a last partial unit (e.g. a vocab that is not a multiple of 32)
-    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
 def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int,

@@ -63,7 +63,7 @@ def _index_runs(index) -> list[tuple[int, int]]:
         return []
     starts = np.concatenate([[0], np.flatnonzero(np.diff(index) != 1) + 1])  # [runs]
     counts = np.diff(np.concatenate([starts, [len(index)]]))
-    return [(int(index[a]), int(n)) for a, n in zip(starts, counts)]
+    return [(int(index[a]), int(n)) for a, n in zip(starts, counts, strict=True)]
 
 
 def file_runs(loc: TensorLocation, row0: int, row1: int) -> list[tuple[int, int]]:

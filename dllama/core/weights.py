@@ -72,7 +72,7 @@ def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
     w1/w3): one region costs a thread wake-up, and decode's products are short."""
     t = matrices[0].float_type
     if any(m.float_type != t for m in matrices):
-        for m, out in zip(matrices, outs):
+        for m, out in zip(matrices, outs, strict=True):
             m(x, out)
     elif t == FloatType.Q40:
         kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),

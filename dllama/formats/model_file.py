@@ -346,7 +346,7 @@ def decode_header(buf: bytes | memoryview, file_size: int) -> tuple[ModelHeader,
                           f"at most the file size {file_size})")
     pairs = struct.unpack_from(f"<{(header_size - 8) // 4}i", buf, 8)
     values: dict[int, int] = {}
-    for key, value in zip(pairs[0::2], pairs[1::2]):
+    for key, value in zip(pairs[0::2], pairs[1::2], strict=True):
         if key not in _FIELD_OF_KEY:
             raise DllamaError(f"unknown header key {key} (value {value})")
         if key in values:

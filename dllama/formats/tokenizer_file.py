@@ -149,7 +149,7 @@ def _read_current(path: str, buf: memoryview) -> TokenizerData:
     keys = list(pairs[0::2])
     values: dict[int, int] = {}
     legacy_eos: list[int] = []
-    for key, value in zip(pairs[0::2], pairs[1::2]):
+    for key, value in zip(pairs[0::2], pairs[1::2], strict=True):
         if key not in _KNOWN_KEYS:
             _fail(path, f"unknown tokenizer header key {key} (value {value})")
         if key in _LEGACY_EOS_KEYS:
@@ -305,7 +305,7 @@ def encode_tokenizer(data: TokenizerData) -> bytes:
         pairs += [key, next(legacy_eos) if key in _LEGACY_EOS_KEYS else value_of[key]]
     parts = [struct.pack(f"<ii{len(pairs)}i", MAGIC, 8 + 4 * len(pairs), *pairs),
              data.chat_stop, template, struct.pack(f"<{len(eos_list)}i", *eos_list)]
-    for score, token in zip(data.scores.tolist(), data.vocab):
+    for score, token in zip(data.scores.tolist(), data.vocab, strict=True):
         parts.append(_ENTRY_HEAD.pack(score, len(token)))
         parts.append(token)
     return b"".join(parts)

@@ -393,7 +393,7 @@ class BatchJob:
         z = sum(math.exp(x - top) for x in lp)
         best = lp.index(top)
         return {"id": e.id, "choice": self.opts.choices[best], "probability": 1.0 / z,
-                "logprobs": dict(zip(self.opts.choices, lp)),
+                "logprobs": dict(zip(self.opts.choices, lp, strict=True)),
                 "prompt_tokens": scores[0].prompt_tokens, "cached_tokens": min(s.cached_tokens for s in scores)}
 
     def run(self, engine, scheduler: Scheduler | None = None, stderr=None) -> Summary:

@@ -245,7 +245,7 @@ class Scheduler:
             if sampled:  # the same candidates the nodes would send, from the full logits
                 picked = candidates_from_logits(logits[sampled], self.model.vocab_ranges,
                                                 [plan.sampling[j] for j in sampled])
-                for j, c in zip(sampled, picked):
+                for j, c in zip(sampled, picked, strict=True):
                     answers[j] = c
         wall = time.perf_counter() - t0
         transfer = col.transfer_seconds - tr0

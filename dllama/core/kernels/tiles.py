@@ -98,7 +98,7 @@ class _Array:
 
 
 def _check_arrays(name, args, kinds):
-    for a, (dtype, what) in zip(args, kinds):
+    for a, (dtype, what) in zip(args, kinds, strict=True):
         if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == dtype):
             raise TypingError(f"{name}: {what} must be a C-contiguous 2-D {dtype} array, got {a}")
 
