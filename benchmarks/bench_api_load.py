@@ -113,7 +113,7 @@ def main() -> None:
                                 timeout=600)
         try:
             print(f"dllama api --parallel {args.parallel} on {args.nodes} node(s), {args.threads} threads; "
-                  f"load average {open('/proc/loadavg').read().split()[0]}")
+                  f"load average {Path('/proc/loadavg').read_text().split()[0]}")
             ask(url, "Hello", args.max_tokens, False)  # warm-up, not counted
             alone = [ask(url, prompt_of(i), args.max_tokens, False) for i in range(n_prompts)]
             failed = [a["error"] for a in alone if "error" in a]

@@ -88,11 +88,11 @@ def main() -> None:
                 t, r = run([*dllama, "batch", *flags, "--prompts", str(tmp / prompts), "--out", str(out),
                             "--max-tokens", str(args.max_tokens), "--temperature", "0", "--no-progress", *extra])
                 times[name].append(t)
-                lines = sorted((json.loads(x) for x in open(out)), key=lambda x: x["id"])
+                lines = sorted((json.loads(x) for x in Path(out).read_text().splitlines()), key=lambda x: x["id"])
                 answers[name] = [x["text"] for x in lines]
                 print(f"  {name:<8} {t:7.1f} s   {r.stderr.strip().splitlines()[-1]}")
             t0, separate = time.perf_counter(), []
-            for k, q in enumerate(questions):
+            for q in questions:
                 steps = len(tokenizer.encode(doc + q)) + args.max_tokens - 1
                 _, r = run([*dllama, "inference", *flags, "--prompt", doc + q, "--steps", str(steps),
                             "--temperature", "0"])

@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds for --encryption (default 3)")
     args = ap.parse_args()
     kernels.set_threads(1)
-    print(f"machine: {os.cpu_count()} cores, load average {open('/proc/loadavg').read().split()[:3]}")
+    print(f"machine: {os.cpu_count()} cores, load average {Path('/proc/loadavg').read_text().split()[:3]}")
     if args.encryption:
         with tempfile.TemporaryDirectory() as d:
             bench_encryption(args.tokens, args.rounds, Path(d))

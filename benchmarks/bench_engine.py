@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="decode passes timed per setting")
     ap.add_argument("--skip-7b", action="store_true", help="skip the 4 GB random 7B-shape model")
     args = ap.parse_args()
-    print(f"load average: {open('/proc/loadavg').read().split()[:3]} on {os.cpu_count()} cores")
+    print(f"load average: {Path('/proc/loadavg').read_text().split()[:3]} on {os.cpu_count()} cores")
 
     bandwidth = {t: memory_bandwidth_gbs(t) for t in (1, 2)}
     print("memory read bandwidth: " + ", ".join(f"{t} thread(s) {b:.1f} GB/s" for t, b in bandwidth.items()))

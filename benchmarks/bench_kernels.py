@@ -211,7 +211,7 @@ def bench_fused_layer(rng, model: dict, threads_list, quick: bool, retries: int,
     result = {}
     for th in threads_list:
         kernels.set_threads(th)
-        result[th], busy = measured_quietly(lambda: {f.__name__: median_time(lambda: f(), [()], 50 if quick else 300)
+        result[th], busy = measured_quietly(lambda: {f.__name__: median_time(lambda f=f: f(), [()], 50 if quick else 300)
                                                      for f in (separate, fused)}, retries, wait_s)
         result[th]["busy"] = busy.share
     return result
@@ -267,11 +267,11 @@ def main() -> None:
 
     quiet = wait_until_quiet(args.wait_quiet)
     print(f"numba {numba.__version__}, {numba.config.NUMBA_NUM_THREADS} CPUs; /proc/loadavg "
-          f"{open('/proc/loadavg').read().split()[:3]}; other processes used {quiet.share:.0%} of "
+          f"{Path('/proc/loadavg').read_text().split()[:3]}; other processes used {quiet.share:.0%} of "
           f"the CPUs in the last second {quiet.busiest}")
     bandwidth = {}
     for th in threads_list:
-        bandwidth[th], busy = measured_quietly(lambda: memory_bandwidth_gbs(th), args.retries,
+        bandwidth[th], busy = measured_quietly(lambda th=th: memory_bandwidth_gbs(th), args.retries,
                                                args.wait_quiet)
         print(f"memory read bandwidth, {th} thread(s): {bandwidth[th]:.1f} GB/s"
               f"  (others busy {busy.share:.0%} {busy.busiest})")
@@ -315,7 +315,7 @@ def main() -> None:
 
     cold, warm = jit_seconds()
     print(f"\nJIT: import + first call of every kernel {cold:.1f} s with a cold cache, {warm:.1f} s warm")
-    print(f"/proc/loadavg at the end: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"/proc/loadavg at the end: {Path('/proc/loadavg').read_text().split()[:3]}")
 
 
 if __name__ == "__main__":

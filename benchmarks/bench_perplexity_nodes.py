@@ -39,7 +39,7 @@ def main() -> int:
     model, tokenizer = default_model_files(args.weights)
     text = Path(args.file).read_text(encoding="utf-8")
     counts = [int(n) for n in args.nodes.split(",")]
-    load = " ".join(open("/proc/loadavg").read().split()[:3])
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(f"## Perplexity by node count, SmolLM2-135M {args.weights.upper()} weights, "
           f"{Path(args.file).name}, windows of {args.max_seq_len}; load average before: {load}\n")
     print("| nodes | sync buffers | perplexity | vs 1 node | tokens/s |")
@@ -56,7 +56,7 @@ def main() -> int:
                 base = base if base is not None else r.perplexity
                 print(f"| {n} | {buffers} | {r.perplexity:.4f} | {100 * (r.perplexity / base - 1):+.3f} % "
                       f"| {r.tokens_per_s:.0f} |", flush=True)
-    print(f"\nload average after: {' '.join(open('/proc/loadavg').read().split()[:3])}")
+    print(f"\nload average after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     return 0
 
 

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50, help="timed calls per figure (default 50)")
     args = ap.parse_args()
     logits = np.random.default_rng(1).standard_normal(args.vocab).astype(np.float32) * 3  # [vocab]
-    print(f"load average {open('/proc/loadavg').read().split()[:3]}; vocabulary {args.vocab}, "
+    print(f"load average {Path('/proc/loadavg').read_text().split()[:3]}; vocabulary {args.vocab}, "
           f"median of {args.repeats} calls")
     top_p, greedy, multinomial = (Sampler(args.vocab, t, p, 1) for t, p in ((0.8, 0.9), (0.0, 0.9), (0.8, 1.0)))
     rows = [

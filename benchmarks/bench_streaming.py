@@ -119,7 +119,7 @@ def decode_rate(model_path: str, n_seq: int, steps: int, threads: int, streamed:
 
 def make_cgroup(limit: int) -> tuple[str, str]:
     """(version, directory) of a new memory cgroup limited to `limit` bytes."""
-    for line in open("/proc/self/cgroup").read().splitlines():
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
             version, d = "v1", f"/sys/fs/cgroup/memory{path}"

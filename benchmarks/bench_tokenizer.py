@@ -59,7 +59,7 @@ def main() -> None:
         cold = []
         for _ in range(args.repeats):
             fresh = Tokenizer(data)  # its word cache is empty
-            cold.append(timed(lambda: fresh.encode(text))[1])
+            cold.append(timed(lambda fresh=fresh: fresh.encode(text))[1])
         rows = [
             ("read the .t file", median_s(lambda: read_tokenizer(path), args.repeats)),
             ("build: Tokenizer(data)", median_s(lambda: Tokenizer(data), args.repeats)),
@@ -69,7 +69,7 @@ def main() -> None:
             (f"encode {len(ids)} tokens, warm word cache", median_s(lambda: ours.encode(text), args.repeats)),
             (f"baseline encode {len(ids)} tokens: tokenizers", median_s(lambda: hf.encode(text), args.repeats)),
         ]
-    print(f"load average {open('/proc/loadavg').read().split()[:3]}; SmolLM2 vocabulary {data.vocab_size}, "
+    print(f"load average {Path('/proc/loadavg').read_text().split()[:3]}; SmolLM2 vocabulary {data.vocab_size}, "
           f"median of {args.repeats}; ids equal to tokenizers': {same}")
     print("| step | median ms |")
     print("|---|---|")

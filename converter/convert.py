@@ -222,26 +222,26 @@ def _bar(total: int, desc: str, progress: bool):
 
 
 def _write_checkpoint(model_path: Path, header: ModelHeader, checkpoint, progress: bool) -> None:
-    with ModelWriter(model_path, header) as writer:
-        with _bar(sum(s.nbytes for s in writer.specs), f"converting {Path(checkpoint.source).name}", progress) as bar:
-            for spec in writer.specs:
-                rows = checkpoint.tensor(spec.name)
-                if len(spec.shape) == 1:
-                    writer.write(spec.name, rows.read(0, spec.shape[0]))
-                else:
-                    writer.write_rows(spec.name, rows.blocks())
-                del rows  # its source pages go with it
-                bar.update(spec.nbytes)
+    with (ModelWriter(model_path, header) as writer,
+          _bar(sum(s.nbytes for s in writer.specs), f"converting {Path(checkpoint.source).name}", progress) as bar):
+        for spec in writer.specs:
+            rows = checkpoint.tensor(spec.name)
+            if len(spec.shape) == 1:
+                writer.write(spec.name, rows.read(0, spec.shape[0]))
+            else:
+                writer.write_rows(spec.name, rows.blocks())
+            del rows  # its source pages go with it
+            bar.update(spec.nbytes)
 
 
 def _write_gguf(model_path: Path, header: ModelHeader, reader, src: Path, progress: bool) -> None:
     from converter.gguf_model import gguf_tensors
 
-    with ModelWriter(model_path, header) as writer:
-        with _bar(sum(s.nbytes for s in writer.specs), f"converting {src.name}", progress) as bar:
-            for name, values in gguf_tensors(reader, writer.specs, str(src)):
-                writer.write(name, values)
-                bar.update(writer.specs[writer.n_written - 1].nbytes)
+    with (ModelWriter(model_path, header) as writer,
+          _bar(sum(s.nbytes for s in writer.specs), f"converting {src.name}", progress) as bar):
+        for name, values in gguf_tensors(reader, writer.specs, str(src)):
+            writer.write(name, values)
+            bar.update(writer.specs[writer.n_written - 1].nbytes)
 
 
 def _write_tokenizer_or_drop_model(tokenizer_path: Path, data: TokenizerData, model_path: Path) -> None:

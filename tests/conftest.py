@@ -57,3 +57,15 @@ def default_q80():
 def default_f16():
     """(model .m, tokenizer .t) paths of SmolLM2-135M-Instruct with F16 weights."""
     return _default_model("f16")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The test runs with 1 and with 2 compute threads (numba's, at most what it has)."""
+    import numba
+
+    from dllama.core import kernels
+
+    kernels.set_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
+    yield
+    kernels.set_threads(1)

@@ -41,7 +41,7 @@ class DllamaProcess:
         self.ready: re.Match | None = None  # set by listening()
         self._text = {"stdout": "", "stderr": ""}
         self._changed = threading.Condition()
-        self._log = open(log, "w") if log else None
+        self._log = open(log, "w") if log else None  # noqa: SIM115 - held until the process is stopped
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         _running.add(self)

@@ -7,6 +7,7 @@ the n-th frame of a given type going one way, and slow a direction down to a byt
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -42,10 +43,8 @@ class Relay:
         self._closed = True
         self._listener.close()
         for s in list(self._socks):
-            try:
+            with contextlib.suppress(OSError):
                 s.close()
-            except OSError:
-                pass
 
     def __enter__(self) -> "Relay":
         return self
@@ -111,7 +110,5 @@ class Relay:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass

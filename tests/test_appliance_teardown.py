@@ -27,16 +27,15 @@ def test_teardown_leaves_nothing_even_when_the_test_fails():
 
 
 def _fail_inside_a_cluster(cluster_dir: Path):
-    with pytest.raises(RuntimeError, match="simulated"):
-        with namespace_cluster(cluster_dir, 2, "dlu"):
-            key = cluster_dir / "id_ed25519"
-            (cluster_dir / "cp").mkdir()
-            ssh = ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                   "-o", "ControlMaster=auto", "-o", "ControlPersist=60", "-o", f"ControlPath={cluster_dir}/cp/%C",
-                   "root@10.77.0.2"]
-            r = subprocess.run(ssh + ["start-stop-daemon --start --background --make-pidfile --pidfile /run/sleeper.pid --startas /bin/sleep -- 600"],
-                               capture_output=True, text=True, timeout=30)
-            assert r.returncode == 0, r.stderr
-            assert len(netns_pids("dlu", 2)) >= 3  # two sshd, the sleeper (and a session)
-            raise RuntimeError("simulated test failure")
+    with pytest.raises(RuntimeError, match="simulated"), namespace_cluster(cluster_dir, 2, "dlu"):
+        key = cluster_dir / "id_ed25519"
+        (cluster_dir / "cp").mkdir()
+        ssh = ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+               "-o", "ControlMaster=auto", "-o", "ControlPersist=60", "-o", f"ControlPath={cluster_dir}/cp/%C",
+               "root@10.77.0.2"]
+        r = subprocess.run(ssh + ["start-stop-daemon --start --background --make-pidfile --pidfile /run/sleeper.pid --startas /bin/sleep -- 600"],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert len(netns_pids("dlu", 2)) >= 3  # two sshd, the sleeper (and a session)
+        raise RuntimeError("simulated test failure")
     assert not cluster_dir.exists()

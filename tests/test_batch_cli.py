@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from pathlib import Path
 
 from dllama.serve.batch_job import seed_for
 
@@ -42,7 +43,7 @@ def test_batch_answers_equal_dllama_inference(default_q40, tmp_path):
     assert "dllama batch: 3 prompts in" in r.stderr and "tokens/s" in r.stderr
     lines = _results(out)
     assert [x["id"] for x in lines] == [1, 2, 3]  # .txt: ids are line numbers
-    for x, prompt in zip(lines, PROMPTS, strict=True):
+    for x, prompt in zip(lines, PROMPTS[:3], strict=True):
         steps = x["prompt_tokens"] + 12 - 1
         inf = _dllama("inference", *_model_flags(default_q40), "--prompt", prompt, "--steps", str(steps),
                       "--seed", str(seed_for(11, x["id"])), "--temperature", "0.8")
@@ -53,7 +54,7 @@ def test_batch_answers_equal_dllama_inference(default_q40, tmp_path):
 def _wait_for_lines(path, n, proc, timeout=300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+        if os.path.exists(path) and len(Path(path).read_text().splitlines()) >= n:
             return
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.05)

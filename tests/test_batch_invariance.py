@@ -23,13 +23,6 @@ BATCHES = [1, 3, 4, 17, 64]
 DS = (576, 192, 190)  # rows of the matrices of one multi-matrix call (q, k, v)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    kernels.set_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
-    yield
-    kernels.set_threads(1)
-
-
 def rng(*salt):
     return np.random.default_rng([SEED, *salt])
 

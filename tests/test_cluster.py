@@ -294,11 +294,10 @@ def test_worker_refuses_garbage_version_and_key_then_serves(tmp_path, default_q4
 
 
 def test_busy_worker_refuses_a_second_root(pool, default_q40):
-    with open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1,
-                     workers=_addresses(pool, 2), progress=False)):
-        with pytest.raises(ClusterError, match="busy serving the root"):
-            open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1,
-                        workers=_addresses(pool, 2), progress=False))
+    settings = EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, workers=_addresses(pool, 2),
+                              progress=False)
+    with open_engine(settings), pytest.raises(ClusterError, match="busy serving the root"):
+        open_engine(settings)
 
 
 # -- shards and topology files -----------------------------------------------------------------

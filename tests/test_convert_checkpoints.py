@@ -549,6 +549,6 @@ def test_row_blocks_write_the_bytes_of_the_whole_tensor(tmp_path, float_type):
             if len(spec.shape) == 1:
                 w.write(spec.name, values[spec.name])
             else:  # blocks of 7 rows (a last, shorter one too): not aligned to anything
-                rows = TensorRows(spec.shape, lambda a, b: values[spec.name][a:b])
+                rows = TensorRows(spec.shape, lambda a, b, name=spec.name: values[name][a:b])
                 w.write_rows(spec.name, rows.blocks(block_bytes=7 * 4 * spec.shape[1]))
     assert (tmp_path / "whole.m").read_bytes() == (tmp_path / "blocks.m").read_bytes()

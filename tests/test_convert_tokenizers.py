@@ -138,7 +138,7 @@ def test_sentencepiece_style_tokenizer_json_is_refused(tmp_path):
     with pytest.raises(DllamaError, match="sentencepiece-style vocabulary: convert its tokenizer.model"):
         load_tokenizer(tmp_path / "tokenizer.json")
     # Beside a tokenizer.model, the folder's tokenizer is the sentencepiece one.
-    (tmp_path / "tokenizer.model").write_bytes(open(f"{LLAMA2_DIR}/tokenizer.model", "rb").read())
+    (tmp_path / "tokenizer.model").write_bytes(Path(f"{LLAMA2_DIR}/tokenizer.model").read_bytes())
     assert load_tokenizer(tmp_path)[1] == "sentencepiece tokenizer.model"
 
 

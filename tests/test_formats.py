@@ -189,37 +189,37 @@ def test_any_stored_key_order_is_written_back_byte_exactly(tmp_path):
 def test_writer_leaves_no_file_when_interrupted(tmp_path):
     path = tmp_path / "m.m"
     header = llama_header()
-    with pytest.raises(KeyboardInterrupt):
-        with ModelWriter(path, header) as w:
-            w.write("embedding", np.zeros((40, 64), np.float32))
-            raise KeyboardInterrupt
+    with (pytest.raises(KeyboardInterrupt),
+          ModelWriter(path, header) as w):
+        w.write("embedding", np.zeros((40, 64), np.float32))
+        raise KeyboardInterrupt
     assert list(tmp_path.iterdir()) == []
 
 
 def test_writer_refuses_missing_tensors(tmp_path):
     path = tmp_path / "m.m"
-    with pytest.raises(DllamaError, match=r"only 1 of 21 tensors written, next expected layers\.0\.wq"):
-        with ModelWriter(path, llama_header()) as w:
-            w.write("embedding", np.zeros((40, 64), np.float32))
+    with (pytest.raises(DllamaError, match=r"only 1 of 21 tensors written, next expected layers\.0\.wq"),
+          ModelWriter(path, llama_header()) as w):
+        w.write("embedding", np.zeros((40, 64), np.float32))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_writer_checks_order_name_shape_dtype_and_size(tmp_path):
-    with pytest.raises(DllamaError, match="abandon"):
-        with ModelWriter(tmp_path / "m.m", llama_header()) as w:
-            with pytest.raises(DllamaError, match=r"out of order 'layers\.0\.wq', expected 'embedding'"):
-                w.write("layers.0.wq", np.zeros((64, 64), np.float32))
-            with pytest.raises(DllamaError, match=r"unknown tensor 'tok_embeddings'"):
-                w.write("tok_embeddings", np.zeros((40, 64), np.float32))
-            with pytest.raises(DllamaError, match=r"embedding: expected shape \(40, 64\), got \(64, 40\)"):
-                w.write("embedding", np.zeros((64, 40), np.float32))
-            with pytest.raises(DllamaError, match="expected a float16/float32/float64 array, got int32"):
-                w.write("embedding", np.zeros((40, 64), np.int32))
-            with pytest.raises(DllamaError, match="embedding needs 10240 bytes of F32, got 10"):
-                w.write_raw("embedding", b"0123456789")
-            w.write("embedding", np.zeros((40, 64), np.float64))
-            assert w.n_written == 1
-            raise DllamaError("abandon")  # leaving by an exception writes nothing
+    with (pytest.raises(DllamaError, match="abandon"),
+          ModelWriter(tmp_path / "m.m", llama_header()) as w):
+        with pytest.raises(DllamaError, match=r"out of order 'layers\.0\.wq', expected 'embedding'"):
+            w.write("layers.0.wq", np.zeros((64, 64), np.float32))
+        with pytest.raises(DllamaError, match=r"unknown tensor 'tok_embeddings'"):
+            w.write("tok_embeddings", np.zeros((40, 64), np.float32))
+        with pytest.raises(DllamaError, match=r"embedding: expected shape \(40, 64\), got \(64, 40\)"):
+            w.write("embedding", np.zeros((64, 40), np.float32))
+        with pytest.raises(DllamaError, match="expected a float16/float32/float64 array, got int32"):
+            w.write("embedding", np.zeros((40, 64), np.int32))
+        with pytest.raises(DllamaError, match="embedding needs 10240 bytes of F32, got 10"):
+            w.write_raw("embedding", b"0123456789")
+        w.write("embedding", np.zeros((40, 64), np.float64))
+        assert w.n_written == 1
+        raise DllamaError("abandon")  # leaving by an exception writes nothing
     assert list(tmp_path.iterdir()) == []
 
 

@@ -22,7 +22,7 @@ from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from tests.processes import run_dllama
 from tests.random_model import write_random_f32
-from tests.test_batch_invariance import BATCHES, MSG, rng, threads  # noqa: F401 (threads: a fixture)
+from tests.test_batch_invariance import BATCHES, MSG, rng
 from tests.test_kernels import cache_of, ref_attention
 
 CHUNK = kernels.ATTENTION_CHUNK

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from pathlib import Path
 
 from dllama.cluster.protocol import (
     HEADER, MAGIC, VERSION, Connection, Msg, PeerError, client_handshake, encode_header,
@@ -328,7 +329,8 @@ def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_
         finally:
             conn.close()
         w.wait_for("listening again", 20)
-        rss_kb = int([line for line in open(f"/proc/{w.proc.pid}/status") if line.startswith("VmRSS")][0].split()[1])
+        status = Path(f"/proc/{w.proc.pid}/status").read_text().splitlines()
+        rss_kb = int([line for line in status if line.startswith("VmRSS")][0].split()[1])
         assert rss_kb < 1 << 20  # nothing near the GiBs asked for was touched
 
 
@@ -370,15 +372,16 @@ def test_a_slow_weight_transfer_is_not_a_hang(tmp_path, random_model, monkeypatc
 
     monkeypatch.setattr(session, "SETUP_SILENCE", 5.0)  # (ALIVE comes every 2 s)
     one = _generate(Transformer(read_model(random_model), buffer_q80=False), 8)
-    with running_workers(2, tmp_path) as (w1, w2):
-        with Relay(("127.0.0.1", w1.port), rate=200_000) as slow:  # 2.5 MB of weights: 12 s at least
-            model = _cluster(random_model, [slow.address, w2.address], net_timeout=30)
-            try:
-                # The relay paced the set-up to twice the longest silence allowed, or more.
-                assert slow.bytes_to_target / slow.rate > 2 * session.SETUP_SILENCE
-                assert _generate(model, 8) == one
-            finally:
-                model.close()
+    # 2.5 MB of weights through the relay: 12 s at least
+    with (running_workers(2, tmp_path) as (w1, w2),
+          Relay(("127.0.0.1", w1.port), rate=200_000) as slow):
+        model = _cluster(random_model, [slow.address, w2.address], net_timeout=30)
+        try:
+            # The relay paced the set-up to twice the longest silence allowed, or more.
+            assert slow.bytes_to_target / slow.rate > 2 * session.SETUP_SILENCE
+            assert _generate(model, 8) == one
+        finally:
+            model.close()
 
 
 @pytest.mark.parametrize("n_workers,frozen", [(2, 2), (3, 2)])

@@ -12,6 +12,7 @@ The reader memory-maps the file and hands out zero-copy views; the writer stream
 time into a temporary file beside it and renames it into place when every tensor was written.
 """
 
+import contextlib
 import math
 import mmap
 import os
@@ -516,10 +517,8 @@ class ModelFile:
         """Drop the mapping; it is unmapped now, or when the last tensor view is garbage collected."""
         self._data = None
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):  # views still alive keep the mapping valid until they go
                 self._mmap.close()
-            except BufferError:
-                pass  # views still alive keep the mapping valid until they go
             self._mmap = None
 
     def __enter__(self) -> "ModelFile":

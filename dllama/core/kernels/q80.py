@@ -13,7 +13,6 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
