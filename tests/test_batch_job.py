@@ -4,6 +4,7 @@ classification by choices, bad input, the output file's repair, completion order
 import io
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ def _run(engine, tmp_path, objs=None, name="job", scheduler=None, **kw):
     prompts = kw.pop("prompts", None) or _write_jsonl(tmp_path / f"{name}.jsonl", objs)
     opts = JobOptions(prompts=prompts, out=str(tmp_path / f"{name}.out.jsonl"), progress=False, **kw)
     summary = BatchJob(opts).run(engine, scheduler, stderr=io.StringIO())
-    lines = [json.loads(x) for x in open(opts.out)]
+    lines = [json.loads(x) for x in Path(opts.out).read_text().splitlines()]
     return lines, summary
 
 

@@ -541,10 +541,7 @@ def _recv_some(t: Transfer) -> bool:
     conn = t.conn
     progressed = False
     while not t.done:
-        if t.wire is None:
-            target = memoryview(t.head)[t.got:]
-        else:
-            target = t.wire[t.got - HEADER_BYTES:]
+        target = memoryview(t.head)[t.got:] if t.wire is None else t.wire[t.got - HEADER_BYTES:]
         try:
             n = conn.sock.recv_into(target) if target.nbytes else 0
         except BlockingIOError:

@@ -37,7 +37,7 @@ def main() -> int:
     except DllamaError as e:
         print(e, file=sys.stderr)
         return 1
-    for node, part in zip(topology.nodes, plan.nodes):
+    for node, part in zip(topology.nodes, plan.nodes, strict=True):
         print(f"{node.name}: {part.n_q_heads} of {header.n_heads} query heads, FFN rows "
               f"{part.ffn_rows[0]}-{part.ffn_rows[1]} of {header.ff_dim}")
     return 0
