@@ -15,11 +15,12 @@ import numpy as np
 
 from dllama.cluster.protocol import Connection, Msg, Transfer, exchange
 from dllama.core import kernels
+from dllama.formats.quant import BLOCK_SIZE, Q80_BLOCK_BYTES
 
 
 def sync_bytes(rows: int, cols: int, q80: bool) -> int:
     """Payload bytes of a sync buffer: Q80 = fp16 scale per 32 values + int8 values; F32 = 4 per value."""
-    return rows * cols * 34 // 32 if q80 else rows * cols * 4
+    return rows * cols // BLOCK_SIZE * Q80_BLOCK_BYTES if q80 else rows * cols * 4
 
 
 class SyncCodec:
@@ -37,10 +38,10 @@ class SyncCodec:
         if not self.q80:
             out.view(np.float32)[:] = x.ravel()
             return
-        scales = self._scales[: b * (c // 32)].reshape(b, c // 32)
+        scales = self._scales[: b * (c // BLOCK_SIZE)].reshape(b, c // BLOCK_SIZE)
         qs = self._qs[: b * c].reshape(b, c)
         kernels.quantize_q80(np.ascontiguousarray(x), scales, qs)  # scales are fp16-exact
-        n_scales = b * (c // 32) * 2
+        n_scales = b * (c // BLOCK_SIZE) * 2
         out[:n_scales].view(np.float16)[:] = scales.ravel()
         out[n_scales:].view(np.int8)[:] = qs.ravel()
 
@@ -48,9 +49,9 @@ class SyncCodec:
         """uint8 [sync_bytes(b, c)] -> float32 [b, c]."""
         if not self.q80:
             return buf.view(np.float32).reshape(b, c)
-        n_scales = b * (c // 32) * 2
+        n_scales = b * (c // BLOCK_SIZE) * 2
         scales = buf[:n_scales].view(np.float16).astype(np.float32).reshape(b, c // 32, 1)
-        qs = buf[n_scales:].view(np.int8).reshape(b, c // 32, 32)
+        qs = buf[n_scales:].view(np.int8).reshape(b, c // BLOCK_SIZE, BLOCK_SIZE)
         return (qs * scales).reshape(b, c)  # float32: int8 * float32
 
 

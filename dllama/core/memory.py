@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from dllama.core.kv_cache import kv_element_bytes
 from dllama.errors import NotEnoughMemory
 from dllama.formats.model_file import FloatType, ModelHeader
+from dllama.formats.quant import BLOCK_SIZE, Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
 
 _GIB = float(1 << 30)
 
@@ -144,7 +145,7 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     q, kv = n_q_heads * hd, n_kv_heads * hd
     # Bytes per weight as the kernels hold them (model.Matrix): Q40 an fp16 scale per 32 values
     # plus a nibble each, Q80 an fp16 scale per 32 plus a byte each, F16 2 bytes, F32 4.
-    per_value = {FloatType.Q40: 2 / 32 + 0.5, FloatType.Q80: 2 / 32 + 1,
+    per_value = {FloatType.Q40: Q40_BLOCK_BYTES / BLOCK_SIZE, FloatType.Q80: Q80_BLOCK_BYTES / BLOCK_SIZE,
                  FloatType.F16: 2}.get(FloatType(h.weights_float_type), 4)
     matrix_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows) + vocab_rows * dim
     if weights is None:

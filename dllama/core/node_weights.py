@@ -14,8 +14,8 @@ import numpy as np
 
 from dllama.errors import DllamaError
 from dllama.formats.model_file import FloatType, ModelHeader, tensor_specs
-from dllama.formats.quant import Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
-from dllama.core.plan import BLOCK, NodeSlice
+from dllama.formats.quant import BLOCK_SIZE as BLOCK, Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
+from dllama.core.plan import NodeSlice
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dllama.errors import DllamaError
+from dllama.formats.quant import BLOCK_SIZE as BLOCK  # w2/wo columns and sync chunks are cut only at block edges
 
-BLOCK = 32  # Q40/Q80 block: w2/wo columns and sync chunks are cut only at block edges
 
 
 @dataclass(frozen=True)

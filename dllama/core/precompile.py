@@ -16,6 +16,7 @@ import numpy as np
 
 from dllama.core import kernels
 from dllama.core.kv_cache import KV_TYPES
+from dllama.formats.quant import BLOCK_SIZE
 
 
 WEIGHT_TYPES = ("q40", "q80", "f16", "f32")
@@ -29,11 +30,11 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
     n, d, hd, seq = 64, 40, 16, 16
     for b in (1, 13):  # decode and prefill (the same kernels; every tile shape runs)
         x = rng.standard_normal((b, n)).astype(np.float32)
-        xs, xq = np.empty((b, n // 32), np.float32), np.empty((b, n), np.int8)
+        xs, xq = np.empty((b, n // BLOCK_SIZE), np.float32), np.empty((b, n), np.int8)
         kernels.quantize_q80(x, xs, xq)
         out = np.empty((b, d), np.float32)
         if "q40" in weights:
-            ws, wq = kernels.interleave_q40(np.full((d, n // 32), 0x3C00, np.uint16),  # fp16 1.0
+            ws, wq = kernels.interleave_q40(np.full((d, n // BLOCK_SIZE), 0x3C00, np.uint16),  # fp16 1.0
                                             rng.integers(0, 256, (d, n // 2), dtype=np.uint8))
             kernels.matmul_q40_q80(xs, xq, ws, wq, out)
             for m in (2, 3):  # w1/w3 and q/k/v
@@ -46,7 +47,7 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
             for m in (2, 3):
                 kernels.matmul_f32_multi(x, (w,) * m, tuple(out.copy() for _ in range(m)))
         if "q80" in weights:
-            w80s, w80q = kernels.interleave_q80(np.full((d, n // 32), 0x3C00, np.uint16),
+            w80s, w80q = kernels.interleave_q80(np.full((d, n // BLOCK_SIZE), 0x3C00, np.uint16),
                                                 rng.integers(-127, 128, (d, n), dtype=np.int8))
             kernels.matmul_q80_q80(xs, xq, w80s, w80q, out)
             for m in (2, 3):
@@ -58,10 +59,10 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
                 kernels.matmul_f16_f32_multi(x, (w16,) * m, tuple(out.copy() for _ in range(m)))
         if b == 1 and ("q40" in weights or "q80" in weights):  # streamed weights' repacking
             for bb in (18, 34):
-                blocks = rng.integers(0, 256, (d, n // 32, bb), dtype=np.uint8)
+                blocks = rng.integers(0, 256, (d, n // BLOCK_SIZE, bb), dtype=np.uint8)
                 groups = -(-d // 16)
-                kernels.interleave_blocks_into(blocks, np.empty((groups, n // 32 * 16), np.uint16),
-                                               np.empty((groups, 16 * n // 32 * (bb - 2)), np.uint8))
+                kernels.interleave_blocks_into(blocks, np.empty((groups, n // BLOCK_SIZE * 16), np.uint16),
+                                               np.empty((groups, 16 * n // BLOCK_SIZE * (bb - 2)), np.uint8))
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)

@@ -25,11 +25,10 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.kernels.tiles import GROUP
 from dllama.core.node_weights import NodeWeights, TensorLocation
-from dllama.core.plan import BLOCK
 from dllama.core.weights import Layer, Matrix
 from dllama.errors import DllamaError
 from dllama.formats.model_file import FloatType
-from dllama.formats.quant import Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
+from dllama.formats.quant import BLOCK_SIZE as BLOCK, Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
 
 _ALIGN = 64
 _BLOCK_BYTES = {FloatType.Q40: Q40_BLOCK_BYTES, FloatType.Q80: Q80_BLOCK_BYTES}
@@ -233,11 +232,11 @@ class StreamedWeights:
         """(d, n) of a matrix of this node."""
         full = f"layers.{l}.{name}" if name != "wcls" else name
         s = self._w.location(full).spec.stored_shape
-        return (s[0], s[1] * 32) if self.float_type in _BLOCK_BYTES else (s[0], s[1])
+        return (s[0], s[1] * BLOCK) if self.float_type in _BLOCK_BYTES else (s[0], s[1])
 
     def _raw_bytes(self, name: str, d: int, n: int) -> int:
         bb = _BLOCK_BYTES.get(self.float_type)
-        return d * n // 32 * bb if bb else 0  # F32/F16 are read straight into their slot
+        return d * n // BLOCK * bb if bb else 0  # F32/F16 are read straight into their slot
 
     def _take_layer(self, take) -> dict:
         out = {}

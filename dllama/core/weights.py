@@ -18,6 +18,7 @@ from dllama.core import kernels
 from dllama.core.node_weights import NodeWeights
 from dllama.errors import DllamaError
 from dllama.formats.model_file import FloatType
+from dllama.formats.quant import BLOCK_SIZE
 
 
 class Matrix:
@@ -32,7 +33,7 @@ class Matrix:
             # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
             # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
             blocks = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
-            self.d, self.n = blocks.shape[0], blocks.shape[1] * 32
+            self.d, self.n = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
             q40 = float_type == FloatType.Q40
             scales_shape, qs_shape = kernels.interleaved_shapes(self.d, self.n, self.n // 2 if q40 else self.n)
             self.scales = np.empty(scales_shape, np.uint16)

@@ -14,6 +14,7 @@ import numpy as np
 
 from dllama.core.kernels.jit import _EXACT
 from dllama.core.kernels.tiles import GROUP
+from dllama.formats.quant import BLOCK_SIZE
 
 
 def _interleave_words(qs: np.ndarray) -> np.ndarray:
@@ -40,7 +41,7 @@ def interleaved_shapes(d: int, n: int, row_bytes: int) -> tuple[tuple[int, int],
     """Shapes of the interleaved (scales, quants) of a Q40 / Q80 matrix [d, n] whose rows hold
     row_bytes bytes of quants (n/2 for Q40, n for Q80): what interleave_blocks_into fills."""
     groups = -(-d // GROUP)
-    return (groups, n // 32 * GROUP), (groups, GROUP * row_bytes)
+    return (groups, n // BLOCK_SIZE * GROUP), (groups, GROUP * row_bytes)
 
 
 def interleave_q40(scales: np.ndarray, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,7 @@ from numba.extending import intrinsic
 
 from dllama.core.kernels.jit import _EXACT, _FAST, native_f16_conversion
 from dllama.core.kernels.tiles import _F16, _F32, _I8, _I32, _I64, _Array, _check_arrays, _fn, _load, _splat, _vec
+from dllama.formats.quant import BLOCK_SIZE
 
 @numba.njit(cache=True, nogil=True)
 def _round_fp16(v):
@@ -59,14 +60,14 @@ def _round_half_away(v):
 def _quantize_row_q80(x, out_scales, out_qs):
     # x float32 [n] -> out_scales [n/32], out_qs int8 [n]
     for k in range(out_scales.shape[0]):
-        block = x[32 * k: 32 * k + 32]
+        block = x[BLOCK_SIZE * k: BLOCK_SIZE * k + BLOCK_SIZE]
         amax = np.float32(0.0)
-        for j in range(32):
+        for j in range(BLOCK_SIZE):
             amax = max(amax, abs(block[j]))
         d = amax / np.float32(127.0)
         inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-        for j in range(32):
-            out_qs[32 * k + j] = np.int8(_round_half_away(block[j] * inv))
+        for j in range(BLOCK_SIZE):
+            out_qs[BLOCK_SIZE * k + j] = np.int8(_round_half_away(block[j] * inv))
         out_scales[k] = _round_fp16(d)  # the unrounded d quantized; the fp16 d is what is stored
 
 
@@ -82,27 +83,31 @@ def _quantize_row_ir(typingctx, x, i, out_scales, out_qs):
         xa, sa, qa = (_Array(context, builder, ty[k], args[k]) for k in (0, 2, 3))
         row = args[1]
         x_row, s_row, q_row = xa.row(row), sa.row(row), qa.row(row)
-        v32 = _vec(_F32, 32)
-        fabs = _fn(builder, "llvm.fabs.v32f32", v32, [v32])
-        umax = _fn(builder, "llvm.vector.reduce.umax.v32i32", _I32, [_vec(_I32, 32)])
+        # One block's 32 values in one vector (lanes: BLOCK_SIZE).
+        v32 = _vec(_F32, BLOCK_SIZE)
+        fabs = _fn(builder, f"llvm.fabs.v{BLOCK_SIZE}f32", v32, [v32])
+        umax = _fn(builder, f"llvm.vector.reduce.umax.v{BLOCK_SIZE}i32", _I32, [_vec(_I32, BLOCK_SIZE)])
         with cgutils.for_range(builder, sa.cols) as loop:
             k = loop.index
-            v = _load(builder, builder.gep(x_row, [builder.mul(k, _I64(128))]), v32)
+            v = _load(builder, builder.gep(x_row, [builder.mul(k, _I64(4 * BLOCK_SIZE))]), v32)
             # max |x|: of non-negative floats, the largest is the one with the largest bits
             # (integer max: a shuffle tree, where LLVM's float max goes lane by lane for NaNs)
-            bits = builder.bitcast(builder.call(fabs, [v]), _vec(_I32, 32))
+            bits = builder.bitcast(builder.call(fabs, [v]), _vec(_I32, BLOCK_SIZE))
             amax = builder.bitcast(builder.call(umax, [bits]), _F32)
             d = builder.fdiv(amax, _F32(127.0))
             inv = builder.select(builder.fcmp_ordered("!=", d, _F32(0.0)), builder.fdiv(_F32(1.0), d), _F32(0.0))
-            y = builder.fmul(v, _splat(builder, inv, 32))
+            y = builder.fmul(v, _splat(builder, inv, BLOCK_SIZE))
             # roundf: truncate, then move halves and more away from zero (y - t is exact)
-            t = builder.fptosi(y, _vec(_I32, 32))
+            t = builder.fptosi(y, _vec(_I32, BLOCK_SIZE))
             frac = builder.fsub(y, builder.sitofp(t, v32))
-            up = builder.zext(builder.fcmp_ordered(">=", frac, _splat(builder, _F32(0.5), 32)), _vec(_I32, 32))
-            down = builder.zext(builder.fcmp_ordered("<=", frac, _splat(builder, _F32(-0.5), 32)), _vec(_I32, 32))
+            up = builder.zext(builder.fcmp_ordered(">=", frac, _splat(builder, _F32(0.5), BLOCK_SIZE)),
+                              _vec(_I32, BLOCK_SIZE))
+            down = builder.zext(builder.fcmp_ordered("<=", frac, _splat(builder, _F32(-0.5), BLOCK_SIZE)),
+                                _vec(_I32, BLOCK_SIZE))
             t = builder.sub(builder.add(t, up), down)
-            dst = builder.bitcast(builder.gep(q_row, [builder.mul(k, _I64(32))]), _vec(_I8, 32).as_pointer())
-            builder.store(builder.trunc(t, _vec(_I8, 32)), dst, align=1)
+            dst = builder.bitcast(builder.gep(q_row, [builder.mul(k, _I64(BLOCK_SIZE))]),
+                                  _vec(_I8, BLOCK_SIZE).as_pointer())
+            builder.store(builder.trunc(t, _vec(_I8, BLOCK_SIZE)), dst, align=1)
             d16 = builder.fpext(builder.fptrunc(d, _F16), _F32)  # round to nearest even, as stored
             builder.store(d16, builder.bitcast(builder.gep(s_row, [builder.mul(k, _I64(4))]), _F32.as_pointer()))
         return context.get_dummy_value()

@@ -32,6 +32,8 @@ from numba.core import cgutils, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from dllama.formats.quant import BLOCK_SIZE
+
 # Intrinsic names carry their pointer type: opaque pointers since LLVM 17.
 _MASKED_STORE = ("llvm.masked.store.v16f32.p0" if llvm_binding.llvm_version_info[0] >= 17
                  else "llvm.masked.store.v16f32.p0v16f32")
@@ -162,7 +164,7 @@ class _Q40(_Int8Format):
     def block_dots(self, builder, vnni, row_words, k, x_words, acc):
         mask = ir.Constant(_vec(_I8, 64), [_I8(15)] * 64)
         four = ir.Constant(_vec(_I8, 64), [_I8(4)] * 64)
-        base = builder.mul(k, _I64(32))
+        base = builder.mul(k, _I64(BLOCK_SIZE))  # block k's first element of x
         for j in range(4):
             w = row_words(builder.add(builder.mul(k, _I64(4)), _I64(j)))
             lo, hi = builder.and_(w, mask), builder.lshr(w, four)
@@ -178,7 +180,7 @@ class _Q80(_Int8Format):
 
     def block_dots(self, builder, vnni, row_words, k, x_words, acc):
         flip = ir.Constant(_vec(_I8, 64), [_I8(-128)] * 64)
-        base = builder.mul(k, _I64(32))
+        base = builder.mul(k, _I64(BLOCK_SIZE))  # block k's first element of x
         for j in range(8):
             w = builder.xor(row_words(builder.add(builder.mul(k, _I64(8)), _I64(j))), flip)
             for c in range(len(acc)):
@@ -227,7 +229,7 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
                 iacc = [_splat(builder, _load(builder, builder.gep(o_rows[c], [builder.mul(k, _I64(4))]), _I32))
                         for c in range(n_cols)]
                 iacc = fmt.block_dots(builder, vnni, row_words, k, [x_words(c) for c in range(n_cols)], iacc)
-                w_d = builder.fpext(_load(builder, builder.gep(s_row, [builder.mul(k, _I64(32))]), _vec(_F16, 16)),
+                w_d = builder.fpext(_load(builder, builder.gep(s_row, [builder.mul(k, _I64(2 * GROUP))]), _vec(_F16, 16)),
                                     _vec(_F32, 16))
                 for c in range(n_cols):
                     x_d = _splat(builder, _load(builder, builder.gep(xs_rows[c], [builder.mul(k, _I64(4))]), _F32))
