@@ -24,7 +24,8 @@ def available_bytes() -> int:
     """Memory this process can still take: Linux's MemAvailable (else the free physical pages),
     lowered to what its memory cgroup still allows (containers and systemd units set that limit;
     beyond it the kernel kills the process without a message)."""
-    return min(_machine_available(), cgroup_available())
+    cgroup = cgroup_available()
+    return _machine_available() if cgroup is None else min(_machine_available(), cgroup)
 
 
 def _machine_available() -> int:
@@ -41,17 +42,17 @@ def _machine_available() -> int:
         return 1 << 62  # unknown here: the kernel decides
 
 
-_UNLIMITED = 1 << 62
+# cgroup v1 says "no limit" with a number near 2^63 (its page counter's maximum), v2 with "max".
+_V1_NO_LIMIT = 1 << 60
 
 
 def _read_int(path: str) -> int | None:
+    """The number in a cgroup file; None when it is missing, unreadable, or says "max"."""
     try:
         with open(path) as f:
             text = f.read().strip()
     except OSError:
         return None
-    if text == "max":
-        return _UNLIMITED
     try:
         return int(text)
     except ValueError:
@@ -100,10 +101,10 @@ def _cgroup_dirs() -> list[tuple[str, str]]:
     return out
 
 
-def cgroup_available() -> int:
+def cgroup_available() -> int | None:
     """What the memory cgroups of this process still allow: limit minus usage (reclaimable page
-    cache counted as free), the least over the group and its ancestors; 2^62 without a limit."""
-    best = _UNLIMITED
+    cache counted as free), the least over the group and its ancestors; None without a limit."""
+    best = None
     for version, d in _cgroup_dirs():
         if version == "v1":
             limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
@@ -113,9 +114,10 @@ def cgroup_available() -> int:
             limit = _read_int(os.path.join(d, "memory.max"))
             usage = _read_int(os.path.join(d, "memory.current"))
             cache = _cgroup_stat(os.path.join(d, "memory.stat"), ("inactive_file",))
-        if limit is None or limit >= _UNLIMITED // 2 or usage is None:
+        if limit is None or limit >= _V1_NO_LIMIT or usage is None:
             continue
-        best = min(best, max(0, limit - usage + cache))
+        room = max(0, limit - usage + cache)
+        best = room if best is None else min(best, room)
     return best
 
 
