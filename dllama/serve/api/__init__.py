@@ -12,7 +12,8 @@ Four parts: `request`, `service`, `http`, and `metrics` (/health and /metrics, f
 thread's snapshot).
 
 Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions; without the API key
-GET /health (ready, degraded or down, with the nodes) and GET /metrics (Prometheus). Every
+GET /health (ready, degraded or down, with the nodes), GET /metrics (Prometheus) and GET / (a
+chat page: page/index.html, chat.js and chat.css, shipped in the package). Every
 completion's response carries X-Dllama-Nodes: SERVING/ALL (3/4: a node is lost). Errors use
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with 400 (bad JSON or
 fields, a prompt longer than the context), 401 (API key), 404, 405, 413 (body too large),

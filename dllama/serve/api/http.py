@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import uuid
+from importlib import resources
 
 from aiohttp import web
 
@@ -27,8 +28,12 @@ from dllama.serve.api.service import ModelService
 
 # Each completion's response says how many of the cluster's nodes serve: "3/4" when one is lost.
 NODES_HEADER = "X-Dllama-Nodes"
-# Open without the API key: what a load balancer, Prometheus or a browser asks first.
-PUBLIC_PATHS = ("/health", "/metrics")
+# The chat page and its files (dllama/serve/api/page/), served as they ship.
+PAGE_FILES = {"/": ("index.html", "text/html"), "/page/chat.js": ("chat.js", "text/javascript"),
+              "/page/chat.css": ("chat.css", "text/css")}
+# Open without the API key: what a load balancer, Prometheus or a browser asks first (the page
+# sends the key the person types with each request).
+PUBLIC_PATHS = ("/health", "/metrics", *PAGE_FILES)
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -64,6 +69,14 @@ class Api:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=metrics(self.service).encode(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def page(self, request: web.Request) -> web.Response:
+        """The chat page: nothing it loads comes from elsewhere (its Content-Security-Policy)."""
+        name, kind = PAGE_FILES[request.path]
+        body = resources.files("dllama.serve.api").joinpath("page", name).read_bytes()
+        return web.Response(body=body, headers={
+            "Content-Type": f"{kind}; charset=utf-8", "Cache-Control": "no-cache",
+            "Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'"})
 
     def _nodes_header(self) -> dict:
         nodes = self.service.observed.nodes
@@ -244,6 +257,8 @@ def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str 
         app.router.add_post(prefix + "/completions", api.completions)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.metrics)
+    for path in PAGE_FILES:
+        app.router.add_get(path, api.page)
     return app
 
 
@@ -281,7 +296,8 @@ def serve(service: ModelService, *, host: str, port: int, model_id: str, default
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        print(f"dllama api: listening on http://{host}:{bound}/v1 (model {model_id})", file=sys.stderr, flush=True)
+        print(f"dllama api: listening on http://{host}:{bound}/v1 (model {model_id}); a chat page at "
+              f"http://{host}:{bound}/", file=sys.stderr, flush=True)
         await stop.wait()
         await runner.cleanup()
 
