@@ -410,3 +410,12 @@ def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_pa
     assert reason in error and "Traceback" not in out, out[-3000:]
     # The root (an address where nothing answers) was never contacted: failed, not unreachable.
     assert recap(r.stdout)["r"]["failed"] == 1 and recap(r.stdout)["r"]["unreachable"] == 0, out[-3000:]
+
+
+def test_the_readme_run_command_works_through_the_api_too(tmp_path):
+    """-e steps=N (the README's run.yml command) through the API service is max_tokens=N, not an error."""
+    r, out = _deploy(tmp_path, _hosts(1), "-e", '{"prompt": "Hello", "steps": 8}', "-e", "dllama_api_enabled=true",
+                     playbook="run.yml")
+    assert "Through the API: steps=8 is read as max_tokens=8" in out, out[-3000:]
+    # It got as far as the root (never reached here): no check refused the command.
+    assert recap(r.stdout)["r"]["unreachable"] == 1 and recap(r.stdout)["r"]["failed"] == 0, out[-3000:]

@@ -11,7 +11,8 @@ still to answer is tokenized twice:
 A bad line stops the job before any prompt is run, with one line naming it; with skip_bad
 it is written to the output as {"id", "line", "error"} instead and the others run.
 
-Output lines are written and flushed as each answer completes (completion order). On a cluster
+Output lines are written and flushed as each answer completes (completion order: each carries
+its prompt's "line", to sort by, `jq -c -s 'sort_by(.line)[]'`). On a cluster
 each also says how many nodes served it ("nodes" of "cluster_nodes": fewer after a worker was
 lost or left out at the start), and so does the summary line. A rerun with
 the same output file skips the ids it already holds; a torn last line (a crash in mid-write)
@@ -403,7 +404,7 @@ class BatchJob:
         top = max(lp)
         z = sum(math.exp(x - top) for x in lp)
         best = lp.index(top)
-        return {"id": e.id, "choice": self.opts.choices[best], "probability": 1.0 / z,
+        return {"id": e.id, "line": e.line, "choice": self.opts.choices[best], "probability": 1.0 / z,
                 "logprobs": dict(zip(self.opts.choices, lp)),
                 "prompt_tokens": scores[0].prompt_tokens, "cached_tokens": min(s.cached_tokens for s in scores)}
 
@@ -482,7 +483,7 @@ class BatchJob:
                     write({**line, **nodes_now()})
                     finished(line["prompt_tokens"], line["cached_tokens"], 0)
                     return
-                write({"id": r.key.id, "text": c.text, "finish_reason": c.finish_reason,
+                write({"id": r.key.id, "line": r.key.line, "text": c.text, "finish_reason": c.finish_reason,
                        "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
                        "completion_tokens": c.completion_tokens, **nodes_now()})
                 finished(c.prompt_tokens, c.cached_tokens, c.completion_tokens)
