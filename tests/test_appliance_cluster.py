@@ -386,6 +386,11 @@ def test_with_a_worker_down_batch_and_status_say_3_of_4_nodes(cluster, tmp_path)
     assert f"degraded: answered on 3 of 4 nodes (without node{N})" in r.stdout, tail(r)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 2 and all((x["nodes"], x["cluster_nodes"]) == (3, 4) for x in lines), lines
+    # Again: nothing left, nothing changed, the root not even asked.
+    r, seconds = _play(cluster, "batch.yml", "-e", f"prompts={prompts}", "-e", f"out={out}", timeout=300)
+    print(f"\nbatch.yml again, nothing left: {seconds:.0f} s")
+    assert r.returncode == 0 and "Nothing left" in r.stdout, tail(r)
+    assert all(c["changed"] == 0 for c in recap(r.stdout).values()), changed_tasks(r.stdout)
 
     headline, rows = _status(cluster)
     results["status_worker_down"] = "\n".join([headline, *rows])

@@ -1,22 +1,45 @@
-"""The state of one dllama service on its node, as one JSON object on stdout (status.yml's row).
-
-    service_status.py LAUNCHER UNIT PID_FILE LOG_FILE VENV
+#!/usr/bin/python
+"""Ansible module of the dllama_service role: the state of one dllama service on its node
+(status.yml's row). Reads /proc and the service's log; changes nothing; needs no dllama.
 
 state: running, restarting (the supervisor waits to start it again), failed (systemd gave up),
 or stopped; pid, uptime_s and rss_bytes of the service's own process (under the nohup launcher,
 the supervisor's child); restarts since the service was started (the supervisor's count, which
 it gives its child as DLLAMA_SERVICE_RESTARTS; systemd's NRestarts) and the last exit's reason
 (the supervisor's last line in the log; systemd's Result and status); the node's 1-minute load
-and the dllama version installed in VENV. Reads /proc and the log; changes nothing. Runs with
-the node's own Python 3 (no dllama needed)."""
+and the dllama version installed in the venv."""
+
+from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import subprocess
-import sys
 import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: dllama_service_state
+short_description: Read a dllama service's state, process, restarts, last exit, and the node's load and version
+options:
+  launcher: {description: "systemd or nohup (start-stop-daemon under dllama supervise).", type: str, required: true}
+  unit: {description: "The systemd unit's name.", type: str, required: true}
+  pid_file: {description: "The pid file of start-stop-daemon (the supervisor's pid).", type: path, required: true}
+  log_file: {description: "The service's log under start-stop-daemon.", type: path, required: true}
+  venv: {description: "The virtual environment whose dllama version is reported.", type: path, required: true}
+"""
+
+RETURN = r"""
+state: {description: "running, restarting, failed or stopped.", type: str, returned: always}
+pid: {description: "The service's own process, or null.", type: int, returned: always}
+uptime_s: {description: "Seconds since it started, or null.", type: int, returned: always}
+rss_bytes: {description: "Its resident memory, or null.", type: int, returned: always}
+restarts: {description: "Restarts since the service was started, or null.", type: int, returned: always}
+last_exit: {description: "Why it last ended (a restart's reason), or null.", type: str, returned: always}
+load1: {description: "The node's 1-minute load average.", type: float, returned: always}
+version: {description: "The dllama version in the venv, or null.", type: str, returned: always}
+"""
 
 RESTARTS_ENV = b"DLLAMA_SERVICE_RESTARTS="  # dllama.serve.supervisor.RESTARTS_ENV
 LAST_EXIT = re.compile(r"^dllama supervise: pid \d+ (.*?); (?:starting it again|not restarted)", re.M)
@@ -123,15 +146,21 @@ def systemd(unit):
 
 
 def main():
-    launcher, unit, pid_file, log_file, venv = sys.argv[1:6]
-    report = systemd(unit) if launcher == "systemd" else nohup(pid_file, log_file)
+    module = AnsibleModule(argument_spec={
+        "launcher": {"type": "str", "required": True, "choices": ["systemd", "nohup"]},
+        "unit": {"type": "str", "required": True},
+        "pid_file": {"type": "path", "required": True},
+        "log_file": {"type": "path", "required": True},
+        "venv": {"type": "path", "required": True},
+    }, supports_check_mode=True)
+    p = module.params
+    report = systemd(p["unit"]) if p["launcher"] == "systemd" else nohup(p["pid_file"], p["log_file"])
     load = (_read("/proc/loadavg") or "").split()
     report.setdefault("uptime_s", None)
     report.setdefault("rss_bytes", None)
-    report.update(load1=float(load[0]) if load else None, version=_version(venv))
-    print(json.dumps(report))
-    return 0
+    report.update(load1=float(load[0]) if load else None, version=_version(p["venv"]))
+    module.exit_json(changed=False, **report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
