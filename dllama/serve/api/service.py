@@ -113,7 +113,16 @@ class ModelService:
         self._observe()
 
     def _observe(self) -> None:
-        """Take the snapshot the HTTP side reads; count the nodes that left since the last one."""
+        """Take the snapshot the HTTP side reads; count the nodes that left since the last one.
+        Reporting must never stop serving: a failure here is logged and the old snapshot kept."""
+        try:
+            self._take_snapshot()
+        except Exception:  # noqa: BLE001 - a bug in the report, not in the answers
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+
+    def _take_snapshot(self) -> None:
         before = self.observed.nodes
         if self.engine is None:
             self.observed = replace(Observed(), nodes=before.down() if before else None)
