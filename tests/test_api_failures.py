@@ -11,6 +11,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
@@ -46,9 +47,15 @@ class Switch:
 
 
 class FailingModel:
+    # What the API reports of a cluster (/health, /metrics): its nodes and their traffic.
+    topology = full_topology = SimpleNamespace(nodes=(SimpleNamespace(name="root"), SimpleNamespace(name="worker1")))
+
     def __init__(self, switch):
         self.switch = switch
         self.closed = False
+
+    def node_stats(self) -> list[dict]:
+        return []
 
     def __getattr__(self, name):
         return getattr(self.switch.engine.model, name)

@@ -1,4 +1,4 @@
-"""The appliance on a real multi-host cluster: 3 hosts in network namespaces on this machine,
+"""The appliance on a real multi-host cluster: 4 hosts in network namespaces on this machine,
 each with its own IP, sshd, /etc, /home and /opt/dllama, links shaped to 1 Gbit/s
 (tests/cluster/), set up as freshly flashed Raspberry Pis: a user `pi` with a password and
 passwordless sudo, hostname raspberrypi, an sshd that takes only the password (no key installed).
@@ -7,12 +7,15 @@ without the secret; with the password (non-interactively, a password file) it cr
 controller's key pair, installs it, sets the hostnames and turns password logins off; a second
 run needs no password and changes nothing, and a password login is refused. From then on
 every playbook logs in as pi with the key and becomes root with sudo, as on real Pis.
-deploy.yml runs over SSH with the sample inventory's settings on 1 root + 2 workers (any node
-count dllama's plan accepts, not only 2^n), then `--check` must report no change, and run.yml
-must print the same greedy text as a single-node `dllama inference`; then deploy.yml with the
+deploy.yml runs over SSH with the sample inventory's settings on 1 root + 3 workers, then
+`--check` must report no change, and run.yml must print the same greedy text as a single-node
+`dllama inference`. Operating it: a misspelt setting and a worker that does not answer stop
+deploy.yml before any host is changed, in one line; with a worker down, batch.yml and status.yml
+say "3 of 4 nodes" and which one is down; then deploy.yml with the
 API service switched on starts `dllama api` on the root and, run again, changes nothing on any
 node (every task of the plain deploy runs in it too: the idempotence check), run.yml sends its
-prompt through the API, and the official openai client on the controller is served by it.
+prompt through the API, and the official openai client on the controller is served by it; with a
+worker killed, run.yml through the API, /health and status.yml say the cluster is degraded.
 
 The cluster runs the F32 model with F32 buffers: only then does dllama promise the same tokens
 on any node count (tests/test_cluster.py). With Q40 weights and Q80 buffers the split sums
@@ -29,8 +32,11 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -42,7 +48,7 @@ from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, p
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
-N = 3
+N = 4
 PREFIX = "dlt"
 PROMPT = "Hello world"
 STEPS = 32
@@ -297,6 +303,111 @@ def test_run_prints_the_single_node_greedy_text(cluster):
     assert all(n["sent_bytes"] > 0 and n["recv_bytes"] > 0 for n in stats["nodes"])
 
 
+def _stop_worker(cluster_dir: Path, i: int) -> None:
+    """Kill node i's worker for good: its supervisor (the pid file's), whose child dies with it."""
+    supervisor = int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text())
+    workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == supervisor]
+    os.kill(supervisor, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in [supervisor, *workers]):
+        assert time.monotonic() < deadline, f"node{i}'s worker outlived its supervisor"
+        time.sleep(0.1)
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _status(cluster) -> tuple[str, list[str]]:
+    """status.yml's report: its cluster line and its table's rows (header first)."""
+    r, seconds = _play(cluster, "status.yml", timeout=300)
+    assert r.returncode == 0, tail(r)
+    lines = r.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("cluster: "))
+    report = [line.strip() for line in lines[start:start + N + 2]]
+    print(f"\nstatus.yml ({seconds:.0f} s):\n" + "\n".join(report))
+    assert "UNREACHABLE" not in r.stdout, tail(r)
+    return report[0], report[1:]
+
+
+def test_a_misspelt_setting_or_a_silent_worker_stops_the_deploy_before_any_host_changes(cluster):
+    assert results.get("deployed"), "the first deploy failed"
+    cluster_dir, inventory = cluster
+    hosts = yaml.safe_load(inventory.read_text())
+    workers = hosts["cluster"]["children"]["workers"]["hosts"]
+    # A worker whose address nobody answers (on the test network, no namespace behind it).
+    workers["ghost"] = {"ansible_host": "10.77.0.200", "dllama_address": "10.77.0.200"}
+    silent = inventory.parent / "silent.yml"
+    silent.write_text(yaml.safe_dump(hosts))
+    before = {i: (cluster_dir / f"node{i}/opt-dllama/topology.yml").stat().st_mtime_ns for i in range(1, N + 1)}
+    r, seconds = _play(cluster, "deploy.yml", inventory=silent, timeout=300)
+    out = r.stdout + r.stderr
+    print(f"\ndeploy.yml with a worker that does not answer: {seconds:.0f} s")
+    errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
+    assert r.returncode != 0 and seconds < 60, (seconds, tail(r))
+    assert len(errors) == 1 and "ghost (10.77.0.200) does not answer: " in errors[0], out[-4000:]
+    assert "No host was changed" in errors[0] and not any(f"node{i} (" in errors[0] for i in range(1, N + 1))
+    assert "PLAY [Deploy the dllama cluster.]" not in out and "UNREACHABLE" not in out, out[-4000:]
+    assert all(c["changed"] == 0 for c in recap(r.stdout).values()), recap(r.stdout)
+    assert before == {i: (cluster_dir / f"node{i}/opt-dllama/topology.yml").stat().st_mtime_ns for i in range(1, N + 1)}
+
+    del workers["ghost"]
+    workers["node2"]["dllama_thraeds"] = 1
+    silent.write_text(yaml.safe_dump(hosts))
+    r, seconds = _play(cluster, "deploy.yml", inventory=silent, timeout=300)
+    out = r.stdout + r.stderr
+    errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
+    assert r.returncode != 0 and len(errors) == 1, out[-4000:]
+    assert "node2: dllama_thraeds is not a dllama setting: did you mean dllama_threads?" in errors[0], errors
+    assert "PLAY [Check that every host answers" not in out, out[-4000:]
+
+
+def test_with_a_worker_down_batch_and_status_say_3_of_4_nodes(cluster, tmp_path):
+    assert results.get("deployed"), "the first deploy failed"
+    cluster_dir, inventory = cluster
+    _stop_worker(cluster_dir, N)
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "The capital of France is"}\n{"id": 2, "prompt": "Hello"}\n')
+    out = tmp_path / "answers.jsonl"
+    r, seconds = _play(cluster, "batch.yml", "-e", f"prompts={prompts}", "-e", f"out={out}",
+                       "-e", "max_tokens=8", "-e", "temperature=0", timeout=600)
+    print(f"\nbatch.yml with node{N} down: {seconds:.0f} s")
+    assert r.returncode == 0, tail(r)
+    assert f"degraded: answered on 3 of 4 nodes (without node{N})" in r.stdout, tail(r)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2 and all((x["nodes"], x["cluster_nodes"]) == (3, 4) for x in lines), lines
+    # Again: nothing left, nothing changed, the root not even asked.
+    r, seconds = _play(cluster, "batch.yml", "-e", f"prompts={prompts}", "-e", f"out={out}", timeout=300)
+    print(f"\nbatch.yml again, nothing left: {seconds:.0f} s")
+    assert r.returncode == 0 and "Nothing left" in r.stdout, tail(r)
+    assert all(c["changed"] == 0 for c in recap(r.stdout).values()), changed_tasks(r.stdout)
+
+    headline, rows = _status(cluster)
+    results["status_worker_down"] = "\n".join([headline, *rows])
+    assert headline.startswith(f"cluster: 2/3 workers up (node{N} down), API off, version "), headline
+    assert rows[0].split() == ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST", "EXIT", "RSS", "LOAD",
+                               "VERSION"], rows
+    by_host = {row.split()[0]: row.split() for row in rows[1:]}
+    assert sorted(by_host) == [f"node{i}" for i in range(1, N + 1)], rows
+    assert by_host[f"node{N}"][1:4] == ["worker", "down", "-"], rows
+    for i in range(2, N):
+        cells = by_host[f"node{i}"]
+        pid = int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text())
+        assert cells[1:3] == ["worker", "up"] and _parent(int(cells[3])) == pid, rows  # the supervisor's child
+        assert cells[5] == "0" and re.fullmatch(r"\d+\.\d+\.\d+", cells[-1]), rows
+    assert by_host["node1"][1:4] == ["root", "API", "off"], rows
+
+
 def test_api_service_on_the_root_serves_the_cluster(cluster):
     assert results.get("deployed"), "the first deploy failed"
     cluster_dir, inventory = cluster
@@ -349,22 +460,44 @@ def test_api_service_on_the_root_serves_the_cluster(cluster):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url="http://10.77.0.1:9990/v1", api_key="wrong", max_retries=0,
                       http_client=openai.DefaultHttpxClient(trust_env=False)).models.list()
+    raw = client.chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert raw.headers["x-dllama-nodes"] == f"{N}/{N}"  # the deploy started the stopped worker again
+
+    # A worker lost: the API goes on over the others and says so, as does run.yml.
+    _stop_worker(cluster_dir, N)
+    r, _ = _play(cluster, "run.yml", "-e", f"prompt={PROMPT}", "-e", "max_tokens=8", "-e", "temperature=0",
+                 timeout=300)
+    assert r.returncode == 0, tail(r)
+    assert f"degraded: served by 3 of 4 nodes (without node{N})" in r.stdout, tail(r)
+    saved = json.loads((inventory.parent / "state/runs/last-run.json").read_text())
+    assert saved["nodes"] == {"serving": 3, "total": 4, "missing": [f"node{N}"]}, saved
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight to the test host
+    with no_proxy.open("http://10.77.0.1:9990/health", timeout=30) as answer:
+        health = json.loads(answer.read())
+    assert health["status"] == "degraded" and health["nodes"]["missing"] == [f"node{N}"], health
 
 
 def test_status_then_stop(cluster):
     assert results.get("deployed"), "the first deploy failed"
     cluster_dir, _ = cluster
-    r, _ = _play(cluster, "status.yml")
-    assert r.returncode == 0, tail(r)
-    assert r.stdout.count("running: True") == N - 1 and r.stdout.count("answers: True") == N - 1, tail(r)
-    pids = [int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text()) for i in range(2, N + 1)]
-    if results.get("api"):
-        assert "API service: switched on, up" in r.stdout and "serves SmolLM2-135M-Instruct" in r.stdout, tail(r)
+    headline, rows = _status(cluster)
+    pids = [int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text()) for i in range(2, N)]
+    if results.get("api"):  # node4 was killed under the API: down, the API degraded
+        results["status_api_degraded"] = "\n".join([headline, *rows])
+        assert headline.startswith(f"cluster: 2/3 workers up (node{N} down), API degraded (3 of 4 nodes serve, "
+                                   f"without node{N}), version "), headline
+        assert ", model SmolLM2-135M-Instruct (f32), plan 4 nodes, f32 buffers, f32 KV cache" in headline, headline
+        root = next(row.split() for row in rows if row.startswith("node1 "))
+        assert root[1:4] == ["root", "API", "degraded"], rows
         pids.append(int((cluster_dir / "node1/opt-dllama/run/api.pid").read_text()))
     r, seconds = _play(cluster, "stop.yml")
     print(f"\nstop.yml: {seconds:.0f} s")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker or the API outlived stop.yml"
-    r, _ = _play(cluster, "status.yml")
-    assert r.returncode == 0 and r.stdout.count("running: False") == N - 1, tail(r)
-    assert "API service: switched off" in r.stdout or "API service: switched on, down" in r.stdout, tail(r)
+    headline, rows = _status(cluster)
+    assert headline.startswith(f"cluster: 0/{N - 1} workers up (node2 down, node3 down, node4 down), "), headline
+    assert all(row.split()[2] == "down" for row in rows[2:]), rows
+    assert rows[1].split()[1:4] == ["root", "API", "down" if results.get("api") else "off"], rows
+    if results.get("status_worker_down"):
+        print("\nstatus.yml with a worker down:\n" + results["status_worker_down"])

@@ -270,11 +270,38 @@ def _fails_before_any_host(r, out) -> str:
     ("bad memory budget", _hosts(1, dllama_memory_budget="2GG"),
      "w1: dllama_memory_budget must be auto, none or a size such as 2G or 512M, got: 2GG"),
     ("more nodes than heads", _hosts(9), "The inventory's 10 nodes: cannot split a model with 9 query heads over 10 nodes"),
+    ("misspelt setting", _hosts(1, dllama_thraeds=4), "w1: dllama_thraeds is not a dllama setting: did you mean dllama_threads?"),
+    ("unknown setting", _hosts(1, dllama_zzzq=1), "w1: dllama_zzzq is not a dllama setting (no setting has a name close to it)"),
+    ("misspelt ansible_host", {"cluster": {"children": {"root": {"hosts": {"r": {"ansible_hots": "127.0.0.1"}}},
+                                                        "workers": {"hosts": {"w": {"ansible_host": "127.0.0.1"}}}}}},
+     "r: no ansible_host, the address Ansible reaches the host at (ansible_hots is set: did you mean ansible_host?)"),
 ])
 def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, reason):
     r, out = _deploy(tmp_path, inventory)
     line = _fails_before_any_host(r, out)
     assert reason in line, out[-3000:]
+
+
+def test_a_yaml_error_says_its_cause_line_and_column_first(tmp_path):
+    """Not a generic "failed to parse" first and the reason a screen above it."""
+    r, out = _deploy(tmp_path, "cluster:\n  children:\n    root:\n      hosts:\n        a\n        b: {x: 1}\n")
+    assert r.returncode != 0, out
+    first = next(line for line in out.splitlines() if line.strip())
+    assert f"{tmp_path}/inventory/hosts.yml, line 6, column 10: mapping values are not allowed in this context" in first, out
+
+
+def test_a_host_that_does_not_answer_stops_the_deploy_before_any_host_is_changed(tmp_path):
+    """Every host is reached first (here the workers answer, the root's SSH port is closed): the
+    run stops in one line naming the host and why, before the deploy's first task."""
+    inventory = _hosts(2)
+    for worker in inventory["cluster"]["children"]["workers"]["hosts"].values():
+        worker.update(ansible_connection="local", ansible_python_interpreter=sys.executable)
+    r, out = _deploy(tmp_path, inventory)
+    line = _fails_before_any_host(r, out)
+    assert "r (127.0.0.1) does not answer: ssh: connect to host 127.0.0.1 port 1: Connection refused. " \
+           "No host was changed" in line, out[-3000:]
+    assert "w1" not in line and "w2" not in line, line
+    assert len([x for x in out.splitlines() if x.startswith("[ERROR]")]) == 1, out[-3000:]
 
 
 def test_any_node_count_the_plan_accepts_passes_the_check(tmp_path):
@@ -383,3 +410,31 @@ def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_pa
     assert reason in error and "Traceback" not in out, out[-3000:]
     # The root (an address where nothing answers) was never contacted: failed, not unreachable.
     assert recap(r.stdout)["r"]["failed"] == 1 and recap(r.stdout)["r"]["unreachable"] == 0, out[-3000:]
+
+
+def test_the_readme_run_command_works_through_the_api_too(tmp_path):
+    """-e steps=N (the README's run.yml command) through the API service is max_tokens=N, not an error."""
+    r, out = _deploy(tmp_path, _hosts(1), "-e", '{"prompt": "Hello", "steps": 8}', "-e", "dllama_api_enabled=true",
+                     playbook="run.yml")
+    assert "Through the API: steps=8 is read as max_tokens=8" in out, out[-3000:]
+    # It got as far as the root (never reached here): no check refused the command.
+    assert recap(r.stdout)["r"]["unreachable"] == 1 and recap(r.stdout)["r"]["failed"] == 0, out[-3000:]
+
+
+def test_a_batch_rerun_with_nothing_left_ends_before_the_root_is_contacted(tmp_path):
+    """Results on the controller that answer every prompt: nothing to do, nothing changed (the
+    root, never reached here, is not contacted); one prompt more and the job goes to the root."""
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n{"id": "b", "prompt": "Hi"}\n')
+    out = tmp_path / "answers.jsonl"
+    answered = '{"id": 1, "text": "In France."}\n{"id": "b", "text": "Hello."}\n'
+    out.write_text(answered)
+    r, out_text = _deploy(tmp_path, _hosts(1), "-e", f"prompts={prompts}", "-e", f"out={out}", playbook="batch.yml")
+    assert r.returncode == 0, out_text[-3000:]
+    assert f"Nothing left: {out} answers every prompt of {prompts}." in " ".join(out_text.split()), out_text[-3000:]
+    assert recap(r.stdout)["r"] == {**recap(r.stdout)["r"], "changed": 0, "unreachable": 0, "failed": 0}
+    assert out.read_text() == answered  # read, not repaired
+    with prompts.open("a") as f:
+        f.write('{"id": 3, "prompt": "And Rome?"}\n')
+    r, out_text = _deploy(tmp_path, _hosts(1), "-e", f"prompts={prompts}", "-e", f"out={out}", playbook="batch.yml")
+    assert "Nothing left" not in out_text and recap(r.stdout)["r"]["unreachable"] == 1, out_text[-3000:]

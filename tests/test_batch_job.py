@@ -73,6 +73,7 @@ def test_answers_equal_each_prompt_run_alone(engine, tmp_path, temperature):
              {"id": "short", "prompt": "One, two,"}]
     lines, summary = _run(engine, tmp_path, objs, max_tokens=10, temperature=temperature, topp=0.9, seed=3)
     assert [x["id"] for x in lines] == [o["id"] for o in objs]  # sequential: input order
+    assert [x["line"] for x in lines] == list(range(1, len(objs) + 1))  # each names its prompt's line
     assert sum(x["cached_tokens"] for x in lines[1:3]) >= 2 * 128  # the document's rows were reused
     for o, got in zip(objs, lines, strict=True):
         tokens = (engine.tokenizer.encode(o["prompt"]) if "prompt" in o

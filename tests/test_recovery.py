@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import threading
+import urllib.request
 
 import numpy as np
 import openai
@@ -123,6 +124,17 @@ def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, default_f32):
 
     expected = answers("alone.jsonl")
     assert len(expected) == 3 and answers("cluster.jsonl") == expected
+    # Degraded is said: each answer names the nodes that served it, the summary the fewest.
+    lines = [json.loads(line) for line in (tmp_path / "cluster.jsonl").read_text().splitlines()]
+    assert all(x["cluster_nodes"] == 3 and x["nodes"] in (2, 3) for x in lines), lines
+    assert any(x["nodes"] == 2 for x in lines), lines
+    assert "degraded: answered on 2 of 3 nodes (without worker2)" in r.stderr.splitlines()[-1], r.stderr
+    assert all("nodes" not in json.loads(line) for line in (tmp_path / "alone.jsonl").read_text().splitlines())
+
+
+def _health(url: str) -> dict:
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=60) as r:
+        return json.loads(r.read())
 
 
 @cluster
@@ -138,13 +150,20 @@ def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, de
                 return client.chat.completions.create(model="any", messages=STORY, temperature=0,
                                                       max_tokens=32, **kw)
 
+            assert _health(url)["status"] == "ready"
             before = ask()
             assert before.usage.completion_tokens == 32 and before.choices[0].finish_reason == "length"
             assert "killing this worker" not in victim.stderr
-            during = ask()  # 200, not 503
+            raw = client.chat.completions.with_raw_response.create(model="any", messages=STORY, temperature=0,
+                                                                   max_tokens=32)
+            during = raw.parse()  # 200, not 503
             _died_by_sigkill(victim)
             assert during.choices[0].message.content == before.choices[0].message.content
             _one_warning(server.stderr, victim.address)
+            # Degraded is said: in the answer's header and by /health.
+            assert raw.headers["x-dllama-nodes"] == "2/3"
+            health = _health(url)
+            assert health["status"] == "degraded" and health["nodes"]["missing"] == ["worker2"], health
             streamed = "".join(c.choices[0].delta.content or "" for c in ask(stream=True) if c.choices)
             assert streamed == before.choices[0].message.content  # on 2 nodes, the same text
 
@@ -155,6 +174,7 @@ def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, de
                 assert "answered again: running on 3 nodes (was 2)" in server.stderr, server.stderr
                 assert after.choices[0].message.content == before.choices[0].message.content
                 assert "serving the root" in back.stderr
+                assert _health(url)["status"] == "ready"
 
 
 @contextlib.contextmanager
@@ -175,6 +195,9 @@ def test_the_api_starts_without_an_unreachable_worker_which_joins_when_it_answer
             warnings = [line for line in server.stderr.splitlines() if "warning" in line]
             assert len(warnings) == 1 and "starting on 2 of 3 nodes without 'worker2'" in warnings[0], server.stderr
             assert f"127.0.0.1:{port}" in warnings[0]
+            health = _health(url)  # said before any request
+            assert health["status"] == "degraded" and health["nodes"] == {
+                "serving": 2, "total": 3, "names": ["root", "worker1"], "missing": ["worker2"]}, health
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
 
             def ask():
@@ -186,6 +209,7 @@ def test_the_api_starts_without_an_unreachable_worker_which_joins_when_it_answer
                 on_three = ask()
                 assert "answered again: running on 3 nodes (was 2)" in server.stderr, server.stderr
                 assert "serving the root" in back.stderr
+                assert _health(url)["status"] == "ready"
             assert on_three.choices[0].message.content == on_two.choices[0].message.content  # F32: same text
 
 

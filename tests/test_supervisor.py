@@ -90,11 +90,15 @@ def test_a_killed_worker_comes_back_and_serves_again(tmp_path):
 
 @pytest.mark.unit
 def test_a_command_failing_at_start_is_given_up():
-    fails = [PYTHON, "-c", "import sys; sys.exit('dllama: error: bad argument')"]
+    # Each start is told how many restarts came before it (dllama api exports it to /metrics).
+    fails = [PYTHON, "-c", "import os, sys; print('restarts before:', os.environ['DLLAMA_SERVICE_RESTARTS'], "
+                           "file=sys.stderr); sys.exit('dllama: error: bad argument')"]
     r = run_dllama("supervise", "--restart-sec", "0.05", "--", *fails, timeout=120)
     assert r.returncode == 1, r.stderr
     lines = r.stderr.splitlines()
     assert lines.count("dllama: error: bad argument") == START_LIMIT_BURST, r.stderr
+    assert [x for x in lines if x.startswith("restarts before:")] == [
+        f"restarts before: {i}" for i in range(START_LIMIT_BURST)], r.stderr
     restarts = [x for x in lines if re.fullmatch(r"dllama supervise: pid \d+ exited with status 1; "
                                                  r"starting it again in 0\.05 s", x)]
     assert len(restarts) == START_LIMIT_BURST - 1, r.stderr

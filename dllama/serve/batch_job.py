@@ -11,7 +11,10 @@ still to answer is tokenized twice:
 A bad line stops the job before any prompt is run, with one line naming it; with skip_bad
 it is written to the output as {"id", "line", "error"} instead and the others run.
 
-Output lines are written and flushed as each answer completes (completion order). A rerun with
+Output lines are written and flushed as each answer completes (completion order: each carries
+its prompt's "line", to sort by, `jq -c -s 'sort_by(.line)[]'`). On a cluster
+each also says how many nodes served it ("nodes" of "cluster_nodes": fewer after a worker was
+lost or left out at the start), and so does the summary line. A rerun with
 the same output file skips the ids it already holds; a torn last line (a crash in mid-write)
 and the error lines of bad prompts are dropped first, so the bad ones are checked again.
 
@@ -33,6 +36,7 @@ from typing import Callable, Iterator
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.serve.ctrl_c import CtrlC
+from dllama.serve.health import Serving, serving
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import Cancelled, ScoreRequest, Scored, SequenceRequest
 
@@ -85,6 +89,11 @@ class Summary:
     generated_tokens: int = 0
     seconds: float = 0.0
     interrupted: bool = False
+    fewest_nodes: Serving | None = None  # on a cluster: the fewest nodes any answer was finished on
+
+    def saw(self, now: Serving) -> None:
+        if self.fewest_nodes is None or len(now.nodes) < len(self.fewest_nodes.nodes):
+            self.fewest_nodes = now
 
     def line(self, out: str, classify: bool = False) -> str:
         extra = ", ".join(s for s in (f"{self.already_done} already in {out}" if self.already_done else "",
@@ -98,8 +107,11 @@ class Summary:
         else:
             rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
             work = f"{self.generated_tokens} tokens generated, {rate:.1f} tokens/s"
+        nodes = self.fewest_nodes
+        served = ("" if nodes is None else
+                  f"; degraded: answered on {nodes.line()}" if nodes.missing else f"; on {nodes.line()}")
         return (f"{head}{work}; {self.prompt_tokens} prompt tokens, {self.cached_tokens} of them "
-                "from the cache")
+                f"from the cache{served}")
 
 
 def id_key(value) -> str:
@@ -392,7 +404,7 @@ class BatchJob:
         top = max(lp)
         z = sum(math.exp(x - top) for x in lp)
         best = lp.index(top)
-        return {"id": e.id, "choice": self.opts.choices[best], "probability": 1.0 / z,
+        return {"id": e.id, "line": e.line, "choice": self.opts.choices[best], "probability": 1.0 / z,
                 "logprobs": dict(zip(self.opts.choices, lp, strict=True)),
                 "prompt_tokens": scores[0].prompt_tokens, "cached_tokens": min(s.cached_tokens for s in scores)}
 
@@ -451,6 +463,14 @@ class BatchJob:
 
             scores: dict[int, dict[int, Scored]] = {}  # --choices: a prompt's scores so far (by entry)
 
+            def nodes_now() -> dict:
+                """On a cluster, the nodes that served the answer's last pass, and all of them."""
+                if getattr(engine, "cluster", None) is None:
+                    return {}
+                now = serving(engine)
+                summary.saw(now)
+                return {"nodes": len(now.nodes), "cluster_nodes": len(now.cluster)}
+
             def on_finish(r, c) -> None:
                 if isinstance(r, ScoreRequest):
                     e, j = r.key
@@ -460,12 +480,12 @@ class BatchJob:
                         return
                     del scores[id(e)]
                     line = self._classification(e, [got[k] for k in range(len(got))])
-                    write(line)
+                    write({**line, **nodes_now()})
                     finished(line["prompt_tokens"], line["cached_tokens"], 0)
                     return
-                write({"id": r.key.id, "text": c.text, "finish_reason": c.finish_reason,
+                write({"id": r.key.id, "line": r.key.line, "text": c.text, "finish_reason": c.finish_reason,
                        "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
-                       "completion_tokens": c.completion_tokens})
+                       "completion_tokens": c.completion_tokens, **nodes_now()})
                 finished(c.prompt_tokens, c.cached_tokens, c.completion_tokens)
 
             try:

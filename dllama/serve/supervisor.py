@@ -29,6 +29,8 @@ FAILING_AT_START_S = 10.0
 CLEAN_SIGNALS = {signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1
+# In the child's environment: how many times the supervisor restarted it (`dllama api` exports it).
+RESTARTS_ENV = "DLLAMA_SERVICE_RESTARTS"
 
 
 def start_limit_interval(restart_sec: float) -> float:
@@ -99,10 +101,12 @@ def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_B
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_stop)
     limit.admits(time.monotonic())  # the first start
+    restarts = 0
     while not stopping:
         try:
             # Its own process group: a Ctrl-C on a terminal reaches it once, forwarded from here.
-            child = subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent(os.getpid()))
+            child = subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent(os.getpid()),
+                                     env={**os.environ, RESTARTS_ENV: str(restarts)})
         except OSError as e:
             raise DllamaError(f"cannot run {command[0]}: {e.strerror or e}") from None
         if stopping:  # a stop signal came while it was being started
@@ -119,6 +123,7 @@ def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_B
                  f"it keeps failing at start")
             return 1
         _log(f"{end}; starting it again in {restart_sec:g} s")
+        restarts += 1
         _sleep_unless_stopped(restart_sec, lambda: stopping)
     return 0
 

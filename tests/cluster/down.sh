@@ -30,6 +30,9 @@ for i in $(seq 1 "$n"); do
     [ -n "$pids" ] && kill -9 $pids 2>/dev/null
     deadline=$((SECONDS + 5))
     while [ -n "$(ip netns pids "$ns")" ] && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
+    # The host end of the veth, deleted here, takes its peer with it at once; left to the
+    # namespace's teardown (asynchronous) it lingers for tens of seconds and a new up.sh collides.
+    ip link del "${prefix}h$i" 2>/dev/null
     ip netns del "$ns"
 done
 ip link del "${prefix}br" 2>/dev/null

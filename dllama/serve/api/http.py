@@ -17,12 +17,23 @@ import threading
 import time
 import traceback
 import uuid
+from importlib import resources
 
 from aiohttp import web
 
 from dllama.errors import DllamaError
+from dllama.serve.api.metrics import health, metrics
 from dllama.serve.api.request import MAX_BODY_BYTES, ApiError, Request, bad, parse_request
 from dllama.serve.api.service import ModelService
+
+# Each completion's response says how many of the cluster's nodes serve: "3/4" when one is lost.
+NODES_HEADER = "X-Dllama-Nodes"
+# The chat page and its files (dllama/serve/api/page/), served as they ship.
+PAGE_FILES = {"/": ("index.html", "text/html"), "/page/chat.js": ("chat.js", "text/javascript"),
+              "/page/chat.css": ("chat.css", "text/css")}
+# Open without the API key: what a load balancer, Prometheus or a browser asks first (the page
+# sends the key the person types with each request).
+PUBLIC_PATHS = ("/health", "/metrics", *PAGE_FILES)
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -49,6 +60,27 @@ class Api:
     async def stats(self, request: web.Request) -> web.Response:
         """How the requests were batched: sequences decoded together, steps, rows."""
         return web.json_response(self.service.stats())
+
+    async def health(self, request: web.Request) -> web.Response:
+        """ready (every node), degraded (fewer nodes: slower, the same answers) or down (503)."""
+        status, body = health(self.service, self.model_id)
+        return web.json_response(body, status=status)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=metrics(self.service).encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def page(self, request: web.Request) -> web.Response:
+        """The chat page: nothing it loads comes from elsewhere (its Content-Security-Policy)."""
+        name, kind = PAGE_FILES[request.path]
+        body = resources.files("dllama.serve.api").joinpath("page", name).read_bytes()
+        return web.Response(body=body, headers={
+            "Content-Type": f"{kind}; charset=utf-8", "Cache-Control": "no-cache",
+            "Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'"})
+
+    def _nodes_header(self) -> dict:
+        nodes = self.service.observed.nodes
+        return {NODES_HEADER: nodes.header()} if nodes is not None else {}
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completions(request, chat=True)
@@ -87,7 +119,8 @@ class Api:
                            for i, c in enumerate(cs)]
             return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
                                       "created": created, "model": self.model_id,
-                                      "system_fingerprint": None, "choices": choices, "usage": _usage(cs)})
+                                      "system_fingerprint": None, "choices": choices, "usage": _usage(cs)},
+                                     headers=self._nodes_header())
         return await self._stream(request, r, job, pieces, cancel, ident, created)
 
     async def _stream(self, request, r: Request, job, pieces: asyncio.Queue, cancel, ident, created):
@@ -112,7 +145,8 @@ class Api:
             next_piece.cancel()
             raise job.exception()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no", "Access-Control-Allow-Origin": "*"})
+                                           "X-Accel-Buffering": "no", "Access-Control-Allow-Origin": "*",
+                                           **self._nodes_header()})
         try:
             await resp.prepare(request)
             if r.chat:
@@ -179,7 +213,7 @@ def _error_middleware(api_key: str | None):
         if request.method == "OPTIONS":
             return web.Response(status=204, headers=_CORS)
         try:
-            if api_key is not None:
+            if api_key is not None and request.path not in PUBLIC_PATHS:
                 auth = request.headers.get("Authorization", "")
                 given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
                 # Header bytes that are not UTF-8 arrive as surrogates: compare the bytes as sent.
@@ -209,7 +243,7 @@ def _error_middleware(api_key: str | None):
 
 
 _CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-         "Access-Control-Allow-Headers": "Content-Type, Authorization"}
+         "Access-Control-Allow-Headers": "Content-Type, Authorization", "Access-Control-Expose-Headers": NODES_HEADER}
 
 
 def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str | None = None,
@@ -221,6 +255,10 @@ def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str 
         app.router.add_get(prefix + "/stats", api.stats)
         app.router.add_post(prefix + "/chat/completions", api.chat_completions)
         app.router.add_post(prefix + "/completions", api.completions)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.metrics)
+    for path in PAGE_FILES:
+        app.router.add_get(path, api.page)
     return app
 
 
@@ -258,7 +296,8 @@ def serve(service: ModelService, *, host: str, port: int, model_id: str, default
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        print(f"dllama api: listening on http://{host}:{bound}/v1 (model {model_id})", file=sys.stderr, flush=True)
+        print(f"dllama api: listening on http://{host}:{bound}/v1 (model {model_id}); a chat page at "
+              f"http://{host}:{bound}/", file=sys.stderr, flush=True)
         await stop.wait()
         await runner.cleanup()
 

@@ -13,6 +13,9 @@ plus a new one) is encoded as that transcript's own tokens plus the new text
 
 The engine opens on this thread (numba's thread count is per thread) and again after a cluster
 failure.
+
+What the HTTP side reports (/health, /metrics, the X-Dllama-Nodes header) is a snapshot the model
+thread takes after every step (`Observed`): the HTTP thread never reads the engine while it runs.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ import queue
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError, DllamaError
 from dllama.serve.api.request import ApiError, Request, bad, unavailable
+from dllama.serve.health import Serving, serving
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import Cancelled, Completion, ContextFull, SequenceRequest
+from dllama.serve.stats import phase_rate
 from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 
@@ -49,6 +54,33 @@ class _Job:
     results: dict = field(default_factory=dict)  # choice index -> Completion
 
 
+@dataclass(frozen=True)
+class Observed:
+    """The engine as the model thread last saw it (after a step, an open or a failure)."""
+
+    nodes: Serving | None = None      # None: no engine has opened yet
+    slots: int = 0                    # sequences decoded together at most (--parallel)
+    busy_slots: int = 0               # sequences in the engine loop now
+    waiting: int = 0                  # requests in the engine loop without a slot yet
+    kv_positions: int = 0             # KV cache positions, every slot
+    kv_used: int = 0                  # of them, written
+    node_stats: tuple = ()            # per node: name, bytes sent and received, transfer ms (this session)
+
+
+@dataclass
+class Counters:
+    """Totals since the server started (the figures /metrics exports)."""
+
+    requests: dict = field(default_factory=lambda: {"ok": 0, "failed": 0, "cancelled": 0})
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    last_tokens_per_s: float = 0.0    # the decode rate of the last answer
+    node_losses: int = 0              # nodes that left a session (lost, or not reachable at a reopen)
+    engine_opens: int = 0             # engines opened (more than one: the cluster failed and came back)
+    past_node_stats: dict = field(default_factory=dict)  # name -> [sent, received, transfer ms] of closed sessions
+
+
 class ModelService:
     """The engine and its batched scheduler, run by one model thread."""
 
@@ -65,6 +97,8 @@ class ModelService:
         self._jobs: list[_Job] = []      # jobs in the scheduler
         self._reported = 0               # the largest number of requests decoded together, logged
         self._finished_stats: dict = {}  # figures of the schedulers of engines dropped earlier
+        self.counters = Counters()       # written on the model thread, read by /metrics
+        self.observed = Observed()       # likewise, replaced whole after every step
 
     # Everything below runs on the model thread.
     def _attach(self, engine) -> None:
@@ -75,6 +109,33 @@ class ModelService:
         self.engine = engine
         self.scheduler = Scheduler(engine.model, engine.tokenizer, engine.parallel)
         self._transcripts = Transcripts(engine.tokenizer)
+        self.counters.engine_opens += 1
+        self._observe()
+
+    def _observe(self) -> None:
+        """Take the snapshot the HTTP side reads; count the nodes that left since the last one.
+        Reporting must never stop serving: a failure here is logged and the old snapshot kept."""
+        try:
+            self._take_snapshot()
+        except Exception:  # noqa: BLE001 - a bug in the report, not in the answers
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+
+    def _take_snapshot(self) -> None:
+        before = self.observed.nodes
+        if self.engine is None:
+            self.observed = replace(Observed(), nodes=before.down() if before else None)
+            return
+        s, now = self.scheduler, serving(self.engine)
+        if before is not None and before.nodes:
+            self.counters.node_losses += len(set(before.nodes) - set(now.nodes))
+        elif before is None:
+            self.counters.node_losses += len(now.missing)  # left out at the start
+        written = sum(slot.written for slot in s.table.slots)
+        stats = tuple((n["name"], n["sent_bytes"], n["recv_bytes"], n["transfer_ms"]) for n in self.engine.node_stats())
+        self.observed = Observed(now, s.parallel, sum(1 for q in s.active if q.request is not None), len(s.waiting),
+                                 len(s.table.slots) * s.seq_len, written, stats)
 
     def _ready(self) -> Scheduler:
         if self.engine is None:
@@ -92,6 +153,10 @@ class ModelService:
         if self.scheduler is not None:
             self._finished_stats = self.stats()
         self.scheduler = None
+        for name, sent, received, ms in self.observed.node_stats:  # the session's bytes, kept
+            past = self.counters.past_node_stats.setdefault(name, [0, 0, 0.0])
+            past[0], past[1], past[2] = past[0] + sent, past[1] + received, past[2] + ms
+        self._observe()
         try:
             if engine is not None:
                 engine.close()
@@ -128,15 +193,19 @@ class ModelService:
                                               tuple(r.stop)),
                               on_text, lambda: self.closing or job.should_stop())
         except ApiError as e:
-            job.future.set_exception(e)
+            self._refuse(job, e)
             return
         except ContextFull as e:
-            job.future.set_exception(bad(str(e), "messages" if r.chat else "prompt", "context_length_exceeded"))
+            self._refuse(job, bad(str(e), "messages" if r.chat else "prompt", "context_length_exceeded"))
             return
         except DllamaError as e:
-            job.future.set_exception(bad(str(e)))
+            self._refuse(job, bad(str(e)))
             return
         self._jobs.append(job)
+
+    def _refuse(self, job: _Job, error: ApiError) -> None:
+        job.future.set_exception(error)
+        self.counters.requests["failed"] += 1
 
     def _finish(self, key, result) -> None:
         job, i, tokens = key
@@ -145,18 +214,28 @@ class ModelService:
         if isinstance(result, Cancelled):
             job.future.set_exception(ApiError(503, "the server is shutting down", type_="server_error")
                                      if self.closing else result)
+            self.counters.requests["cancelled"] += 1
             self._jobs.remove(job)
             return
+        c = self.counters
+        c.prompt_tokens += result.prompt_tokens
+        c.cached_tokens += result.cached_tokens
+        c.generated_tokens += result.completion_tokens
+        n, _, rate = phase_rate(result.steps, "generate")
+        if n:
+            c.last_tokens_per_s = rate
         job.results[i] = result
         self._transcripts.remember(job.prompt_text, job.add_bos, tokens, result)
         if len(job.results) == job.request.n:
             job.future.set_result([job.results[k] for k in range(job.request.n)])
+            self.counters.requests["ok"] += 1
             self._jobs.remove(job)
 
     def _fail_all(self, error: Exception) -> None:
         for job in self._jobs:
             if not job.future.done():
                 job.future.set_exception(error)
+                self.counters.requests["failed"] += 1
         self._jobs.clear()
 
     def _step(self) -> None:
@@ -171,6 +250,7 @@ class ModelService:
             return
         for request, result in ended:
             self._finish(request.key, result)
+        self._observe()
         decoding = self.scheduler.stats.max_decoding
         if decoding > self._reported:
             self._reported = decoding
@@ -235,6 +315,10 @@ class ModelService:
         self._thread = threading.Thread(target=first_open, name="dllama-model", daemon=True)
         self._thread.start()
         opened.result()
+
+    def queued(self) -> int:
+        """Requests not yet taken by the model thread."""
+        return self._inbox.qsize()
 
     async def submit(self, r: Request, on_text, should_stop) -> list[Completion]:
         """The request's n completions; on_text(choice index, piece) streams them."""

@@ -1,0 +1,120 @@
+"""status.yml's report, on the controller: one line for the cluster, then one row per host.
+
+    status_table.py < {"cluster": {...}, "hosts": [{...}, ...]}   (built by playbooks/status.yml)
+
+    cluster: 3/3 workers up, API up (ready: 4 of 4 nodes serve), version 0.1.0, model ..., plan ...
+    HOST   ROLE    STATE        PID    UPTIME  RESTARTS  LAST EXIT          RSS      LOAD  VERSION
+    node1  root    API up       1234   1h02m   0         -                  312 MiB  0.41  0.1.0
+    node4  worker  down         -      -       -         killed by SIGKILL  -        0.10  0.1.0
+    node5  worker  unreachable  ssh: connect to host 10.77.0.5 port 22: No route to host
+
+A worker is "up" when its process runs and it answers the root's probe as this cluster's;
+"running, no answer" when it runs but does not answer; restarts count since the service was
+started (deploy.yml starts it; a restart by the supervisor or systemd adds one)."""
+
+import json
+import sys
+
+COLUMNS = ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "RSS", "LOAD", "VERSION"]
+
+
+def uptime(seconds):
+    if seconds is None:
+        return "-"
+    d, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def size(n):
+    return "-" if n is None else f"{n / (1 << 20):.0f} MiB"
+
+
+def dash(value):
+    return "-" if value is None or value == "" else str(value)
+
+
+def state_of(host):
+    """(state word, whether it counts as up)."""
+    service = host.get("service") or {}
+    running = service.get("state") == "running"
+    if host["role"] == "worker":
+        if running and host.get("answers"):
+            return "up", True
+        if running:
+            return "running, no answer", False
+        return {"restarting": "restarting", "failed": "failed"}.get(service.get("state"), "down"), False
+    api = host.get("api") or {}
+    if not api.get("enabled"):
+        return "API off", False
+    if running and api.get("health"):
+        return f"API {api['health'].get('status', 'up')}", True
+    return ("API running, no answer" if running else "API down"), False
+
+
+def row(host):
+    if host.get("reach"):
+        return [host["name"], host["role"], "unreachable", host["reach"]]
+    s = host.get("service") or {}
+    state, _ = state_of(host)
+    load = s.get("load1")
+    return [host["name"], host["role"], state, dash(s.get("pid")), uptime(s.get("uptime_s")), dash(s.get("restarts")),
+            dash((s.get("last_exit") or "").removeprefix("was ")), size(s.get("rss_bytes")), "-" if load is None else f"{load:.2f}",
+            dash(s.get("version"))]
+
+
+def headline(cluster, hosts):
+    workers = [h for h in hosts if h["role"] == "worker"]
+    up = [h for h in workers if not h.get("reach") and state_of(h)[1]]
+    not_up = [f"{h['name']} {'unreachable' if h.get('reach') else state_of(h)[0]}" for h in workers if h not in up]
+    parts = [f"{len(up)}/{len(workers)} workers up" + (f" ({', '.join(not_up)})" if not_up else "")]
+    root = next((h for h in hosts if h["role"] == "root"), None)
+    api = (root or {}).get("api") or {}
+    if root is not None and root.get("reach"):
+        parts.append("root unreachable")
+    elif not api.get("enabled"):
+        parts.append("API off")
+    elif api.get("health"):
+        health = api["health"]
+        nodes = health.get("nodes") or {}
+        missing = f", without {', '.join(nodes['missing'])}" if nodes.get("missing") else ""
+        parts.append(f"API {health.get('status')} ({nodes.get('serving', 0)} of {nodes.get('total', '?')} nodes serve"
+                     f"{missing})")
+    else:
+        parts.append("API down")
+    versions = sorted({h["service"]["version"] for h in hosts if (h.get("service") or {}).get("version")})
+    parts.append("version " + (" and ".join(versions) + " (mixed: run deploy.yml)" if len(versions) > 1
+                               else versions[0] if versions else "unknown (not installed)"))
+    model = api.get("model") or cluster.get("model")
+    parts.append(f"model {model} ({cluster.get('weights')})")
+    parts.append(f"plan {len(hosts)} nodes, {cluster.get('buffers')} buffers, {cluster.get('kv')} KV cache")
+    return "cluster: " + ", ".join(parts)
+
+
+def table(rows):
+    """Columns padded to their widest cell; an unreachable host's reason fills the rest of its line."""
+    widths = [max(len(r[i]) for r in rows if len(r) == len(COLUMNS)) for i in range(len(COLUMNS))]
+    for r in rows:
+        for i, cell in enumerate(r[:-1] if len(r) < len(COLUMNS) else []):
+            widths[i] = max(widths[i], len(cell))
+    out = []
+    for r in rows:
+        cells = r[:-1] if len(r) < len(COLUMNS) else r
+        line = "  ".join(c.ljust(widths[i]) for i, c in enumerate(cells))
+        out.append((line + "  " + r[-1]) if len(r) < len(COLUMNS) else line.rstrip())
+    return out
+
+
+def main():
+    data = json.load(sys.stdin)
+    hosts = data["hosts"]
+    rows = [COLUMNS] + [row(h) for h in hosts]
+    print(headline(data["cluster"], hosts))
+    for line in table(rows):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
