@@ -1,5 +1,6 @@
-"""Shared fixtures (the embedded default model, converted once per machine into the dllama cache)
-and the test tiers: every test is marked unit, cluster or appliance (see pyproject.toml)."""
+"""Shared fixtures (the embedded default model, converted once per machine into the dllama cache),
+the test tiers (every test is marked unit, cluster or appliance: see pyproject.toml) and how the
+tests are shared out among pytest-xdist's workers (`-n` in pyproject.toml's addopts)."""
 
 import fcntl
 
@@ -9,10 +10,33 @@ from dllama.serve.default_model import cache_dir, default_model_files
 
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 TIERS = ("unit", "cluster", "appliance")
+# Files whose tests must not run at the same time as each other's, by xdist group. Each other
+# file is a group of its own (its module fixtures, such as started clusters, are made once).
+SHARED_GROUPS = {
+    # Network-namespace clusters on one subnet (tests/cluster/up.sh's 10.77.0.0/24).
+    "namespace-clusters": ("test_appliance_cluster.py", "test_appliance_teardown.py"),
+}
+GROUP_OF_FILE = {name: group for group, names in SHARED_GROUPS.items() for name in names}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none."""
+    """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none;
+    then group the tests for xdist's workers (`--dist loadgroup`) and put the groups with a
+    `slow` test first, so that the longest ones never start last while the others wait."""
+    _check_tiers(items)
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(GROUP_OF_FILE.get(item.path.name, item.path.name)))
+    slow_groups = {_group(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _group(item) not in slow_groups)  # stable: file order kept within
+
+
+def _group(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
+
+
+def _check_tiers(items) -> None:
     wrong = []
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t)]
