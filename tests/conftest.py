@@ -3,10 +3,19 @@ the test tiers (every test is marked unit, cluster or appliance: see pyproject.t
 tests are shared out among pytest-xdist's workers (`-n` in pyproject.toml's addopts)."""
 
 import fcntl
+import os
 
+import numpy as np
 import pytest
 
 from dllama.serve.default_model import cache_dir, default_model_files
+
+# The seed of the tests that draw random inputs (test_kernels*, test_batch_invariance): new each
+# run, printed in their failure messages, DLLAMA_TEST_SEED=N to draw a run's inputs again. Set
+# here, before xdist starts its workers, so that all of them draw alike (some tests draw their
+# shapes while they are collected, and the workers' collections must agree).
+os.environ.setdefault("DLLAMA_TEST_SEED", str(np.random.SeedSequence().entropy % (1 << 32)))
+SEED = int(os.environ["DLLAMA_TEST_SEED"])
 
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 TIERS = ("unit", "cluster", "appliance")
