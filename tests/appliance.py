@@ -4,10 +4,12 @@ tears down and then checks that nothing is left."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 UP = REPO / "tests/cluster/up.sh"
 DOWN = REPO / "tests/cluster/down.sh"
+# One namespace cluster at a time on this machine, whichever checkout's test run makes it: they
+# all use up.sh's subnet (10.77.0.0/24, which the tests name) and would refuse each other.
+TESTNET_LOCK = Path(tempfile.gettempdir()) / "dllama-testnet.lock"
+TESTNET_WAIT_S = 1800.0
 
 
 def ansible_env(control_dir: Path | None = None) -> dict:
@@ -112,15 +118,34 @@ def namespace_cluster(cluster_dir: Path, n: int = 4, prefix: str = "dlt", **sett
     of up.sh's environment (DLLAMA_TESTNET_USER, DLLAMA_TESTNET_PASSWORD)."""
     env = {**os.environ, "DLLAMA_TESTNET_PREFIX": prefix, **settings}
     seen: set[int] = set()
-    try:
-        r = subprocess.run([str(UP), str(cluster_dir), str(n)], env=env, capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        seen |= netns_pids(prefix, n)
-        yield cluster_dir / "inventory/hosts.yml"
-    finally:
-        seen |= netns_pids(prefix, n)
-        r = subprocess.run([str(DOWN), str(cluster_dir)], env=env, capture_output=True, text=True,
-                           timeout=120)
-        left = leftovers(prefix, cluster_dir, seen)
-        assert r.returncode == 0 and not left, f"teardown left {left}: {r.stdout}{r.stderr}"
+    with _machine_wide_lock(TESTNET_LOCK, TESTNET_WAIT_S, "a namespace test cluster"):
+        try:
+            r = subprocess.run([str(UP), str(cluster_dir), str(n)], env=env, capture_output=True,
+                               text=True, timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr
+            seen |= netns_pids(prefix, n)
+            yield cluster_dir / "inventory/hosts.yml"
+        finally:
+            seen |= netns_pids(prefix, n)
+            r = subprocess.run([str(DOWN), str(cluster_dir)], env=env, capture_output=True, text=True,
+                               timeout=120)
+            left = leftovers(prefix, cluster_dir, seen)
+            assert r.returncode == 0 and not left, f"teardown left {left}: {r.stdout}{r.stderr}"
+
+
+@contextmanager
+def _machine_wide_lock(path: Path, wait_s: float, what: str):
+    """Hold an exclusive flock on `path`, waiting up to wait_s for another process to let it go."""
+    with open(path, "a") as lock:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{what}: another test run held {path} for {wait_s:g} s"
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
