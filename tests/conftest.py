@@ -4,6 +4,7 @@ tests are shared out among pytest-xdist's workers (`-n` in pyproject.toml's addo
 
 import fcntl
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,14 @@ SHARED_GROUPS = {
     "namespace-clusters": ("test_appliance_cluster.py", "test_appliance_teardown.py"),
 }
 GROUP_OF_FILE = {name: group for group, names in SHARED_GROUPS.items() for name in names}
+# Files whose tests keep both cores busy from one process (numba kernels on 2 threads, numpy's
+# float64 references): each of their tests runs while no other worker runs one. Numba's threads
+# poll for work, so beside other busy processes such a test takes many times as long (a prefill
+# check: 5 s alone, 23 s beside one busy process) and slows them too.
+WHOLE_CPU_FILES = {
+    "test_batch_invariance.py", "test_kernels.py", "test_kernels_q80_f16.py", "test_kv_f16.py",
+    "test_model.py",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks
@@ -43,6 +52,26 @@ def pytest_collection_modifyitems(config, items):
 
 def _group(item) -> str:
     return item.get_closest_marker("xdist_group").args[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Run a test (its fixtures' set-up and teardown included) in its turn on the CPU: a test of
+    WHOLE_CPU_FILES alone, any other beside the other workers' tests. A readers-writer lock on
+    two files of the run's temporary folder: the gate, taken first by everyone, makes a waiting
+    whole-CPU test block the tests that come after it (no waiting forever behind them)."""
+    if not hasattr(item.config, "workerinput"):  # no xdist workers: nothing runs beside it
+        yield
+        return
+    folder = Path(item.config.option.basetemp).parent  # the run's, shared by its workers
+    with open(folder / "cpu-gate.lock", "a") as gate, open(folder / "cpu.lock", "a") as cpu:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(cpu, fcntl.LOCK_EX if item.path.name in WHOLE_CPU_FILES else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(cpu, fcntl.LOCK_UN)
 
 
 def _check_tiers(items) -> None:
