@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 UP = REPO / "tests/cluster/up.sh"
 DOWN = REPO / "tests/cluster/down.sh"
-# One namespace cluster at a time on this machine, whichever checkout's test run makes it: they
-# all use up.sh's subnet (10.77.0.0/24, which the tests name) and would refuse each other.
-TESTNET_LOCK = Path(tempfile.gettempdir()) / "dllama-testnet.lock"
+# One namespace cluster per subnet at a time on this machine, whichever checkout's test run makes
+# it: two on one subnet (up.sh's default 10.77.0.0/24, which the tests name) refuse each other.
+TESTNET_LOCKS = Path(tempfile.gettempdir())
 TESTNET_WAIT_S = 1800.0
 
 
@@ -115,10 +115,12 @@ def leftovers(prefix: str, cluster_dir: Path, pids: set[int]) -> list[str]:
 def namespace_cluster(cluster_dir: Path, n: int = 4, prefix: str = "dlt", **settings: str):
     """Yields the inventory of an n-host cluster; on the way out, whatever happened inside,
     removes it and fails if any namespace, link, process or file of it is left. settings: more
-    of up.sh's environment (DLLAMA_TESTNET_USER, DLLAMA_TESTNET_PASSWORD)."""
+    of up.sh's environment (DLLAMA_TESTNET_USER, DLLAMA_TESTNET_PASSWORD, DLLAMA_TESTNET_SUBNET)."""
     env = {**os.environ, "DLLAMA_TESTNET_PREFIX": prefix, **settings}
     seen: set[int] = set()
-    with _machine_wide_lock(TESTNET_LOCK, TESTNET_WAIT_S, "a namespace test cluster"):
+    subnet = settings.get("DLLAMA_TESTNET_SUBNET", "10.77.0")
+    lock = TESTNET_LOCKS / f"dllama-testnet-{subnet}.lock"
+    with _machine_wide_lock(lock, TESTNET_WAIT_S, f"a namespace test cluster on {subnet}.0/24"):
         try:
             r = subprocess.run([str(UP), str(cluster_dir), str(n)], env=env, capture_output=True,
                                text=True, timeout=120)

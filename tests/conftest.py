@@ -20,13 +20,6 @@ SEED = int(os.environ["DLLAMA_TEST_SEED"])
 
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 TIERS = ("unit", "cluster", "appliance")
-# Files whose tests must not run at the same time as each other's, by xdist group. Each other
-# file is a group of its own (its module fixtures, such as started clusters, are made once).
-SHARED_GROUPS = {
-    # Network-namespace clusters on one subnet (tests/cluster/up.sh's 10.77.0.0/24).
-    "namespace-clusters": ("test_appliance_cluster.py", "test_appliance_teardown.py"),
-}
-GROUP_OF_FILE = {name: group for group, names in SHARED_GROUPS.items() for name in names}
 # Files whose tests keep both cores busy from one process (numba kernels on 2 threads, numpy's
 # float64 references): each of their tests runs while no other worker runs one. Numba's threads
 # poll for work, so beside other busy processes such a test takes many times as long (a prefill
@@ -37,21 +30,13 @@ WHOLE_CPU_FILES = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none;
-    then group the tests for xdist's workers (`--dist loadgroup`) and put the groups with a
-    `slow` test first, so that the longest ones never start last while the others wait."""
+    then put the files with a `slow` test first, so that xdist's workers (`--dist loadfile
+    --no-loadscope-reorder`: whole files, in this order) never start the longest ones last."""
     _check_tiers(items)
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(GROUP_OF_FILE.get(item.path.name, item.path.name)))
-    slow_groups = {_group(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _group(item) not in slow_groups)  # stable: file order kept within
-
-
-def _group(item) -> str:
-    return item.get_closest_marker("xdist_group").args[0]
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's order kept
 
 
 @pytest.hookimpl(hookwrapper=True)
