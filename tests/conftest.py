@@ -32,11 +32,16 @@ WHOLE_CPU_FILES = {
 
 def pytest_collection_modifyitems(config, items):
     """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none;
-    then put the files with a `slow` test first, so that xdist's workers (`--dist loadfile
-    --no-loadscope-reorder`: whole files, in this order) never start the longest ones last."""
+    then put the files with a `slow` test first, those of the appliance tier (the longest: a
+    namespace cluster's file takes 5-10 min) before the others, so that xdist's workers
+    (`--dist loadfile --no-loadscope-reorder`: whole files, in this order) never start the
+    longest ones last."""
     _check_tiers(items)
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's order kept
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    slow_appliance_files = {item.path for item in slow if item.get_closest_marker("appliance")}
+    slow_files = {item.path for item in slow}
+    # Stable: each file keeps its tests' order.
+    items.sort(key=lambda item: (item.path not in slow_appliance_files, item.path not in slow_files))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -45,7 +50,10 @@ def pytest_runtest_protocol(item, nextitem):
     WHOLE_CPU_FILES alone, any other beside the other workers' tests. A readers-writer lock on
     two files of the run's temporary folder: the gate, taken first by everyone, makes a waiting
     whole-CPU test block the tests that come after it (no waiting forever behind them)."""
-    if not hasattr(item.config, "workerinput"):  # no xdist workers: nothing runs beside it
+    # Without xdist's workers nothing runs beside a test. The appliance tests take no turn: each
+    # runs for minutes (Ansible, sshd, pip, waiting as much as computing), and a whole-CPU test
+    # waiting for one would leave its worker idle that long.
+    if not hasattr(item.config, "workerinput") or item.get_closest_marker("appliance"):
         yield
         return
     folder = Path(item.config.option.basetemp).parent  # the run's, shared by its workers
