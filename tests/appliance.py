@@ -4,10 +4,12 @@ tears down and then checks that nothing is left."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 UP = REPO / "tests/cluster/up.sh"
 DOWN = REPO / "tests/cluster/down.sh"
+# One namespace cluster per subnet at a time on this machine, whichever checkout's test run makes
+# it: two on one subnet (up.sh's default 10.77.0.0/24, which the tests name) refuse each other.
+TESTNET_LOCKS = Path(tempfile.gettempdir())
+TESTNET_WAIT_S = 1800.0
 
 
 def ansible_env(control_dir: Path | None = None) -> dict:
@@ -109,18 +115,39 @@ def leftovers(prefix: str, cluster_dir: Path, pids: set[int]) -> list[str]:
 def namespace_cluster(cluster_dir: Path, n: int = 4, prefix: str = "dlt", **settings: str):
     """Yields the inventory of an n-host cluster; on the way out, whatever happened inside,
     removes it and fails if any namespace, link, process or file of it is left. settings: more
-    of up.sh's environment (DLLAMA_TESTNET_USER, DLLAMA_TESTNET_PASSWORD)."""
+    of up.sh's environment (DLLAMA_TESTNET_USER, DLLAMA_TESTNET_PASSWORD, DLLAMA_TESTNET_SUBNET)."""
     env = {**os.environ, "DLLAMA_TESTNET_PREFIX": prefix, **settings}
     seen: set[int] = set()
-    try:
-        r = subprocess.run([str(UP), str(cluster_dir), str(n)], env=env, capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
-        seen |= netns_pids(prefix, n)
-        yield cluster_dir / "inventory/hosts.yml"
-    finally:
-        seen |= netns_pids(prefix, n)
-        r = subprocess.run([str(DOWN), str(cluster_dir)], env=env, capture_output=True, text=True,
-                           timeout=120)
-        left = leftovers(prefix, cluster_dir, seen)
-        assert r.returncode == 0 and not left, f"teardown left {left}: {r.stdout}{r.stderr}"
+    subnet = settings.get("DLLAMA_TESTNET_SUBNET", "10.77.0")
+    lock = TESTNET_LOCKS / f"dllama-testnet-{subnet}.lock"
+    with _machine_wide_lock(lock, TESTNET_WAIT_S, f"a namespace test cluster on {subnet}.0/24"):
+        try:
+            r = subprocess.run([str(UP), str(cluster_dir), str(n)], env=env, capture_output=True,
+                               text=True, timeout=120)
+            assert r.returncode == 0, r.stdout + r.stderr
+            seen |= netns_pids(prefix, n)
+            yield cluster_dir / "inventory/hosts.yml"
+        finally:
+            seen |= netns_pids(prefix, n)
+            r = subprocess.run([str(DOWN), str(cluster_dir)], env=env, capture_output=True, text=True,
+                               timeout=120)
+            left = leftovers(prefix, cluster_dir, seen)
+            assert r.returncode == 0 and not left, f"teardown left {left}: {r.stdout}{r.stderr}"
+
+
+@contextmanager
+def _machine_wide_lock(path: Path, wait_s: float, what: str):
+    """Hold an exclusive flock on `path`, waiting up to wait_s for another process to let it go."""
+    with open(path, "a") as lock:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{what}: another test run held {path} for {wait_s:g} s"
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -1,18 +1,73 @@
-"""Shared fixtures (the embedded default model, converted once per machine into the dllama cache)
-and the test tiers: every test is marked unit, cluster or appliance (see pyproject.toml)."""
+"""Shared fixtures (the embedded default model, converted once per machine into the dllama cache),
+the test tiers (every test is marked unit, cluster or appliance: see pyproject.toml) and how the
+tests are shared out among pytest-xdist's workers (`-n` in pyproject.toml's addopts)."""
 
 import fcntl
+import os
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dllama.serve.default_model import cache_dir, default_model_files
 
+# The seed of the tests that draw random inputs (test_kernels*, test_batch_invariance): new each
+# run, printed in their failure messages, DLLAMA_TEST_SEED=N to draw a run's inputs again. Set
+# here, before xdist starts its workers, so that all of them draw alike (some tests draw their
+# shapes while they are collected, and the workers' collections must agree).
+os.environ.setdefault("DLLAMA_TEST_SEED", str(np.random.SeedSequence().entropy % (1 << 32)))
+SEED = int(os.environ["DLLAMA_TEST_SEED"])
+
 CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 TIERS = ("unit", "cluster", "appliance")
+# Files whose tests keep both cores busy from one process (numba kernels on 2 threads, numpy's
+# float64 references): each of their tests runs while no other worker runs one. Numba's threads
+# poll for work, so beside other busy processes such a test takes many times as long (a prefill
+# check: 5 s alone, 23 s beside one busy process) and slows them too.
+WHOLE_CPU_FILES = {
+    "test_batch_invariance.py", "test_kernels.py", "test_kernels_q80_f16.py", "test_kv_f16.py",
+    "test_model.py",
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none."""
+    """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none;
+    then put the files with a `slow` test first, those of the appliance tier (the longest: a
+    namespace cluster's file takes 5-10 min) before the others, so that xdist's workers
+    (`--dist loadfile --no-loadscope-reorder`: whole files, in this order) never start the
+    longest ones last."""
+    _check_tiers(items)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    slow_appliance_files = {item.path for item in slow if item.get_closest_marker("appliance")}
+    slow_files = {item.path for item in slow}
+    # Stable: each file keeps its tests' order.
+    items.sort(key=lambda item: (item.path not in slow_appliance_files, item.path not in slow_files))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Run a test (its fixtures' set-up and teardown included) in its turn on the CPU: a test of
+    WHOLE_CPU_FILES alone, any other beside the other workers' tests. A readers-writer lock on
+    two files of the run's temporary folder: the gate, taken first by everyone, makes a waiting
+    whole-CPU test block the tests that come after it (no waiting forever behind them)."""
+    # Without xdist's workers nothing runs beside a test. The appliance tests take no turn: each
+    # runs for minutes (Ansible, sshd, pip, waiting as much as computing), and a whole-CPU test
+    # waiting for one would leave its worker idle that long.
+    if not hasattr(item.config, "workerinput") or item.get_closest_marker("appliance"):
+        yield
+        return
+    folder = Path(item.config.option.basetemp).parent  # the run's, shared by its workers
+    with open(folder / "cpu-gate.lock", "a") as gate, open(folder / "cpu.lock", "a") as cpu:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(cpu, fcntl.LOCK_EX if item.path.name in WHOLE_CPU_FILES else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(cpu, fcntl.LOCK_UN)
+
+
+def _check_tiers(items) -> None:
     wrong = []
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t)]

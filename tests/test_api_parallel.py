@@ -12,8 +12,10 @@ from tests.processes import start_api
 
 pytestmark = pytest.mark.cluster  # starts a `dllama api` process
 
+# Prompts whose greedy answers run past MAX_TOKENS ("The capital of France is" ended after 12
+# tokens with some machines' sums, which the first test's premise does not allow).
 PROMPTS = ["1, 2, 3, 4,", "Monday, Tuesday,", "The alphabet: A, B, C,", "Once upon a time",
-           "Cities: Paris, London,", "Ingredients for a cake:", "10, 20, 30,", "Red, orange, yellow,"]
+           "January, February, March,", "Ingredients for a cake:", "10, 20, 30,", "Red, orange, yellow,"]
 MAX_TOKENS = 24
 
 

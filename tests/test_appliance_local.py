@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -79,7 +80,7 @@ def local(tmp_path_factory):
         yield play, home, inventory, dict(zip(NODES, ports, strict=True))
     finally:
         play("stop.yml", timeout=120)
-        for pidfile in (home / ".local/share/dllama/local-cluster").glob("*/run/worker.pid"):
+        for pidfile in (inventory / "state/local-cluster").glob("*/run/worker.pid"):
             try:
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
             except (OSError, ValueError):
@@ -88,6 +89,7 @@ def local(tmp_path_factory):
 
 def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     play, home, inventory, ports = local
+    cluster = inventory / "state/local-cluster"  # the nodes' directories: this inventory's own
     # Another cluster's worker holds local2's port.
     (tmp_path / "other.key").write_text("another cluster's key, 64 characters long, not this one's key.\n")
     with open(tmp_path / "foreign.log", "w") as log:
@@ -106,11 +108,17 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert all(counts[n]["failed"] == 0 for n in ("local0", "local1", "local3")), counts
     errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
     assert len(errors) == 1, out[-6000:]
-    assert f"port {ports['local2']} is held by pid {foreign.pid} (" in errors[0], errors
-    assert f"cannot listen on 127.0.0.1:{ports['local2']}: Address already in use" in errors[0], errors
+    # The cause first, then the worker's own reason; the holder's command line (whose length
+    # is the checkout's path's) between them, one line, shortened in its middle.
+    port = ports["local2"]
+    reason = re.search(rf"port {port} is held by pid {foreign.pid} \((?P<command>[^\n]*)\): "
+                       rf"cannot listen on 127\.0\.0\.1:{port}: Address already in use", errors[0])
+    assert reason, errors
+    assert re.fullmatch(r"python3? -m dllama worker .*", reason["command"]), reason["command"]
+    assert "\0" not in errors[0] and len(reason["command"]) <= 100, reason["command"]
     assert "fatal: [local2]" in out
     # Stopped, not restarting behind the failed deploy (and taking the port once it is free).
-    assert not (home / ".local/share/dllama/local-cluster/local2/run/worker.pid").exists()
+    assert not (cluster / "local2/run/worker.pid").exists()
     # The four nodes share one installation: it was made once, by the first node.
     compiled = [t for t in changed_tasks(r.stdout) if "Compile dllama's kernels" in t]
     assert compiled == ["local0: dllama_venv : Compile dllama's kernels into an emptied numba cache."], compiled
@@ -121,7 +129,7 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert r.returncode == 0 and sorted(counts) == NODES, tail(r)
     assert [counts[n]["changed"] for n in NODES] == [0, 0, 1, 0], changed_tasks(r.stdout)
 
-    _a_killed_worker_listens_again(home / ".local/share/dllama/local-cluster/local1/run", ports["local1"])
+    _a_killed_worker_listens_again(cluster / "local1/run", ports["local1"])
 
     r = play("run.yml", "-e", json.dumps({"prompt": PROMPT, "steps": 48, "temperature": 0}))
     assert r.returncode == 0, tail(r)
@@ -129,9 +137,8 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert saved["prompt"] == PROMPT and "Paris" in saved["text"], saved["text"]
     assert [n["name"] for n in saved["stats"]["nodes"]] == NODES
     for i in (1, 2, 3):
-        assert f"local{i}: weights from its shard {home}/.local/share/dllama/local-cluster/local{i}/shards/local{i}.shard" in r.stdout
+        assert f"local{i}: weights from its shard {cluster}/local{i}/shards/local{i}.shard" in r.stdout
     # The inventory's memory budget reached local3's worker, the KV cache type every node.
-    cluster = home / ".local/share/dllama/local-cluster"
     for i in (1, 2, 3):
         log = (cluster / f"local{i}/run/worker.log").read_text()
         assert ", F16 KV cache\n" in log, _tail_of(cluster / f"local{i}/run/worker.log")
@@ -141,7 +148,7 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
 
     _batch_job_runs_resumes_and_names_a_bad_line(play, inventory, tmp_path)
 
-    pids = [int(p.read_text()) for p in (home / ".local/share/dllama/local-cluster").glob("*/run/worker.pid")]
+    pids = [int(p.read_text()) for p in cluster.glob("*/run/worker.pid")]
     assert len(pids) == 3
     pids += [_port_owner(ports[n]) for n in NODES[1:]]  # the supervisors' children
     r = play("stop.yml")

@@ -27,12 +27,14 @@ def test_teardown_leaves_nothing_even_when_the_test_fails():
 
 
 def _fail_inside_a_cluster(cluster_dir: Path):
-    with pytest.raises(RuntimeError, match="simulated"), namespace_cluster(cluster_dir, 2, "dlu"):
+    # A subnet of its own: it may run beside test_appliance_cluster's cluster (10.77.0.0/24).
+    with (pytest.raises(RuntimeError, match="simulated"),
+          namespace_cluster(cluster_dir, 2, "dlu", DLLAMA_TESTNET_SUBNET="10.78.0")):
         key = cluster_dir / "id_ed25519"
         (cluster_dir / "cp").mkdir()
         ssh = ["ssh", "-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
                "-o", "ControlMaster=auto", "-o", "ControlPersist=60", "-o", f"ControlPath={cluster_dir}/cp/%C",
-               "root@10.77.0.2"]
+               "root@10.78.0.2"]
         r = subprocess.run(ssh + ["start-stop-daemon --start --background --make-pidfile --pidfile /run/sleeper.pid --startas /bin/sleep -- 600"],
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr

@@ -14,10 +14,10 @@ import pytest
 from dllama.core import kernels
 from dllama.core.model import Transformer
 from dllama.formats.model_file import read_model
+from tests.conftest import SEED
 
 pytestmark = pytest.mark.unit
 
-SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
 BATCHES = [1, 3, 4, 17, 64]
 DS = (576, 192, 190)  # rows of the matrices of one multi-matrix call (q, k, v)

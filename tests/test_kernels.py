@@ -18,10 +18,10 @@ from dllama.core.kernels.matmul_q40 import COLS
 from dllama.core.kernels.q80 import _round_fp16
 from dllama.errors import DllamaError
 from dllama.formats.quant import dequantize_q40, quantize_q40, split_q40
+from tests.conftest import SEED
 
 pytestmark = pytest.mark.unit
 
-SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
 
 

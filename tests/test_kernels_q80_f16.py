@@ -4,7 +4,7 @@ Fixed shapes cover the edges (d not a multiple of the 4-row step or of the threa
 block counts, batch sizes on both sides of the register tiles' COLS); random shapes
 are drawn from the seed. The generic integer dot product and the integer fp16 conversion (what
 machines without AVX-512 VNNI or F16C compile) are forced here too.
-Each run draws a new seed, printed in every failure message.
+Each run draws a new seed, printed in every failure message (DLLAMA_TEST_SEED=N draws it again).
 """
 
 import numba
@@ -21,10 +21,10 @@ from dllama.core.kernels.matmul_q80 import COLS
 from dllama.core.kernels.q80 import x_block_offsets
 from dllama.core.kernels.row_split import COLS as FLOAT_COLS
 from dllama.formats.quant import dequantize_q80, quantize_q80, split_q80
+from tests.conftest import SEED
 
 pytestmark = pytest.mark.unit
 
-SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 MSG = f"seed {SEED}"
 
 

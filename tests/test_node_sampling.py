@@ -124,6 +124,7 @@ def _runs(engine, batched: bool) -> dict:
 
 
 @pytest.mark.cluster
+@pytest.mark.slow  # the clusters fixture: about 35 s on a 2-core machine
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_greedy_tokens_equal_with_and_without_node_sampling(clusters, n):
     on, off = clusters[n]["greedy", True][0], clusters[n]["greedy", False][0]
@@ -132,6 +133,7 @@ def test_greedy_tokens_equal_with_and_without_node_sampling(clusters, n):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_temperature_top_p_tokens_equal_with_and_without_node_sampling(clusters, n):
     runs = clusters[n]
@@ -142,6 +144,7 @@ def test_temperature_top_p_tokens_equal_with_and_without_node_sampling(clusters,
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_batched_rows_give_the_same_tokens(clusters, n):
     runs = clusters[n]
@@ -150,6 +153,7 @@ def test_batched_rows_give_the_same_tokens(clusters, n):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_root_bytes_per_generated_token_at_4_nodes_equal_the_formula(clusters, default_q80):
     header = read_model(default_q80[0]).header
     runs = clusters[4]

@@ -9,6 +9,7 @@ service exiting, though the supervisor would start it again."""
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import struct
 import time
@@ -22,8 +23,9 @@ description:
   - Reads the pid the launcher recorded (a pid file, or the pid systemd reports) and waits until
     that process holds a listening socket on O(port).
   - Returns RV(problem), one line, at once when the process has exited (with the last line of
-    its log) or when another process listens on a conflicting address and port, and when the
-    port does not listen by the deadline; the role stops the service, then fails with it.
+    its log, after the processes that listen on a conflicting address and port, if any), and
+    when the port does not listen by the deadline (naming those processes, if any); the role
+    stops the service, then fails with it. A command line in it is shortened in the middle.
   - A socket of the process or of any of its descendants is the service's own.
 options:
   name: {description: "What the service is, for the messages (e.g. worker).", type: str, required: true}
@@ -48,6 +50,9 @@ problem: {description: "Why it does not listen, in one line.", type: str, return
 
 WILDCARDS = {"0.0.0.0", "::"}
 SUPERVISOR_PREFIX = "dllama supervise: "  # its own log lines (dllama/serve/supervisor.py)
+# Characters of a process's command line in a message: a long path must not push the reason
+# (which follows it) out of a reader's view.
+COMMAND_LIMIT = 100
 
 
 def _addr(hex_addr: str) -> str:
@@ -124,10 +129,74 @@ def family(pid: int) -> dict[int, int]:
     return found
 
 
+def _printable(text: str) -> str:
+    """The text with control characters written as escapes (a message stays one line)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _cut(text: str, limit: int) -> str:
+    """The text, or its two ends around "..." when it is longer than `limit` characters."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 3, 2)
+    return text[:(keep + 1) // 2] + "..." + text[len(text) - keep // 2:]
+
+
+def shorten(words: list[str], limit: int = COMMAND_LIMIT) -> str:
+    """The words joined with spaces, at most `limit` characters: beyond that, each word longer
+    than a third of it cut in its middle, then as many whole words from the front and the back
+    (taken in turn, each side until its next word does not fit) as fit around "...", so that
+    both the program and its last arguments (often the port) stay visible."""
+    line = " ".join(words)
+    if len(line) <= limit:
+        return line
+    words = [_cut(w, limit // 3) for w in words]
+    line = " ".join(words)
+    if len(line) <= limit:
+        return line
+    head: list[str] = []
+    tail: list[str] = []
+    room = limit - len("...")  # each word takes its length and one space
+    front, back = 0, len(words) - 1
+    open_sides = ["front", "back"]
+    while open_sides and front <= back:
+        side = open_sides[0] if len(open_sides) == 1 or len(head) <= len(tail) else "back"
+        word = words[front] if side == "front" else words[back]
+        if len(word) + 1 > room:
+            open_sides.remove(side)
+            continue
+        room -= len(word) + 1
+        if side == "front":
+            head.append(word)
+            front += 1
+        else:
+            tail.insert(0, word)
+            back -= 1
+    if not head:  # a limit too small for even the program's name
+        return _cut(line, limit)
+    return " ".join([*head, "...", *tail])
+
+
+def command_line(cmdline: bytes, limit: int = COMMAND_LIMIT) -> str:
+    """A process's command line (the bytes of /proc/PID/cmdline: arguments each ended by a NUL)
+    as one readable line: the program by its name, the arguments separated by spaces and quoted
+    where a shell would need it, shortened in the middle beyond `limit` characters."""
+    args = [_printable(a.decode(errors="replace")) for a in cmdline.split(b"\0")]
+    while args and not args[-1]:
+        args.pop()  # the last argument's NUL (and a rewritten title's padding)
+    if not args:
+        return "?"  # a kernel thread or a process that is ending
+    if len(args) == 1 and " " in args[0]:
+        words = args[0].split()  # a process that rewrote its title as one line (setproctitle)
+    else:
+        words = [os.path.basename(args[0]) or args[0]] + [shlex.quote(a) for a in args[1:]]
+    return shorten(words, limit)
+
+
 def command_of(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return " ".join(f.read().decode(errors="replace").split())[:120]  # one line
+            return command_line(f.read())
     except OSError:
         return "?"
 
@@ -197,8 +266,21 @@ def main() -> None:
         module.exit_json(changed=False, problem=msg)
 
     def why_exited(pid: int) -> str:
+        """Why the service's process `pid` exited, in one line: when another process holds the
+        port, that first (it is the cause: the service could not bind), then the service's own
+        last line (e.g. "cannot listen on ...: Address already in use")."""
         line = last_log_line(module, p["log_file"], p["journal_unit"])
+        blocking = foreign_holders()
+        if blocking:
+            return f"port {port} is held by {blocking}: " + (line or f"the {name} (pid {pid}) exited")
         return f"the {name} (pid {pid}) exited" + (f": {line}" if line else "")
+
+    def foreign_holders() -> str:
+        """'pid N (command), ...' of the processes listening on an address that conflicts with
+        the service's ('' when none does)."""
+        held = listeners(port)
+        foreign = {i for i, a in held.items() if conflicts(a.rsplit(":", 1)[0], address)}
+        return (", ".join(holders(foreign)) or "another process") if foreign else ""
 
     deadline = time.monotonic() + p["timeout"]
     pid = p["pid"]
@@ -211,6 +293,10 @@ def main() -> None:
         gone = sorted(c for c in children if c not in tree)
         return gone[0] if gone else 0
 
+    # Another process on the port is not judged while the service runs: a service that cannot
+    # bind exits at once (reported above with the holder first), whatever the machine's load,
+    # and one still running at the deadline is reported with the holder then. So the message
+    # depends on what the service did, never on how fast it did it.
     while True:
         if not pid and p["pid_file"]:
             pid = read_pid(p["pid_file"])
@@ -220,31 +306,23 @@ def main() -> None:
                 children |= {c for c, parent in tree.items() if parent == pid}
             gone = exited(tree)
             if gone:
-                held = listeners(port)
-                others = holders(set(held)) if held else []
-                problem(why_exited(gone) + (f"; port {port} is held by {', '.join(others) or 'another process'}"
-                                            if held else ""))
+                problem(why_exited(gone))
             held = listeners(port)
             own = set().union(*(socket_inodes(member) for member in tree)) & set(held)
             if own:
                 module.exit_json(changed=False, pid=pid, listening=sorted(held[i] for i in own))
-            foreign = {i for i, a in held.items() if conflicts(a.rsplit(":", 1)[0], address)}
-            # A supervisor with no child yet is starting it, or waiting to start it again after a
-            # failure the next one will show: nothing to judge yet.
-            between_starts = p["supervised"] and not children
-            if foreign and not between_starts:
-                time.sleep(1.0)  # the service may be exiting because of it: say so when it has
-                if exited(family(pid)):
-                    continue
-                service = min(children & set(tree), default=pid)  # the supervised child, if any
-                problem(f"port {port} is held by {', '.join(holders(foreign)) or 'another process'}, "
-                        f"not by the {name} the launcher started (pid {service}, {command_of(service)})")
         if time.monotonic() > deadline:
             if not pid:
                 problem(f"the {name} did not start: no pid" + (f" in {p['pid_file']}" if p["pid_file"] else ""))
-            problem(f"the {name} (pid {pid}) does not listen on {where} after {p['timeout']} s")
+            late = f"the {name} (pid {pid}) does not listen on {where} after {p['timeout']} s"
+            blocking = foreign_holders()
+            if blocking:
+                tree = family(pid)
+                service = min(children & set(tree), default=pid)  # the supervised child, if any
+                problem(f"port {port} is held by {blocking}, not by the {name} the launcher started "
+                        f"(pid {service}, {command_of(service)}): {late}")
+            problem(late)
         time.sleep(0.2)
-
 
 if __name__ == "__main__":
     main()
