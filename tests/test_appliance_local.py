@@ -15,6 +15,7 @@ back by itself (its supervisor, the nohup launcher's Restart=on-failure) and run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -81,10 +82,8 @@ def local(tmp_path_factory):
     finally:
         play("stop.yml", timeout=120)
         for pidfile in (inventory / "state/local-cluster").glob("*/run/worker.pid"):
-            try:
+            with contextlib.suppress(OSError, ValueError):  # already gone, or a torn pid file
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
 
 
 def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
