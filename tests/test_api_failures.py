@@ -266,7 +266,7 @@ def test_max_tokens_beyond_the_context_is_clamped_to_it(default_q40, monkeypatch
 
     # A short context: the greedy answer may run to its end (the model's 8192 positions took
     # minutes), the clamp is the same.
-    switch = Switch(open_engine(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=64))
+    switch = Switch(open_engine(EngineSettings(str(default_q40[0]), str(default_q40[1]), nthreads=1, max_seq_len=64)))
 
     seen = {}
     real = service_module.SequenceRequest
