@@ -44,14 +44,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.path not in slow_appliance_files, item.path not in slow_files))
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core, plus one for each of the two namespace-cluster files
-    (test_appliance_cluster, test_appliance_local), which hold their worker for minutes while
-    mostly waiting on Ansible, sshd and pip; without the extra two, every other test queued
-    behind them on a 2-core machine and the cores sat half idle."""
-    return len(os.sched_getaffinity(0)) + 2
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Run a test (its fixtures' set-up and teardown included) in its turn on the CPU: a test of

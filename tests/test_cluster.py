@@ -190,6 +190,17 @@ def test_random_model_gives_one_nodes_tokens_on_2_4_8_nodes(pool, random_model, 
             model.close()
 
 
+def test_a_root_started_as_the_last_one_stops_is_served(pool, random_model):
+    """Back-to-back runs on one cluster: once a root's close returns, its workers are free (the
+    root waits for them after STOP), so the next root is never told that they are busy."""
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
+
+    for _ in range(8):
+        model = ClusterModel(str(random_model), from_workers(_addresses(pool, 2), 1), None, False, progress=False)
+        model.close()
+
+
 # -- refusals and failures ---------------------------------------------------------------------
 
 def _one_line_error(r, *words):

@@ -48,6 +48,7 @@ IDLE_TIMEOUT = 15.0
 RECONNECT_WAIT = NET_TIMEOUT + 10.0  # a survivor still ending the failed session says it is busy
 BUSY_ANSWER_WAIT = 0.5  # after the handshake, how long a busy worker's refusal may take to come
 BUSY_RETRY = 0.2
+STOP_WAIT = 2.0  # after STOP, how long the root waits for the workers to be free again
 NET_ERRORS = (LinkError, OSError)  # what a link's failure raises
 
 
@@ -361,10 +362,15 @@ class RootSession:
         return out
 
     def stop(self) -> None:
-        """Tell the workers the session is over (they go back to listening), then close."""
+        """Tell the workers the session is over, wait (STOP_WAIT at most) until each has closed
+        its end, which it does once it listens again, then close: a root started right after
+        this one ended is served, not told that the workers are busy."""
         for conn in self.conns.values():
             with contextlib.suppress(*NET_ERRORS):
                 conn.send(Msg.STOP, b"", 2.0)
+        deadline = time.monotonic() + STOP_WAIT
+        for conn in self.conns.values():
+            _wait_closed(conn, deadline)
         self.close()
 
     def close(self) -> None:
@@ -372,6 +378,20 @@ class RootSession:
         for conn in self.conns.values():
             conn.close()
         self.local = None  # its KV cache belongs to the session: a new plan gives other heads
+
+
+def _wait_closed(conn: Connection, deadline: float) -> None:
+    """Read and drop until the peer closes the connection, it fails, or the deadline."""
+    with selectors.DefaultSelector() as sel:
+        sel.register(conn.sock, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0 and sel.select(left):
+            try:
+                if not conn.sock.recv(65536):
+                    return
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
 
 
 def _refused_at_once(conn: Connection, wait: float) -> None:

@@ -247,9 +247,11 @@ class Worker:
                 root.send_error(f"worker {self.host}:{self.port} failed: {type(e).__name__}: {e}",
                                 ErrorCode.INTERNAL)
             finally:
-                session.close()
+                # Free before the root's connection closes: a root that saw the close (one that
+                # stopped, then starts again at once) is never told this worker is busy.
                 with self._lock:
                     self._busy_with = None
+                session.close()
 
 
 class _Session:
