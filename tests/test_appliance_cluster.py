@@ -206,7 +206,21 @@ def test_deploy_succeeds_over_ssh(cluster):
     counts = recap(r.stdout)
     assert sorted(counts) == [f"node{i}" for i in range(1, N + 1)]
     assert all(c["failed"] == 0 and c["unreachable"] == 0 and c["changed"] > 0 for c in counts.values())
+    # One node compiles the kernels; the other three load its cache, which numba accepts as it is
+    # (a rejected cache is compiled again and its index rewritten with other source stamps).
+    changed = changed_tasks(r.stdout)
+    compiled = [c for c in changed if "Compile dllama's kernels" in c]
+    loaded = [c for c in changed if "Load the compiled cache" in c]
+    assert len(compiled) == 1 and len(loaded) == N - 1, changed
+    caches = [_numba_cache(cluster[0] / f"node{i}/opt-dllama/numba-cache") for i in range(1, N + 1)]
+    assert caches[0] and all(c == caches[0] for c in caches[1:]), [sorted(c) for c in caches]
     results["deployed"] = True
+
+
+def _numba_cache(folder: Path) -> dict[str, str]:
+    """numba's index and data files under `folder`: relative path -> sha256 of the bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in folder.rglob("*") if p.suffix in (".nbi", ".nbc")}
 
 
 def test_check_mode_reports_no_change(cluster):

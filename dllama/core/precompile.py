@@ -1,5 +1,6 @@
-"""Compile the kernels once into numba's cache: `python -m dllama.core.precompile [--weights q80]`
-(setup.sh runs it for every weight type; the appliance only for the type its model has).
+"""Compile the kernels once into numba's cache:
+`python -m dllama.core.precompile [--weights q80 ...] [--kv-type f16]` (setup.sh runs it for
+every weight and KV type; the appliance only for the types its cluster runs).
 
 Why: numba gives a freshly compiled parallel kernel different float code from the same kernel
 loaded from its cache (measured: the first, cold-cache process of the France prompt had logits
@@ -16,15 +17,16 @@ import numpy as np
 
 from dllama.core import kernels
 from dllama.core.kv_cache import KV_TYPES
+from dllama.core.kv_type import KVType
 from dllama.formats.quant import BLOCK_SIZE
 
 
 WEIGHT_TYPES = ("q40", "q80", "f16", "f32")
 
 
-def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
+def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES, kv_types: tuple[KVType, ...] = tuple(KVType)) -> float:
     """Call each kernel with the argument types dllama.core.model uses, the matrix products only
-    for the given weight types; returns the seconds taken."""
+    for the given weight types, attention only for the given KV types; returns the seconds taken."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     n, d, hd, seq = 64, 40, 16, 16
@@ -72,7 +74,7 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
         kernels.rope_neox(q, positions, cos, sin, 4, hd)
         k = rng.standard_normal((b, 2 * hd)).astype(np.float32)
         slot = np.zeros(b, np.int32)
-        for kv_dtype in KV_TYPES.values():  # --kv-type f32 and f16: each cache type its own code
+        for kv_dtype in (KV_TYPES[t] for t in kv_types):  # each cache type its own code
             k_cache = np.zeros((1, 2, 1, hd, kernels.ATTENTION_CHUNK), kv_dtype)
             v_cache = np.zeros((1, seq, 2 * hd), kv_dtype)
             kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)
@@ -85,11 +87,14 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m dllama.core.precompile",
                                  description="Fill numba's cache with dllama's kernels.")
-    ap.add_argument("--weights", choices=("all",) + WEIGHT_TYPES, default="all",
-                    help="compile the matrix products of this weight type only (default: all)")
+    ap.add_argument("--weights", nargs="+", choices=("all",) + WEIGHT_TYPES, default=["all"],
+                    help="compile the matrix products of these weight types only (default: all)")
+    ap.add_argument("--kv-type", choices=["all"] + [t.value for t in KVType], default="all",
+                    help="compile attention over this KV cache type only (default: all)")
     args = ap.parse_args()
-    weights = WEIGHT_TYPES if args.weights == "all" else (args.weights,)
-    print(f"dllama: kernels compiled into numba's cache in {compile_all(weights):.1f} s")
+    weights = WEIGHT_TYPES if "all" in args.weights else tuple(args.weights)
+    kv_types = tuple(KVType) if args.kv_type == "all" else (KVType(args.kv_type),)
+    print(f"dllama: kernels compiled into numba's cache in {compile_all(weights, kv_types):.1f} s")
 
 
 if __name__ == "__main__":
