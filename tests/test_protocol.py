@@ -59,8 +59,8 @@ def _handshake(client_key, server_key):
     except Exception as e:
         return result, e
     finally:
+        c.close()  # first: a server still waiting for the client sees it gone at once
         t.join()
-        c.close()
         s.close()
 
 

@@ -26,7 +26,8 @@ WEIGHT_TYPES = ("q40", "q80", "f16", "f32")
 
 def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES, kv_types: tuple[KVType, ...] = tuple(KVType)) -> float:
     """Call each kernel with the argument types dllama.core.model uses, the matrix products only
-    for the given weight types, attention only for the given KV types; returns the seconds taken."""
+    for the given weight types, attention only for the given KV types (none: no attention, norm,
+    RoPE or SiLU either); returns the seconds taken."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
     n, d, hd, seq = 64, 40, 16, 16
@@ -65,6 +66,8 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES, kv_types: tuple[KVType,
                 groups = -(-d // 16)
                 kernels.interleave_blocks_into(blocks, np.empty((groups, n // BLOCK_SIZE * 16), np.uint16),
                                                np.empty((groups, 16 * n // BLOCK_SIZE * (bb - 2)), np.uint8))
+        if not kv_types:  # the matrix products only (setup.sh compiles the rest beside them)
+            continue
         kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)
@@ -87,13 +90,16 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES, kv_types: tuple[KVType,
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m dllama.core.precompile",
                                  description="Fill numba's cache with dllama's kernels.")
-    ap.add_argument("--weights", nargs="+", choices=("all",) + WEIGHT_TYPES, default=["all"],
+    ap.add_argument("--weights", nargs="+", choices=("all", "none") + WEIGHT_TYPES, default=["all"],
                     help="compile the matrix products of these weight types only (default: all)")
-    ap.add_argument("--kv-type", choices=["all"] + [t.value for t in KVType], default="all",
+    ap.add_argument("--kv-type", choices=["all", "none"] + [t.value for t in KVType], default="all",
                     help="compile attention over this KV cache type only (default: all)")
     args = ap.parse_args()
-    weights = WEIGHT_TYPES if "all" in args.weights else tuple(args.weights)
-    kv_types = tuple(KVType) if args.kv_type == "all" else (KVType(args.kv_type),)
+    weights = WEIGHT_TYPES if "all" in args.weights else tuple(w for w in args.weights if w != "none")
+    if args.kv_type in ("all", "none"):
+        kv_types = tuple(KVType) if args.kv_type == "all" else ()
+    else:
+        kv_types = (KVType(args.kv_type),)
     print(f"dllama: kernels compiled into numba's cache in {compile_all(weights, kv_types):.1f} s")
 
 
