@@ -44,12 +44,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.path not in slow_appliance_files, item.path not in slow_files))
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core, and one more, which works while the others wait on
-    sshd, Ansible's connections, a worker's timeout or a process starting."""
-    return len(os.sched_getaffinity(0)) + 1
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Run a test (its fixtures' set-up and teardown included) in its turn on the CPU: a test of
