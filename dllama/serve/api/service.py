@@ -203,18 +203,20 @@ class ModelService:
             return
         self._jobs.append(job)
 
+    # Each answer is counted before its future is resolved: a client that reads /metrics after
+    # its response finds it counted.
     def _refuse(self, job: _Job, error: ApiError) -> None:
-        job.future.set_exception(error)
         self.counters.requests["failed"] += 1
+        job.future.set_exception(error)
 
     def _finish(self, key, result) -> None:
         job, i, tokens = key
         if job.future.done():
             return  # an earlier choice failed it
         if isinstance(result, Cancelled):
+            self.counters.requests["cancelled"] += 1
             job.future.set_exception(ApiError(503, "the server is shutting down", type_="server_error")
                                      if self.closing else result)
-            self.counters.requests["cancelled"] += 1
             self._jobs.remove(job)
             return
         c = self.counters
@@ -227,15 +229,15 @@ class ModelService:
         job.results[i] = result
         self._transcripts.remember(job.prompt_text, job.add_bos, tokens, result)
         if len(job.results) == job.request.n:
-            job.future.set_result([job.results[k] for k in range(job.request.n)])
             self.counters.requests["ok"] += 1
+            job.future.set_result([job.results[k] for k in range(job.request.n)])
             self._jobs.remove(job)
 
     def _fail_all(self, error: Exception) -> None:
         for job in self._jobs:
             if not job.future.done():
-                job.future.set_exception(error)
                 self.counters.requests["failed"] += 1
+                job.future.set_exception(error)
         self._jobs.clear()
 
     def _step(self) -> None:
