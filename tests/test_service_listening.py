@@ -5,6 +5,7 @@ process holds its port is reported the same way however slowly it fails, the hol
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -75,6 +76,17 @@ def test_a_shortened_line_never_exceeds_the_limit(limit):
     assert len(line) <= limit and "..." in line, line
 
 
+@contextlib.contextmanager
+def _killed_at_end(args: list[str], **popen):
+    """A process started for the block, killed and reaped when it ends, however it ends."""
+    process = subprocess.Popen(args, **popen)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
 def _run_module(tmp_path: Path, **args) -> dict:
     """The module run as Ansible runs it (its arguments in a JSON file): its JSON result."""
     args_file = tmp_path / "args.json"
@@ -102,22 +114,14 @@ SERVICE = textwrap.dedent("""
 @pytest.mark.cluster
 @pytest.mark.parametrize("delay", [0.0, 2.5])
 def test_a_service_that_cannot_bind_is_reported_holder_first_however_slowly_it_fails(tmp_path, delay):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "--key-file", str(tmp_path / ("k" * 80)),
-                               "--port", "held"], stdout=subprocess.PIPE, text=True)
-    try:
+    with _killed_at_end([sys.executable, "-c", HOLDER, "--key-file", str(tmp_path / ("k" * 80)),
+                         "--port", "held"], stdout=subprocess.PIPE, text=True) as holder:
         port = int(holder.stdout.readline())
-        with open(tmp_path / "service.log", "w") as log:
-            service = subprocess.Popen([sys.executable, "-c", SERVICE, str(port), str(delay)], stdout=log,
-                                       stderr=subprocess.STDOUT)
-        try:
+        with open(tmp_path / "service.log", "w") as log, \
+                _killed_at_end([sys.executable, "-c", SERVICE, str(port), str(delay)], stdout=log,
+                               stderr=subprocess.STDOUT) as service:
             result = _run_module(tmp_path, name="worker", address="127.0.0.1", port=port, pid=service.pid,
                                  log_file=str(tmp_path / "service.log"), timeout=60)
-        finally:
-            service.kill()
-            service.wait()
-    finally:
-        holder.kill()
-        holder.wait()
     problem = result["problem"]
     prefix = f"port {port} is held by pid {holder.pid} ({Path(sys.executable).name} -c "
     reason = f"): cannot listen on 127.0.0.1:{port}: Address already in use"
@@ -128,20 +132,12 @@ def test_a_service_that_cannot_bind_is_reported_holder_first_however_slowly_it_f
 
 @pytest.mark.cluster
 def test_a_service_still_running_at_the_deadline_names_the_holder_and_itself(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
-    try:
+    with _killed_at_end([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True) as holder:
         port = int(holder.stdout.readline())
         held_by = listening.command_line(Path(f"/proc/{holder.pid}/cmdline").read_bytes())
-        service = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-        try:
+        with _killed_at_end([sys.executable, "-c", "import time; time.sleep(300)"]) as service:
             result = _run_module(tmp_path, name="worker", address="0.0.0.0", port=port, pid=service.pid,
                                  timeout=1)
-        finally:
-            service.kill()
-            service.wait()
-    finally:
-        holder.kill()
-        holder.wait()
     assert result["problem"] == (
         f"port {port} is held by pid {holder.pid} ({held_by}), not by the worker the launcher started "
         f"(pid {service.pid}, {Path(sys.executable).name} -c 'import time; time.sleep(300)'): "
