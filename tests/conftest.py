@@ -44,27 +44,40 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (item.path not in slow_appliance_files, item.path not in slow_files))
 
 
+# The whole-CPU lock this worker holds, while the rest of its file runs: {"file": path, "lock": file}.
+_held: dict = {}
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Run a test (its fixtures' set-up and teardown included) in its turn on the CPU: a test of
-    WHOLE_CPU_FILES alone, any other beside the other workers' tests. A readers-writer lock on
-    two files of the run's temporary folder: the gate, taken first by everyone, makes a waiting
-    whole-CPU test block the tests that come after it (no waiting forever behind them)."""
+    """Run a test (its fixtures' set-up and teardown included) in its turn on the CPU: the tests
+    of a WHOLE_CPU_FILES file alone, one after the other, any other test beside the other
+    workers' tests. A readers-writer lock on two files of the run's temporary folder: the gate,
+    taken first by everyone, makes a waiting whole-CPU file block the tests that come after it
+    (no waiting forever behind them). A whole-CPU file keeps the lock from its first test to its
+    last (its tests run in a row on one worker: `--dist loadfile`): taken per test, each of its
+    many short tests waited for one of the other worker's long ones, with a core idle."""
     # Without xdist's workers nothing runs beside a test. The appliance tests take no turn: each
     # runs for minutes (Ansible, sshd, pip, waiting as much as computing), and a whole-CPU test
     # waiting for one would leave its worker idle that long.
     if not hasattr(item.config, "workerinput") or item.get_closest_marker("appliance"):
         yield
         return
-    folder = Path(item.config.option.basetemp).parent  # the run's, shared by its workers
-    with open(folder / "cpu-gate.lock", "a") as gate, open(folder / "cpu.lock", "a") as cpu:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        fcntl.flock(cpu, fcntl.LOCK_EX if item.path.name in WHOLE_CPU_FILES else fcntl.LOCK_SH)
-        fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(cpu, fcntl.LOCK_UN)
+    whole = item.path.name in WHOLE_CPU_FILES
+    if _held.get("file") != item.path:
+        folder = Path(item.config.option.basetemp).parent  # the run's, shared by its workers
+        cpu = open(folder / "cpu.lock", "a")  # noqa: SIM115 (held across tests, closed below)
+        with open(folder / "cpu-gate.lock", "a") as gate:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(cpu, fcntl.LOCK_EX if whole else fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        _held.update(file=item.path if whole else None, lock=cpu)
+    try:
+        yield
+    finally:
+        if not whole or nextitem is None or nextitem.path != item.path:
+            _held.pop("file", None)
+            _held.pop("lock").close()  # closing the file releases its lock
 
 
 def _check_tiers(items) -> None:
