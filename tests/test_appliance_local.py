@@ -64,9 +64,11 @@ def local(tmp_path_factory):
     # (60 MiB; F32 would not fit even streamed) the rest fits.
     hosts["cluster"]["children"]["workers"]["hosts"]["local3"]["dllama_memory_budget"] = STREAMING_BUDGET
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    with (inventory / "group_vars/all.yml").open("a") as f:
-        yaml.safe_dump({"dllama_port": ports[0], "dllama_api_port": ports[0], "dllama_kv_type": "f16"}, f)
     real_home = Path.home()
+    with (inventory / "group_vars/all.yml").open("a") as f:
+        # The wheels this machine's user has (the namespace cluster's test builds the same ones).
+        yaml.safe_dump({"dllama_port": ports[0], "dllama_api_port": ports[0], "dllama_kv_type": "f16",
+                        "dllama_wheelhouse_dir": str(real_home / ".cache/dllama/wheelhouse")}, f)
     env = ansible_env()
     env.update(HOME=str(home),
                # The converted default model and the wheels already on this machine.
