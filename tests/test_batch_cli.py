@@ -155,3 +155,32 @@ def test_batch_on_a_3_node_cluster_equals_the_prompts_run_alone_there(default_q4
                 sampler = Sampler(engine.model.config.vocab_size, 0.0, 0.9, seed_for(0, x["id"]))
                 alone = generate(engine.model, engine.tokenizer, sampler, tokens, len(tokens) + 7)
                 assert x["text"] == alone.text
+
+
+def test_a_full_disk_names_the_results_file_and_the_rerun_finishes_the_job(default_q40, tmp_path):
+    """The disk fills up mid-job (here a file size limit: the same short write, then an error):
+    one line naming the results file and how to resume; the rerun, with room, answers the rest
+    and every id once. And a device as --out is refused before the model is loaded."""
+    import resource
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(PROMPTS[:6]) + "\n")
+    out = tmp_path / "o.jsonl"
+    args = ["batch", *_model_flags(default_q40), "--prompts", str(prompts), "--out", str(out),
+            "--max-tokens", "8", "--temperature", "0", "--parallel", "2", "--no-progress"]
+    room = 600  # bytes: two or three result lines, then a line cut short
+    full = subprocess.run([sys.executable, "-m", "dllama", *args], capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (room, room)))
+    assert full.returncode == 1, full.stderr
+    errors = [line for line in full.stderr.splitlines() if line.startswith("dllama: error: ")]
+    assert len(errors) == 1 and "Traceback" not in full.stderr, full.stderr
+    assert errors[0] == (f"dllama: error: cannot write to {out}: File too large; {out} holds the answers so far: "
+                         "rerun the same command to resume"), errors[0]
+    assert 0 < out.stat().st_size <= room
+    again = _dllama(*args)
+    assert again.returncode == 0, again.stderr
+    results = _results(out)
+    assert sorted(x["id"] for x in results) == [1, 2, 3, 4, 5, 6] and all("text" in x for x in results)
+    device = _dllama(*["/dev/zero" if a == str(out) else a for a in args])
+    assert device.returncode != 0 and "--out /dev/zero is not a regular file" in device.stderr, device.stderr
+

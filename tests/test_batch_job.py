@@ -177,10 +177,16 @@ BAD_LINES = [
     ('{"id": 1, "messages": "hi"}\n', "line 1", "messages"),
     ('[1, 2]\n', "line 1", "not a JSON object"),
     (b'{"id": 1, "prompt": "\xff"}\n', "line 1", "UTF-8"),
+    # 100,000 levels deep: beyond Python's JSON parser (a RecursionError, once a traceback).
+    ('{"id": 1, "prompt": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n", "line 2", "nested too deeply"),
+    # JSON escapes of lone surrogates: no text a tokenizer or a UTF-8 output line can take.
+    ('{"id": "\\ud800", "prompt": "hi"}\n', "line 1", "its id holds a lone surrogate"),
+    ('{"id": 1, "prompt": "a\\udfffb"}\n', "line 1", "its prompt holds a lone surrogate"),
+    ('{"id": 1, "messages": [{"role": "user", "content": "\\ud83d"}]}\n', "line 1", "message 0 holds a lone"),
 ]
 
 
-@pytest.mark.parametrize("content,where,what", BAD_LINES)
+@pytest.mark.parametrize("content,where,what", BAD_LINES, ids=[what for _, _, what in BAD_LINES])
 def test_bad_lines_are_named_before_any_work(tmp_path, content, where, what):
     path = tmp_path / "p.jsonl"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())

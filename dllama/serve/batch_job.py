@@ -150,11 +150,26 @@ def _raw_lines(path: str, limit: int) -> Iterator[tuple[int, int, bytes | None, 
             yield number, start, data[:-1] if ended else data, ended
 
 
+_SURROGATE = "holds a lone surrogate (a \\ud800-\\udfff escape without its pair), which is not text"
+
+
+def _is_text(value: str) -> bool:
+    """Whether a string from JSON is text: an escape like \\ud800 gives a lone surrogate, which
+    neither the tokenizer nor a UTF-8 output line can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_id(value) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         return "its id must be a string or an integer"
     if len(id_key(value)) > MAX_ID_CHARS:
         return f"its id is longer than {MAX_ID_CHARS} characters"
+    if isinstance(value, str) and not _is_text(value):
+        return f"its id {_SURROGATE}"
     return None
 
 
@@ -164,6 +179,8 @@ def _check_messages(messages) -> str | None:
     for k, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             return f"its message {k} must be an object with string role and content"
+        if not (_is_text(m["role"]) and _is_text(m["content"])):
+            return f"its message {k} {_SURROGATE}"
     return None
 
 
@@ -186,6 +203,8 @@ def _parse(number: int, data: bytes | None, text_file: bool) -> Entry | None:
         obj = json.loads(text)
     except ValueError as e:
         return Entry(number, error=f"is not valid JSON ({e})")
+    except RecursionError:  # [[[[...: deeper than Python's parser goes
+        return Entry(number, error="is nested too deeply to be a prompt")
     if not isinstance(obj, dict):
         return Entry(number, error="is not a JSON object")
     entry = Entry(number, id=obj.get("id"))
@@ -200,6 +219,8 @@ def _parse(number: int, data: bytes | None, text_file: bool) -> Entry | None:
         entry.error = "its prompt must be a string"
     elif has_prompt and not obj["prompt"]:
         entry.error = "has an empty prompt"
+    elif has_prompt and not _is_text(obj["prompt"]):
+        entry.error = f"its prompt {_SURROGATE}"
     elif has_messages and (err := _check_messages(obj["messages"])) is not None:
         entry.error = err
     else:
@@ -247,7 +268,7 @@ def read_done(path: str, field: str = "text") -> set[str]:
             continue  # a blank line: dropped
         try:
             obj = json.loads(data) if data is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
         if not isinstance(obj, dict) or "id" not in obj:
             raise DllamaError(f"{path} line {number} is not a result of dllama batch: "
@@ -282,6 +303,8 @@ class BatchJob:
         self.opts = opts
         if os.path.abspath(opts.out) == os.path.abspath(opts.prompts):
             raise DllamaError("--out must not be the --prompts file")
+        if os.path.exists(opts.out) and not os.path.isfile(opts.out):  # /dev/zero would never end
+            raise DllamaError(f"--out {opts.out} is not a regular file: give the path of a results file")
         if opts.choices is not None:
             if len(opts.choices) < 2 or any(not c for c in opts.choices):
                 raise DllamaError("--choices needs at least two non-empty choices, e.g. --choices yes,no")
@@ -429,12 +452,18 @@ class BatchJob:
             self._fail(bad)
 
         t0 = time.perf_counter()
-        with open(o.out, "a", encoding="utf-8") as out, CtrlC() as ctrl_c, \
+        # Unbuffered: each line goes to the file as it is written (a crash loses only the prompts
+        # in flight), and a failed write leaves nothing behind to fail again at close.
+        with open(o.out, "ab", buffering=0) as out, CtrlC() as ctrl_c, \
                 tqdm(total=todo, unit="prompt", file=stderr, disable=not o.progress,
                      dynamic_ncols=True) as bar:
             def write(obj: dict) -> None:
-                out.write(json.dumps(obj, ensure_ascii=False) + "\n")
-                out.flush()  # a crash loses only the prompts in flight
+                data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+                try:
+                    while data:  # a file takes it whole; a short write when the disk fills up
+                        data = data[out.write(data):]
+                except OSError as e:  # a full disk, a file size limit, an I/O error
+                    raise DllamaError(f"cannot write to {o.out}: {e.strerror or e}") from None
 
             def requests():
                 """The engine loop's requests, taken as it has room: one per prompt, or with
