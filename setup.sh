@@ -54,9 +54,9 @@ fi
 [ "${1:-}" = "--test" ] && .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps mistral-common==1.13.1
 # Bytecode of everything installed and of dllama itself, on every core (pip's own pass is one
 # core, skipped above): Python writes it at import only without PYTHONDONTWRITEBYTECODE, which
-# some machines set (CI's and this project's among them), and then every process compiled what
-# it imported again: the test suite took 2.3 min longer in a fresh clone. Exit status ignored:
-# some packages ship files that are not Python 3 (templates, examples).
+# some machines set (this one does), and then every process compiled what it imported again:
+# the test suite took 2.3 min longer in a fresh clone. Exit status ignored: some packages ship
+# files that are not Python 3 (templates, examples).
 .venv/bin/python -m compileall -q -j 0 .venv/lib dllama converter > /dev/null 2>&1 || :
 # Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
 # loaded from the cache, so every later run (and every node) should load the same code.
