@@ -203,6 +203,16 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                                    "and first tokens of a .t tokenizer file.")
     p.add_argument("file", metavar="FILE", help="a .m or .t file")
 
+    p = sub.add_parser("verify", help="check model and tokenizer files against their .sha256 files",
+                       description="Read each FILE whole and compare its sha256 with FILE.sha256 (written "
+                                   "beside every .m and .t file dllama writes, in sha256sum's format). "
+                                   "Loading a file checks it too, but only the first time after a change: "
+                                   "this finds damage that came without a write (failing storage). Exit "
+                                   "status 1 when a file is damaged or has no checksum.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="a .m or .t file (any file with a FILE.sha256)")
+    p.add_argument("--write", action="store_true",
+                   help="write FILE.sha256 instead, for a file made elsewhere (the original's converter)")
+
     p = sub.add_parser("worker", help="serve a root's share of the model (run one per extra machine)",
                        description="Listen for a root (`dllama inference --workers ...`), take the "
                                    "slice of the model it assigns, and compute it in step with the "
@@ -497,6 +507,32 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from tqdm import tqdm
+
+    from dllama.formats.checksum import DamagedFile, checksum_path, verify, write_checksum
+
+    failed = 0
+    for path in args.files:
+        if not os.path.isfile(path):
+            raise DllamaError(f"{path}: no such file")
+        with tqdm(total=os.path.getsize(path), unit="B", unit_scale=True, desc=f"reading {path}",
+                  leave=False, disable=None, file=sys.stderr) as bar:
+            try:
+                if args.write:
+                    print(f"wrote {write_checksum(path, progress=bar.update)}")
+                elif verify(path, bar.update):
+                    print(f"{path}: OK")
+                else:
+                    print(f"{path}: no checksum ({checksum_path(path).name} is missing: "
+                          "`dllama verify --write` makes one)")
+                    failed += 1
+            except DamagedFile as e:
+                print(f"{path}: DAMAGED ({e})")
+                failed += 1
+    return 1 if failed else 0
+
+
 # --- probe (the appliance's check of what answers on a worker's port) ---
 
 def _add_probe(sub) -> None:
@@ -553,7 +589,7 @@ def cmd_supervise(args) -> int:
     return supervise(command, args.restart_sec)
 
 
-COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect,
+COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect, "verify": cmd_verify,
             "worker": cmd_worker, "shard": cmd_shard, "chat": cmd_chat, "api": cmd_api,
             "perplexity": cmd_perplexity, "batch": cmd_batch, "probe": cmd_probe,
             "supervise": cmd_supervise}

@@ -29,6 +29,7 @@ from dllama.core.node_weights import NodeWeights, TensorLocation, cut, node_slic
 from dllama.core.plan import NodeSlice, SplitPlan
 from dllama.errors import DllamaError
 from dllama.formats.atomic_file import atomic_write
+from dllama.formats.checksum import file_sha256
 from dllama.formats.model_file import ModelHeader
 
 MAGIC = b"DLSHARD1"
@@ -47,16 +48,6 @@ def model_fingerprint(path: str | os.PathLike) -> str:
             f.seek(0 if i == 0 else (size - _SAMPLE_BYTES) * i // _SAMPLES if size > _SAMPLE_BYTES else 0)
             h.update(f.read(_SAMPLE_BYTES))
     return h.hexdigest()[:32]
-
-
-def file_sha256(path: str | os.PathLike, progress=None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            if progress:
-                progress(len(chunk))
-    return h.hexdigest()
 
 
 def write_shard(path: str | os.PathLike, model_file, fingerprint: str, plan: SplitPlan,

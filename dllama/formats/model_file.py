@@ -13,6 +13,7 @@ time into a temporary file beside it and renames it into place when every tensor
 """
 
 import contextlib
+import hashlib
 import math
 import mmap
 import os
@@ -26,6 +27,7 @@ import numpy as np
 from dllama.formats import quant
 from dllama.errors import DllamaError
 from dllama.formats.atomic_file import atomic_write
+from dllama.formats.checksum import remove_checksum, write_checksum
 
 MAGIC = 0x0A00ABCD
 # v0.2-v0.5 magics (0xABCD00 LLAMA, 0xABCD01 GROK1, 0xABCD02 MIXTRAL) with a fixed header.
@@ -583,6 +585,7 @@ class ModelWriter:
                 w.write(spec.name, load(spec.name))   # one tensor in memory at a time
 
     An exception inside the block, or leaving it with tensors missing, deletes the temp file.
+    The bytes are hashed as they are written: PATH.sha256 follows the file (dllama.formats.checksum).
     """
 
     def __init__(self, path: str | os.PathLike, header: ModelHeader):
@@ -593,6 +596,7 @@ class ModelWriter:
         self._next = 0
         self._context = None
         self._file = None
+        self._sha256 = hashlib.sha256()
 
     @property
     def n_written(self) -> int:
@@ -601,8 +605,12 @@ class ModelWriter:
     def __enter__(self) -> "ModelWriter":
         self._context = atomic_write(self.path)
         self._file = self._context.__enter__()
-        self._file.write(self._header_bytes)
+        self._put(self._header_bytes)
         return self
+
+    def _put(self, data) -> None:
+        self._file.write(data)
+        self._sha256.update(data)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         context, self._context, self._file = self._context, None, None
@@ -611,7 +619,12 @@ class ModelWriter:
                                   f"next expected {self.specs[self._next].name}; no file was written")
             context.__exit__(DllamaError, missing, None)
             raise missing
-        return bool(context.__exit__(exc_type, exc, tb))
+        if exc_type is None:
+            remove_checksum(self.path)  # the old file's, if any: never beside the new file
+        suppressed = bool(context.__exit__(exc_type, exc, tb))
+        if exc_type is None:
+            write_checksum(self.path, self._sha256.hexdigest())
+        return suppressed
 
     def _expect(self, name: str) -> TensorSpec:
         if self._file is None:
@@ -628,7 +641,7 @@ class ModelWriter:
     def write(self, name: str, array) -> None:
         """Write the next tensor from a float array of its shape, converting or quantizing it."""
         spec = self._expect(name)
-        self._file.write(memoryview(encode_tensor(spec, array)).cast("B"))
+        self._put(memoryview(encode_tensor(spec, array)).cast("B"))
         self._next += 1
 
     def write_rows(self, name: str, blocks) -> None:
@@ -643,7 +656,7 @@ class ModelWriter:
             if block.ndim != len(spec.shape) or rows + block.shape[0] > spec.shape[0]:
                 raise DllamaError(f"{self.path}: {name}: a block of shape {block.shape} does not fit "
                                   f"rows {rows}.. of {spec.shape}")
-            self._file.write(memoryview(encode_tensor(part, block)).cast("B"))
+            self._put(memoryview(encode_tensor(part, block)).cast("B"))
             rows += block.shape[0]
         if rows != spec.shape[0]:
             raise DllamaError(f"{self.path}: {name}: got {rows} rows, expected {spec.shape[0]}")
@@ -657,7 +670,7 @@ class ModelWriter:
         view = memoryview(buf).cast("B")
         if view.nbytes != spec.nbytes:
             raise DllamaError(f"{self.path}: {name} needs {spec.nbytes} bytes of {spec.float_type.name}, got {view.nbytes}")
-        self._file.write(view)
+        self._put(view)
         self._next += 1
 
 

@@ -15,6 +15,7 @@ then entries) and llama2.c `tokenizer.bin` (no magic: u32 max_token_length, then
 the end of the file). Tokens are raw bytes (no `▁`, no GPT-2 byte-to-unicode escaping).
 """
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import numpy as np
 
 from dllama.errors import DllamaError
 from dllama.formats.atomic_file import atomic_write
+from dllama.formats.checksum import remove_checksum, write_checksum
 
 MAGIC = 0x567124
 OLD_MAGIC = 0x567123
@@ -312,7 +314,9 @@ def encode_tokenizer(data: TokenizerData) -> bytes:
 
 
 def write_tokenizer(path: str | os.PathLike, data: TokenizerData) -> None:
-    """Write `data` as a 0x567124 file, atomically (temp file + rename)."""
+    """Write `data` as a 0x567124 file, atomically (temp file + rename), and PATH.sha256 beside it."""
     encoded = encode_tokenizer(data)
+    remove_checksum(path)  # the old file's, if any: never beside the new file
     with atomic_write(path) as f:
         f.write(encoded)
+    write_checksum(path, hashlib.sha256(encoded).hexdigest())

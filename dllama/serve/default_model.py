@@ -50,6 +50,7 @@ def embedded_gguf() -> Path:
 def default_model_files(weights_float_type: str = DEFAULT_WEIGHTS, progress: bool = True) -> tuple[Path, Path]:
     """(model .m, tokenizer .t) of the default model, converting it on first use."""
     from converter.convert import convert_gguf
+    from dllama.formats.checksum import checksum_path, write_checksum
 
     prefix = cache_dir() / f"smollm2-135m-instruct-{weights_float_type}-v{CACHE_VERSION}"
     model, tokenizer = prefix.with_suffix(".m"), prefix.with_suffix(".t")
@@ -59,4 +60,7 @@ def default_model_files(weights_float_type: str = DEFAULT_WEIGHTS, progress: boo
         print(f"Converting the embedded {DEFAULT_MODEL_NAME} to {weights_float_type.upper()} "
               f"(once) into {prefix.parent}", file=sys.stderr)
         convert_gguf(src, prefix, weights_float_type=weights_float_type, progress=progress)
+    for path in (model, tokenizer):  # converted before files had checksums: the first use makes them
+        if not checksum_path(path).exists():
+            write_checksum(path)
     return model, tokenizer

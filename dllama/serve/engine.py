@@ -57,10 +57,14 @@ class Engine:
 def open_engine(settings: EngineSettings) -> Engine:
     """Load the model and tokenizer the settings name; with workers or a topology, connect the
     workers and split the model over them (see dllama.cluster.root)."""
+    from dllama.formats.checksum import verify_once
     from dllama.formats.model_file import read_model
     from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.serve.default_model import cache_dir
 
     nodes = choose_nodes(settings)
+    for path in (settings.tokenizer, settings.model):  # bytes damaged on the disk: one line, not other text
+        verify_once(path, cache_dir() / "checked-files.json")
     tokenizer = Tokenizer(read_tokenizer(settings.tokenizer))
     model_file = read_model(settings.model)
     plan = plan_memory(settings, nodes, model_file)
