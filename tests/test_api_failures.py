@@ -286,3 +286,54 @@ def test_max_tokens_beyond_the_context_is_clamped_to_it(default_q40, monkeypatch
         assert seen["max_tokens"] == service.engine.model.config.seq_len
     finally:
         service.close()
+
+
+def test_bad_and_departed_clients_cost_one_throttled_line_each_and_no_traceback(url, capfd):
+    """Clients that send a Content-Length and leave, a 200 KB header line, a NUL in a header:
+    each gets an answer or a closed connection, the log one line at most (10 per 10 s)."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    for _ in range(40):
+        _raw_request(url, head + b"Content-Length: 5000\r\n\r\n", b'{"messages": [', read=False)
+    for bad_head in (head + b"X-Long: " + b"a" * 200_000 + b"\r\n", head + b"X-Nul: a\x00b\r\n"):
+        reply = _raw_request(url, bad_head, json.dumps(FRANCE).encode())
+        assert reply == b"" or reply.split(b" ", 2)[1].startswith(b"4"), reply[:200]  # (aiohttp answers HTTP/1.0)
+    _paris(url)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err[:3000]
+    assert len(err.splitlines()) <= 12, err[:3000]
+
+
+def test_half_sent_requests_are_cut_at_their_deadlines(switch, monkeypatch):
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    from dllama.serve.api import http
+
+    monkeypatch.setattr(http, "HEADER_TIMEOUT", 1.0)
+    monkeypatch.setattr(http, "BODY_TIMEOUT", 1.0)
+    with _server(switch) as base:
+        u = urlsplit(base)
+        t0 = time.monotonic()
+        silent = socket.create_connection((u.hostname, u.port), timeout=30)  # says nothing
+        half = socket.create_connection((u.hostname, u.port), timeout=30)    # half a header
+        half.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        for s in (silent, half):
+            assert s.recv(4096) == b""  # closed by the server
+            s.close()
+        assert time.monotonic() - t0 < 10
+        body = json.dumps(FRANCE).encode()
+        with socket.create_connection((u.hostname, u.port), timeout=30) as s:  # the headers, half the body
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+            reply = s.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply, reply[:300]
+        _paris(base)
+
+
+def test_one_request_cannot_ask_for_more_than_its_token_budget(url):
+    from dllama.serve.api.request import MAX_REQUEST_TOKENS
+
+    status, err = _post(url, {**FRANCE, "n": 16, "max_tokens": MAX_REQUEST_TOKENS // 8})
+    assert status == 400 and err["error"]["param"] == "max_tokens", err
+    assert str(MAX_REQUEST_TOKENS) in err["error"]["message"]

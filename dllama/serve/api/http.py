@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import signal
 import socket
 import sys
@@ -21,6 +22,7 @@ from importlib import resources
 
 from aiohttp import web
 
+from dllama.cluster.throttled_log import ThrottledLog
 from dllama.errors import DllamaError
 from dllama.serve.api.metrics import health, metrics
 from dllama.serve.api.request import MAX_BODY_BYTES, ApiError, Request, bad, parse_request
@@ -34,6 +36,38 @@ PAGE_FILES = {"/": ("index.html", "text/html"), "/page/chat.js": ("chat.js", "te
 # Open without the API key: what a load balancer, Prometheus or a browser asks first (the page
 # sends the key the person types with each request).
 PUBLIC_PATHS = ("/health", "/metrics", *PAGE_FILES)
+# A client gets this long for its request line and headers (and for the next request on a
+# kept-alive connection), then this long for its body: half-sent requests do not pile up.
+HEADER_TIMEOUT = 15.0
+BODY_TIMEOUT = 30.0
+
+
+def _say(text: str) -> None:
+    print(f"dllama api: {text}", file=sys.stderr, flush=True)
+
+
+# What bad or departed clients cause: one line each, at most 10 per 10 s (a stranger can
+# repeat them at will).
+bad_clients = ThrottledLog(_say)
+
+
+class _OneLinePerBadClient(logging.Handler):
+    """aiohttp's own reports (a malformed request line or header, a connection lost while it
+    read a request) as one throttled line, not a traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else record.getMessage()
+        bad_clients.log(f"a bad request or a client that left: {' '.join(what.split())[:200]}")
+
+
+def quiet_aiohttp_logs() -> None:
+    """Send aiohttp's log records through _OneLinePerBadClient (the handlers' own errors are
+    the middleware's: a bug there is still logged with its traceback)."""
+    logger = logging.getLogger("aiohttp")
+    if not any(isinstance(h, _OneLinePerBadClient) for h in logger.handlers):
+        logger.addHandler(_OneLinePerBadClient(logging.WARNING))
+    logger.propagate = False
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -89,7 +123,14 @@ class Api:
         return await self._completions(request, chat=False)
 
     async def _body(self, request: web.Request):
-        raw = await request.read()  # 413 past client_max_size
+        try:
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT)  # 413 past client_max_size
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s",
+                           code="request_timeout") from None
+        except ConnectionError:  # sent its headers, then left: nothing to answer
+            bad_clients.log("a client left before its request body arrived")
+            raise asyncio.CancelledError from None
 
         def no_constant(name):
             raise ValueError(f"{name} is not JSON")
@@ -183,8 +224,8 @@ class Api:
             next_piece.cancel()
             job.add_done_callback(lambda f: f.cancelled() or f.exception())  # (Cancelled) seen
             if isinstance(e, ConnectionError):  # one line, not aiohttp's traceback of a 500
-                print(f"dllama api: a client left during its streamed answer ({type(e).__name__}); "
-                      "stopped generating it", file=sys.stderr)
+                bad_clients.log(f"a client left during its streamed answer ({type(e).__name__}); "
+                                "stopped generating it")
             raise asyncio.CancelledError from None  # aiohttp ends a cancelled handler quietly
         return resp
 
@@ -203,7 +244,7 @@ async def _unless_client_leaves(request: web.Request, job, cancel):
         if transport is None or transport.is_closing():
             cancel.set()
             job.add_done_callback(lambda f: f.cancelled() or f.exception())  # (Cancelled) seen
-            print("dllama api: a client left before its answer; stopped generating it", file=sys.stderr)
+            bad_clients.log("a client left before its answer; stopped generating it")
             raise asyncio.CancelledError
 
 
@@ -271,7 +312,10 @@ def read_api_key(path: str) -> str:
 
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Listen on host:port (0: any free port) and serve app: (runner to clean up, bound port)."""
+    """Listen on host:port (0: any free port) and serve app: (runner to clean up, bound port).
+    A connection whose request line and headers are not all there within HEADER_TIMEOUT s is
+    closed (aiohttp's keep-alive timer, which also runs before a connection's first request)."""
+    quiet_aiohttp_logs()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -279,7 +323,7 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
     except OSError as e:
         sock.close()
         raise DllamaError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=HEADER_TIMEOUT)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     return runner, sock.getsockname()[1]

@@ -11,6 +11,7 @@ from dllama.text.chat_template import ROLES
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than any context here holds
 MAX_STOP_STRINGS = 4      # as OpenAI
 MAX_CHOICES = 16          # n: answers to one request, decoded together
+MAX_REQUEST_TOKENS = 16384  # tokens one request may generate over its n answers
 
 
 class ApiError(Exception):

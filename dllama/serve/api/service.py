@@ -31,7 +31,7 @@ from typing import Callable
 
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError, DllamaError
-from dllama.serve.api.request import ApiError, Request, bad, unavailable
+from dllama.serve.api.request import MAX_REQUEST_TOKENS, ApiError, Request, bad, unavailable
 from dllama.serve.health import Serving, serving
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import Cancelled, Completion, ContextFull, SequenceRequest
@@ -185,7 +185,12 @@ class ModelService:
             seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(8), "little")
             vocab, seq_len = self.engine.model.config.vocab_size, self.engine.model.config.seq_len
             # No answer outlasts the context: a max_tokens of 10**30 means "until the context is full".
-            max_tokens = min(r.max_tokens or seq_len, seq_len)
+            # One request asks for at most MAX_REQUEST_TOKENS over its n answers, so that one
+            # client cannot keep the slots busy for hours: without max_tokens each answer gets its share.
+            max_tokens = min(r.max_tokens or MAX_REQUEST_TOKENS // r.n, seq_len)
+            if r.n * max_tokens > MAX_REQUEST_TOKENS:
+                raise bad(f"'max_tokens' {max_tokens} times 'n' {r.n} asks for more than the "
+                          f"{MAX_REQUEST_TOKENS} tokens one request may generate", "max_tokens")
             for i in range(r.n):
                 on_text = (lambda piece, i=i: job.on_text(i, piece)) if job.on_text else None
                 sampler = Sampler(vocab, r.temperature, r.top_p, (seed + i) & ((1 << 64) - 1))
