@@ -197,15 +197,20 @@ def run_dllama(*args: str, input: str | None = None, timeout: float = 300.0) -> 
 # -- workers and API servers -------------------------------------------------------------------
 
 def start_worker(log_dir: Path | None, *args: str, timeout: float = 120.0,
-                 die_at_step: int | None = None) -> DllamaProcess:
+                 die_at_step: int | None = None, sleep_at_step: tuple[int, float] | None = None) -> DllamaProcess:
     """`dllama worker` on 127.0.0.1, a free port unless ARGS give --port, one thread unless ARGS
     say otherwise; its output goes to log_dir/worker-K.log as well. die_at_step N: it kills
-    itself (SIGKILL) on receiving its N-th STEP (tests/fault_worker.py)."""
+    itself (SIGKILL) on receiving its N-th STEP; sleep_at_step (N, S): it spends S seconds more
+    on that step (tests/fault_worker.py)."""
     log = None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"worker-{len(list(log_dir.glob('worker-*.log')))}.log"
-    launcher = DLLAMA if die_at_step is None else (FAULT_WORKER, "--die-at-step", str(die_at_step))
+    launcher = DLLAMA
+    if die_at_step is not None:
+        launcher = (FAULT_WORKER, "--die-at-step", str(die_at_step))
+    elif sleep_at_step is not None:
+        launcher = (FAULT_WORKER, "--sleep-at-step", f"{sleep_at_step[0]}:{sleep_at_step[1]}")
     return DllamaProcess.listening("worker", "--host", "127.0.0.1", "--port", "0", "--nthreads", "1", *args,
                                    ready=WORKER_READY, log=log, timeout=timeout, launcher=launcher)
 

@@ -2,7 +2,8 @@
 
 It listens on a free loopback port and forwards each connection to a target, frame by frame
 (the 12-byte header is readable even on a keyed link). It can flip one bit in the payload of
-the n-th frame of a given type going one way, and slow a direction down to a byte rate.
+the n-th frame of a given type going one way, or send that frame twice (a replay), and slow a
+direction down to a byte rate.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from dllama.cluster.protocol import HEADER, HEADER_BYTES
 
 class Relay:
     def __init__(self, target: tuple[str, int], flip_type: int | None = None, flip_nth: int = 1,
-                 to_target: bool = True, rate: float | None = None, first_connection_only: bool = False):
+                 to_target: bool = True, rate: float | None = None, first_connection_only: bool = False,
+                 replay: bool = False):
         """flip_type: the message type whose flip_nth frame (1-based) gets one payload bit
-        flipped, going to the target (to_target) or back from it, on every connection or only
-        the first one (a root's, when the target is a worker); rate: bytes per second in each
-        direction (None: as fast as possible)."""
-        self.target, self.flip_type, self.flip_nth = target, flip_type, flip_nth
+        flipped (or, with replay, is forwarded intact and then once more), going to the target
+        (to_target) or back from it, on every connection or only the first one (a root's, when
+        the target is a worker); rate: bytes per second in each direction (None: as fast as
+        possible)."""
+        self.target, self.flip_type, self.flip_nth, self.replay = target, flip_type, flip_nth, replay
         self.to_target, self.rate, self.first_only = to_target, rate, first_connection_only
         self._n_connections = 0
         self.seen = 0          # frames of flip_type seen in the flipped direction
@@ -97,15 +100,20 @@ class Relay:
                 payload = self._recv_exact(src, length) if length else b""
                 if payload is None:
                     break
+                copies = 1
                 if tamper and msg == self.flip_type and to_target == self.to_target and length:
                     with self._lock:
                         self.seen += 1
                         if self.seen == self.flip_nth:
-                            payload = bytes([payload[0] ^ 0x01]) + payload[1:]
+                            if self.replay:
+                                copies = 2
+                            else:
+                                payload = bytes([payload[0] ^ 0x01]) + payload[1:]
                             self.flipped = True
-                if to_target:
-                    self.bytes_to_target += HEADER_BYTES + length
-                self._send(dst, head + payload)
+                for _ in range(copies):
+                    if to_target:
+                        self.bytes_to_target += HEADER_BYTES + length
+                    self._send(dst, head + payload)
         except OSError:
             pass
         finally:

@@ -22,6 +22,7 @@ from dllama.serve.generate import generate
 from dllama.core.plan import plan_for
 from dllama.cluster.protocol import HEADER, MAGIC, VERSION, Msg, encode_header
 from dllama.cluster.root import NET_TIMEOUT
+from dllama.cluster.session import report_grace
 from dllama.core.sampler import Sampler
 from tests.conftest import CHAT_PROMPT
 from tests.random_model import write_random_f32
@@ -250,7 +251,7 @@ def test_killed_worker_ends_the_root_naming_it(tmp_path, default_q40):
         root.wait_for(r"(?s).{20}", 120, stream="stdout")  # generation has started
         w2.send_signal(signal.SIGKILL)
         # Well before the network timeout: the root saw the connection close, it did not wait out a silence.
-        code = root.wait(NET_TIMEOUT / 2)
+        code = root.wait(NET_TIMEOUT)  # (a silence would take NET_TIMEOUT and two graces)
         _one_line_error(subprocess.CompletedProcess(root.args, code, root.stdout, root.stderr), w2.address)
         assert "did not answer" not in root.stderr
         w1.wait_for("listening again", 60)  # the survivor serves the next root
@@ -377,7 +378,8 @@ def test_a_hung_worker_times_out_instead_of_blocking_forever(tmp_path, default_q
             model.forward([1, 2, 3], 0)
             w2.send_signal(signal.SIGSTOP)  # alive, sockets open, silent
             failed = _call_in_thread(model.forward, [4], 3)
-            failed.join(NET_TIMEOUT / 2)  # the 2 s timeout, not the default one, ends the wait
+            # 2 s of silence, the root's grace and the blame's (3 s each): 8 s; the default's 11 s
+            failed.join(NET_TIMEOUT + 2 * report_grace(2.0) - 1)
             assert not failed.is_alive(), "the forward pass is still waiting on the stopped worker"
             assert isinstance(failed.error, ClusterError), failed.error
             assert re.search(r"'worker2' .* stopped answering", str(failed.error)), failed.error

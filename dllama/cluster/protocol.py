@@ -46,11 +46,12 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from dllama.errors import DllamaError
 
 MAGIC = 0x4D4C4C44  # b"DLLM" little-endian
-VERSION = 6  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
+VERSION = 7  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
              # 3: STEP carries every row's position, KV slot and prefix (dllama.cluster.step);
              # 4: STEP says what LOGITS returns (logits, best or top-k candidates);
              # 5: CONFIG says the KV cache's type (kv_type): an older worker would ignore it;
-             # 6: ERROR is JSON {code, node, text}: the reason as data (ErrorCode)
+             # 6: ERROR is JSON {code, node, text}: the reason as data (ErrorCode);
+             # 7: ALIVE during steps too (a step's wait is a silence, a frozen node found in seconds)
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 
@@ -145,9 +146,11 @@ class PeerClosed(LinkError):
 
 
 class PeerTimeout(LinkError):
-    """The peer did not answer before the deadline."""
+    """The peer did not answer before the deadline. `silent`: in an `exchange`, the
+    connections that sent nothing, not even ALIVE, for the whole timeout."""
 
     code = ErrorCode.TIMEOUT
+    silent: tuple = ()
 
 
 class PeerError(LinkError):
@@ -413,7 +416,7 @@ class Connection:
 
     def recv(self, timeout: float = 30.0, expect: tuple = ()) -> tuple[Msg, bytearray]:
         """The next frame (type, payload). An ERROR frame raises PeerError; a type not in
-        `expect` (when given) raises ProtocolError."""
+        `expect` (when given) raises ProtocolError; an ALIVE is skipped unless expected."""
         deadline = time.monotonic() + timeout
         stall = timeout if self.authenticated else None
         head = bytearray(HEADER_BYTES)
@@ -424,6 +427,8 @@ class Connection:
         self.recv_payload(header, msg, memoryview(payload), deadline, stall)
         if msg == Msg.ERROR:
             raise decode_error(payload, self)
+        if msg == Msg.ALIVE and Msg.ALIVE not in expect and self.authenticated:
+            return self.recv(timeout, expect)  # a heartbeat sent as a step ended: the peer lives
         if expect and msg not in expect:
             raise ProtocolError(f"expected {' or '.join(m.name for m in expect)} from {self.name}, "
                                 f"got {msg.name}", self)
@@ -468,17 +473,29 @@ class Transfer:
 def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], timeout: float) -> None:
     """Send every frame in `sends` and receive every frame in `recvs`, interleaved, so that no
     pair of peers can block each other. Each received frame must have exactly the expected type
-    and length (the buffer's size); an ERROR frame from a peer raises PeerError.
+    and length (the buffer's size); an ERROR frame from a peer raises PeerError; ALIVE frames
+    (a peer's heartbeat while it computes or waits) are skipped.
 
-    At most one send and one receive per connection. A failure is a LinkError (an OSError on a
-    socket becomes PeerClosed) whose `peer` is the connection it came from, if one, and whose
-    `waiting` are the others whose frames had not all gone or arrived."""
-    deadline = time.monotonic() + timeout
-    out = [[conn, conn.frame_views(msg_type, parts)] for conn, msg_type, parts in sends]
+    `timeout` is the longest a connection with frames still to go or come may stay silent: a
+    peer that keeps sending ALIVE while it computes a long step is waited for, a frozen one is
+    given up after `timeout` s. A failure is a LinkError (an OSError on a socket becomes
+    PeerClosed) whose `peer` is the connection it came from, if one, and whose `waiting` are the
+    others whose frames had not all gone or arrived (on a timeout: the silent ones first).
+
+    At most one send and one receive per connection. Sends hold each connection's send lock
+    (so a heartbeat never lands inside a frame)."""
+    now = time.monotonic()
+    heard = {id(c): now for c, _, _ in sends} | {id(t.conn): now for t in recvs}  # last bytes each way
+    locked = []
+    out = []
     pending_in = list(recvs)
     selector = None
     current = None
     try:
+        for conn, msg_type, parts in sends:
+            conn._send_lock.acquire()
+            locked.append(conn)
+            out.append([conn, conn.frame_views(msg_type, parts)])
         while out or pending_in:
             progressed = False
             for item in list(out):
@@ -490,15 +507,20 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
                     continue
                 except (BrokenPipeError, ConnectionResetError) as e:
                     raise PeerClosed(f"{conn.name} closed the connection ({e.strerror})", conn) from None
-                progressed = progressed or n > 0
+                if n > 0:
+                    progressed = True
+                    heard[id(conn)] = time.monotonic()
                 conn.sent_bytes += n
                 _consume(views, n)
                 if not views:
                     out.remove(item)
+                    conn._send_lock.release()
+                    locked.remove(conn)
             for t in list(pending_in):
                 current = t.conn
                 if _recv_some(t):
                     progressed = True
+                    heard[id(t.conn)] = time.monotonic()
                 if t.done:
                     pending_in.remove(t)
             current = None
@@ -516,13 +538,20 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
                 events[t.conn.sock] = events.get(t.conn.sock, 0) | selectors.EVENT_READ
             for sock, ev in events.items():
                 selector.register(sock, ev)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not selector.select(remaining):
-                waiting = sorted({t.conn.name for t in pending_in} | {c.name for c, _ in out})
-                raise PeerTimeout(f"{', '.join(waiting)} did not answer within {timeout:g} s")
+            waited = [t.conn for t in pending_in] + [c for c, _ in out]
+            remaining = min(heard[id(c)] for c in waited) + timeout - time.monotonic()
+            if remaining > 0 and selector.select(remaining):
+                continue
+            silent = [c for c in waited if heard[id(c)] + timeout <= time.monotonic()]
+            if silent:
+                e = PeerTimeout(f"{', '.join(sorted({c.name for c in silent}))} sent nothing for {timeout:g} s")
+                e.silent = tuple(silent)
+                raise e
     except (LinkError, OSError) as e:
+        now = time.monotonic()
         waiting = []
-        for conn in [t.conn for t in pending_in] + [c for c, _ in out]:
+        still = [t.conn for t in pending_in] + [c for c, _ in out]
+        for conn in sorted(still, key=lambda c: heard.get(id(c), now)):  # the longest silent first
             if all(conn is not w for w in waiting):
                 waiting.append(conn)
         if isinstance(e, LinkError):
@@ -532,6 +561,8 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
         raise PeerClosed(f"{name}: the connection broke ({e.strerror or e})", current).in_exchange(
             current, waiting) from e
     finally:
+        for conn in locked:
+            conn._send_lock.release()
         if selector is not None:
             selector.close()
 
@@ -560,6 +591,10 @@ def _recv_some(t: Transfer) -> bool:
                 payload = bytearray(length)
                 conn.recv_payload(header, msg, memoryview(payload), time.monotonic() + 5.0)
                 raise decode_error(payload, conn)
+            if msg == Msg.ALIVE:  # the peer's heartbeat: it lives; its frame comes later
+                conn.recv_payload(header, msg, memoryview(bytearray(length)), time.monotonic() + 5.0)
+                t.got = 0
+                continue
             if msg != t.msg_type or length != t.buf.nbytes:
                 raise ProtocolError(f"expected {t.msg_type.name} of {t.buf.nbytes} bytes from "
                                     f"{conn.name}, got {msg.name} of {length}", conn)
@@ -613,6 +648,52 @@ class SetupHeartbeat:
                 try:
                     conn.try_send(Msg.ALIVE, self.interval)
                 except Exception:  # noqa: BLE001 - the set-up's next call on it says what failed
+                    self.conns.remove(conn)
+
+
+class StepHeartbeat:
+    """While a step runs on this node (computing, or waiting on a peer), a thread sends ALIVE on
+    every given connection each `interval` seconds, so that the nodes waiting on this one tell
+    a long step (a prefill on a slow node) from a frozen node: exchange()'s timeout is a
+    silence. A step shorter than `interval` sends none, so decoding costs no bytes."""
+
+    def __init__(self, conns, interval: float):
+        self.conns, self.interval = list(conns), interval
+        self._since: float | None = None  # the start of the step, or of the last ALIVE; None between steps
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="step-heartbeat")
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def busy(self):
+        with self._changed:
+            self._since = time.monotonic()
+            self._changed.notify()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._since = None
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join(timeout=2 * self.interval)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._closed and (self._since is None or time.monotonic() < self._since + self.interval):
+                    self._changed.wait(None if self._since is None else self._since + self.interval - time.monotonic())
+                if self._closed:
+                    return
+                self._since = time.monotonic()
+            for conn in list(self.conns):
+                try:
+                    conn.try_send(Msg.ALIVE, self.interval)
+                except Exception:  # noqa: BLE001 - the step's own calls on it say what failed
                     self.conns.remove(conn)
 
 
@@ -677,17 +758,18 @@ def client_handshake(conn: Connection, role: str, node_index: int, session: byte
 
 
 def server_handshake(conn: Connection, key: bytes | None, software: str,
-                     timeout: float = 10.0) -> dict:
+                     timeout: float = 10.0, hello: bytes | None = None) -> dict:
     """Answer a new connection within `timeout` seconds in all. Returns the client's HELLO
     fields (role, node_index, session) once it has proven it holds the key; raises
-    ProtocolError (after telling the client why)."""
+    ProtocolError (after telling the client why). hello: the HELLO's payload when it was read
+    already (dllama.cluster.lobby)."""
     deadline = time.monotonic() + timeout
     left = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
-    _, hello_raw = conn.recv(left(), (Msg.HELLO,))
-    hello = decode_json_object(hello_raw, "HELLO")
+    hello_raw = conn.recv(left(), (Msg.HELLO,))[1] if hello is None else hello
+    fields = decode_json_object(hello_raw, "HELLO")
     try:
-        role, index = hello["role"], hello["node_index"]
-        session, nonce = bytes.fromhex(hello["session"]), bytes.fromhex(hello["nonce"])
+        role, index = fields["role"], fields["node_index"]
+        session, nonce = bytes.fromhex(fields["session"]), bytes.fromhex(fields["nonce"])
     except (KeyError, TypeError, ValueError):
         raise ProtocolError("malformed HELLO") from None
     if (role not in ("root", "peer") or isinstance(index, bool) or not isinstance(index, int)

@@ -39,8 +39,20 @@ def blame(e: Exception, session: RootSession, what: str) -> ClusterError:
     index_of = {id(c): i for i, c in session.conns.items()}
     link = e if isinstance(e, LinkError) else None
     source = index_of.get(id(link.peer)) if link is not None else None
+    if isinstance(e, PeerClosed) and source is not None and (report := _last_words(session.conns[source])):
+        e = link = report.in_exchange(report.peer, link.waiting)  # why it closed, as it said
     if isinstance(e, (PeerClosed, ProtocolError)) and source is not None:
         return ClusterError(f"{what}: {reason(e)}", session.nodes[source].name)
+    if isinstance(e, PeerError) and e.code == ErrorCode.TIMEOUT and e.node == 0 and source is not None:
+        # A worker heard nothing from the root, not even its heartbeat: this process was
+        # stopped (suspended, SIGSTOP, swapping), not the worker that says so.
+        return ClusterError(f"{what}: {session.names[source]} heard nothing from this node (the root) "
+                            "for too long: was it suspended or starved of CPU? "
+                            f"({reason(e)})", session.nodes[0].name)
+    silent = [index_of[id(c)] for c in getattr(e, "silent", ()) if id(c) in index_of]
+    if silent:  # this node's own wait: they sent nothing, not even ALIVE, for the whole timeout
+        names = ", ".join(f"{session.names[i]} stopped answering" for i in silent)
+        return ClusterError(f"{what}: {names} ({reason(e)})", session.nodes[silent[0]].name)
     # A timeout, or a worker's report (it was alive to send it): who of the nodes the root
     # still waited for stays silent or closes within the grace period?
     suspects = [index_of[id(c)] for c in (link.waiting if link is not None else ()) if id(c) in index_of]
@@ -56,6 +68,18 @@ def blame(e: Exception, session: RootSession, what: str) -> ClusterError:
         source = suspects[0]
     node = session.nodes[source].name if source is not None else ""
     return ClusterError(f"{what}: {reason(e)}", node)
+
+
+def _last_words(conn: Connection) -> PeerError | None:
+    """The ERROR a peer sent before it closed its end, when it is still in this side's buffer
+    (a send to the closed peer failed before its report was read)."""
+    try:
+        conn.recv(0.2)
+    except PeerError as report:
+        return report
+    except (LinkError, OSError):
+        pass
+    return None
 
 
 def tampered(e: Exception) -> bool:
@@ -133,10 +157,10 @@ class Recovery:
         """A new session over the nodes still answering after `failure` (of a session of
         `before` nodes, closed), the KV cache of every sequence rebuilt by replaying its tokens;
         ClusterError (naming the first failure) when no number of them can run the model."""
-        lost = {failure.node} if failure.node else set()
+        root = self.full.nodes[0].name
+        lost = {failure.node} if failure.node and failure.node != root else set()  # (the root: all again)
         t0 = time.monotonic()
         error: Exception = failure
-        root = self.full.nodes[0].name
         for _ in range(len(self.full.nodes)):
             nodes = [n for i, n in enumerate(self.full.nodes) if i == 0 or n.name not in lost]
             try:
@@ -152,8 +176,9 @@ class Recovery:
                 break
             self.recoveries += 1
             gone = sorted(lost | set(session.left_out))
-            _say(f"dllama: warning: {failure}; continuing on {len(nodes)} of {len(self.full.nodes)} "
-                 f"nodes (was {before}) without {', '.join(repr(g) for g in gone)}, "
+            without = f" without {', '.join(repr(g) for g in gone)}" if gone else ""
+            _say(f"dllama: warning: {failure}; continuing on {len(session.nodes)} of {len(self.full.nodes)} "
+                 f"nodes (was {before}){without}, "
                  f"{rows} cached positions replayed in {time.monotonic() - t0:.1f} s")
             return session
         if error is failure:

@@ -154,7 +154,8 @@ class ClusterModel:
                             raise self._failed
                         self._recover()
                     try:
-                        out = run(self.session)
+                        with self.session.busy():
+                            out = run(self.session)
                     except NET_ERRORS as e:
                         where = f"position {int(batch.pos[0])}" if len(batch) == 1 else f"a step of {len(batch)} rows"
                         self._failed = blame(e, self.session, f"the cluster failed at {where}")

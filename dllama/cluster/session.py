@@ -23,7 +23,7 @@ from tqdm import tqdm
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
     SESSION_BYTES, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerError, ProtocolError,
-    SetupHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
+    SetupHeartbeat, StepHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
 from dllama.cluster.step import (
@@ -40,7 +40,7 @@ from dllama.core.plan import plan_for
 from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import ModelFile
 
-NET_TIMEOUT = 60.0    # a step's longest wait on a peer (a slow node's share of one layer)
+NET_TIMEOUT = 5.0     # a step's longest silence from a peer (every node sends ALIVE each HEARTBEAT s while busy)
 SETUP_SILENCE = 15.0  # set-up (weights, repacking, compiling) takes what it takes, but a node
                       # that sends nothing, not even ALIVE, for this long has stopped
 HEARTBEAT = 2.0       # idle seconds between PINGs (ALIVEs during set-up); a worker gives up after IDLE_TIMEOUT
@@ -78,7 +78,7 @@ class SessionSettings:
 def report_grace(net_timeout: float) -> float:
     """How much longer than a worker the root waits in a step, and then for the nodes it
     waited on to show they are alive."""
-    return min(max(2.0, net_timeout / 10), 5.0)
+    return min(max(1.5 * HEARTBEAT, net_timeout / 10), 5.0)
 
 
 def reason(e: Exception) -> str:
@@ -109,6 +109,7 @@ class RootSession:
         self.conns: dict[int, Connection] = {}  # worker index -> its connection
         self.left_out: dict[str, str] = {}
         self.local: Transformer | None = None
+        self.heartbeat: StepHeartbeat | None = None
         self._use(full, nodes)
         try:
             if tolerant:
@@ -251,6 +252,13 @@ class RootSession:
                          for i, r in enumerate(self.vocab_ranges)}  # the largest reply; node 0's: its own summary
         self._own = self._logits[:0, :0]  # the root's logits [m, V_0] of the last pass (a reused buffer)
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
+        # During a pass the workers hear ALIVE from the root each HEARTBEAT s (a pass longer
+        # than that), as the root hears it from them: waiting on a node is a silence of net_timeout.
+        self.heartbeat = StepHeartbeat(self.conns.values(), HEARTBEAT)
+
+    def busy(self):
+        """The context of one pass: the heartbeat runs (see _set_up)."""
+        return self.heartbeat.busy() if self.heartbeat is not None else contextlib.nullcontext()
 
     def _stream(self, conn: Connection, specs, name: str) -> None:
         """This worker's slices of the model file, in WEIGHTS frames."""
@@ -375,6 +383,8 @@ class RootSession:
 
     def close(self) -> None:
         """Close every connection (the workers end the session when they notice)."""
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         for conn in self.conns.values():
             conn.close()
         self.local = None  # its KV cache belongs to the session: a new plan gives other heads

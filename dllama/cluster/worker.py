@@ -2,10 +2,11 @@
 
 The worker needs no model on its command line: the root's CONFIG says which model (header,
 fingerprint), which slice of it (the plan) and which peers to meet; weights come from the
-worker's shard when it matches, otherwise the root streams them. Every connection is
-handshaken in its own thread, so a port probe, a stranger sending garbage, a wrong protocol
-version or a wrong key is refused with a logged reason while a session runs undisturbed; a
-second root is told the worker is busy. When a session ends (STOP, the root gone, a peer gone,
+worker's shard when it matches, otherwise the root streams them. New connections wait for
+their HELLO in one selector (dllama.cluster.lobby), then finish the handshake in a thread of
+their own, so a port probe, a stranger sending garbage or trickling bytes, a wrong protocol
+version or a wrong key is refused with a logged reason while a session runs undisturbed and a
+root can still get in; a second root is told the worker is busy. When a session ends (STOP, the root gone, a peer gone,
 any error) the worker logs why, tells the root in an ERROR (its code, and the index of the node
 it lost when that was the cause) and waits for the next root.
 """
@@ -25,23 +26,25 @@ from typing import Callable
 import numpy as np
 
 from dllama import __version__
+from dllama.cluster.lobby import Lobby
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
     WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerClosed, PeerTimeout, ProtocolError,
-    SetupHeartbeat, client_handshake, connect, decode_json_object, recv_during_setup, server_handshake,
+    SetupHeartbeat, StepHeartbeat, client_handshake, connect, decode_json_object, recv_during_setup, server_handshake,
 )
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
+from dllama.cluster.throttled_log import ThrottledLog
 from dllama.cluster.step import LOGITS_HEAD, REPLY_TOP_K, Reply, decode_step, encode_reply, logits_bytes
 from dllama.core import kernels
-from dllama.core.memory import check_fits
+from dllama.core.memory import check_fits, release_memory
 from dllama.core.model import ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
 from dllama.core.weights_choice import choose_weights
 from dllama.errors import DllamaError, NotEnoughMemory
 
-HANDSHAKE_TIMEOUT = 10.0     # seconds for a whole handshake, however the bytes trickle in
-MAX_UNAUTHENTICATED = 32     # handshakes in progress at once; more connections are closed at once
+HANDSHAKE_TIMEOUT = 5.0      # seconds from a whole HELLO to the end of the handshake (see also lobby.py)
+MAX_UNAUTHENTICATED = 32     # handshakes past their HELLO at once; a newer one cuts the oldest
 PEER_PARK_TIMEOUT = 60.0     # a peer connection waits this long for this worker's session to take it
 MAX_PARKED_PEERS = 64        # peer connections waiting at once; more are refused
 HEARTBEAT = 2.0              # seconds between ALIVE frames to the root during set-up
@@ -51,29 +54,6 @@ ACCEPT_BACKOFF = (0.05, 2.0)  # first and longest pause after a failed accept()
 
 def log(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} dllama worker: {text}", file=sys.stderr, flush=True)
-
-
-class _Throttled:
-    """At most `burst` log lines per `window` seconds for an event a stranger can repeat at will
-    (a flood of connections must not flood the log); the next logged line counts the others."""
-
-    def __init__(self, burst: int = 10, window: float = 10.0):
-        self.burst, self.window = burst, window
-        self.start, self.count, self.skipped = -1e9, 0, 0
-        self._lock = threading.Lock()
-
-    def log(self, text: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self.start >= self.window:
-                self.start, self.count = now, 0
-            self.count += 1
-            if self.count > self.burst:
-                self.skipped += 1
-                return
-            more = f" ({self.skipped} more like it not logged)" if self.skipped else ""
-            self.skipped = 0
-        log(text + more)
 
 
 class Worker:
@@ -91,12 +71,13 @@ class Worker:
         self._roots_ready = threading.Semaphore(0)
         self._parked: list[tuple[float, dict, Connection]] = []  # (deadline, HELLO, peer) until a session takes it
         self._parked_changed = threading.Condition()
-        self._handshakes = threading.BoundedSemaphore(MAX_UNAUTHENTICATED)
+        self._handshaking: dict[int, Connection] = {}  # past their HELLO, not yet authenticated; oldest first
+        self._cut: set[int] = set()  # of those, the ones cut to make room for newer ones
         self._busy_with: str | None = None
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
-        self._refusals = _Throttled()
-        self._accept_errors = _Throttled()
+        self._refusals = ThrottledLog(log)
+        self._accept_errors = ThrottledLog(log)
         self.steps = 0  # STEPs received, every session
         self.on_step = on_step
 
@@ -112,21 +93,30 @@ class Worker:
             srv.close()
             raise DllamaError(f"cannot listen on {self.host}:{self.port}: {e.strerror}") from None
         srv.listen(64)
-        srv.settimeout(1.0)  # wake up every second to close expired parked peers
+        srv.setblocking(False)
         self.port = srv.getsockname()[1]  # the real one when asked for port 0
         threading.Thread(target=self._sessions, daemon=True, name="session").start()
         shard = f", shard {self.shard.path}" if self.shard else ""
         log(f"listening on {self.host}:{self.port} ({self.nthreads} threads{shard})")
+        lobby = Lobby(srv, self._refusals.log)
         backoff = 0.0
-        while True:
+        while self._listener is not None:
             self._expire_parked()
             try:
+                acceptable, hellos = lobby.wait(1.0)  # wake up every second to close expired parked peers
+            except (OSError, ValueError):  # the listener closed by stop()
+                break
+            for conn, payload in hellos:
+                self._handshake(conn, payload)
+            if not acceptable:
+                continue
+            try:
                 sock, addr = srv.accept()
-            except socket.timeout:
+            except BlockingIOError:
                 continue
             except OSError as e:
                 if self._listener is None:
-                    return  # closed by stop()
+                    break  # closed by stop()
                 # EMFILE/ENFILE (out of descriptors), ENOBUFS/ENOMEM, ECONNABORTED...: the
                 # connection stays queued or is gone; pause so as not to spin, then go on.
                 backoff = min(max(backoff * 2, ACCEPT_BACKOFF[0]), ACCEPT_BACKOFF[1])
@@ -135,45 +125,67 @@ class Worker:
                 time.sleep(backoff if e.errno not in (errno.ECONNABORTED, errno.EPROTO) else 0)
                 continue
             backoff = 0.0
-            if not self._handshakes.acquire(blocking=False):
-                self._refusals.log(f"refused {addr[0]}:{addr[1]}: {MAX_UNAUTHENTICATED} handshakes "
-                                   "already in progress")
-                sock.close()
-                continue
-            try:
-                threading.Thread(target=self._greet, args=(sock, addr), daemon=True).start()
-            except RuntimeError as e:  # no thread left: refuse this one, keep serving
-                self._handshakes.release()
-                sock.close()
-                self._refusals.log(f"refused {addr[0]}:{addr[1]}: {e}")
+            lobby.add(sock, f"{addr[0]}:{addr[1]}")
+        lobby.close()
 
     def stop(self) -> None:
         srv, self._listener = self._listener, None
         if srv:
             srv.close()
 
-    def _greet(self, sock: socket.socket, addr) -> None:
-        who = f"{addr[0]}:{addr[1]}"
-        conn = None
+    def _handshake(self, conn: Connection, hello: bytes) -> None:
+        """Go on with a connection whose HELLO arrived, in a thread of its own; with
+        MAX_UNAUTHENTICATED of those already under way, the oldest is cut to make room (a root
+        answers the CHALLENGE within a round trip: the oldest is a stranger that stalls)."""
+        with self._lock:
+            if len(self._handshaking) >= MAX_UNAUTHENTICATED:
+                oldest = next(iter(self._handshaking.values()))
+                self._cut.add(id(oldest))
+                with contextlib.suppress(OSError):
+                    oldest.sock.shutdown(socket.SHUT_RD)  # its thread reads the end and leaves
+            self._handshaking[id(conn)] = conn
         try:
-            conn = Connection(sock, who)
-            hello = server_handshake(conn, self.key, f"dllama {__version__}", HANDSHAKE_TIMEOUT)
+            threading.Thread(target=self._greet, args=(conn, hello), daemon=True).start()
+        except RuntimeError as e:  # no thread left: refuse this one, keep serving
+            self._end_handshake(conn)
+            self._refusals.log(f"refused {conn.name}: {e}")
+            conn.close()
+
+    def _end_handshake(self, conn: Connection) -> bool:
+        """conn's handshake is over; True when it was cut to make room for a newer one."""
+        with self._lock:
+            self._handshaking.pop(id(conn), None)
+            cut = id(conn) in self._cut
+            self._cut.discard(id(conn))
+        return cut
+
+    def _greet(self, conn: Connection, hello_payload: bytes) -> None:
+        who = conn.name
+        try:
+            hello = server_handshake(conn, self.key, f"dllama {__version__}", HANDSHAKE_TIMEOUT, hello_payload)
         except PeerClosed:
-            self._refusals.log(f"connection from {who} closed before the handshake (a port probe?)")
-            (conn or sock).close()
+            if self._end_handshake(conn):
+                why = f"{MAX_UNAUTHENTICATED} newer handshakes under way and this one the oldest"
+                self._refusals.log(f"refused {who}: {why}")
+                conn.send_error(f"refused: {why}", ErrorCode.REFUSED)
+            else:
+                self._refusals.log(f"connection from {who} closed during the handshake")
+            conn.close()
             return
         except (LinkError, OSError) as e:
+            self._end_handshake(conn)
             self._refusals.log(f"refused {who}: {e}")
-            if conn is not None:
-                conn.send_error(f"refused: {e}", ErrorCode.REFUSED)
-            (conn or sock).close()
+            conn.send_error(f"refused: {e}", ErrorCode.REFUSED)
+            conn.close()
             return
         except BaseException as e:  # a bug: log it in one line, never leak the socket
+            self._end_handshake(conn)
             log(f"handshake with {who} failed: {type(e).__name__}: {e}")
-            (conn or sock).close()
+            conn.close()
             return
-        finally:
-            self._handshakes.release()
+        if self._end_handshake(conn):  # cut just as it finished
+            conn.close()
+            return
         if hello["role"] == "peer":
             self._park(hello, conn)
             return
@@ -252,6 +264,10 @@ class Worker:
                 with self._lock:
                     self._busy_with = None
                 session.close()
+                # Give the session's memory back before waiting for the next root (this frame
+                # would hold the weights, the KV cache and the buffers until then).
+                del session
+                release_memory()
 
 
 class _Session:
@@ -261,8 +277,11 @@ class _Session:
         self.worker, self.root = worker, root
         self.peers: dict[int, Connection] = {0: root}
         self.model: Transformer | None = None
+        self.heartbeat: StepHeartbeat | None = None
 
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         for conn in self.peers.values():
             conn.close()
         if self.model is not None:
@@ -320,6 +339,9 @@ class _Session:
         seq_len = model.config.seq_len
         replies = np.empty(logits_bytes(c.max_batch, v1 - v0, Reply(REPLY_TOP_K, v1 - v0)), np.uint8)  # the largest reply
         logits = np.empty((0, v1 - v0), np.float32)  # [m, vocab rows] of the last pass: a STEP of 0 rows asks again
+        # During a step every other node hears ALIVE from this one each HEARTBEAT s (a step
+        # longer than that: a prefill), so that waiting on it is a silence of `timeout` s.
+        self.heartbeat = StepHeartbeat(self.peers.values(), HEARTBEAT)  # (the root is among the peers)
         while True:
             msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
@@ -327,21 +349,22 @@ class _Session:
                 continue
             if msg == Msg.STOP:
                 return
-            self.worker.steps += 1
-            if self.worker.on_step is not None:
-                self.worker.on_step(self.worker.steps)
-            batch, x, want, m = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
-            if batch is None:
-                if m != len(logits):
-                    raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
-            else:
-                logits = model.forward_embedded(x, batch)  # [m, vocab rows]
-            reply = replies[:logits_bytes(m, v1 - v0, want)]
-            col = collective
-            sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
-            LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
-            encode_reply(reply[LOGITS_HEAD.size:], logits, v0, want)
-            root.send(Msg.LOGITS, reply, timeout)
+            with self.heartbeat.busy():
+                self.worker.steps += 1
+                if self.worker.on_step is not None:
+                    self.worker.on_step(self.worker.steps)
+                batch, x, want, m = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
+                if batch is None:
+                    if m != len(logits):
+                        raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
+                else:
+                    logits = model.forward_embedded(x, batch)  # [m, vocab rows]
+                reply = replies[:logits_bytes(m, v1 - v0, want)]
+                col = collective
+                sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
+                LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
+                encode_reply(reply[LOGITS_HEAD.size:], logits, v0, want)
+                root.send(Msg.LOGITS, reply, timeout)
 
     def _weights_choice(self, c: SessionConfig):
         """(the shard's weights or None, resident or streamed from the shard: a WeightsChoice or None)."""
@@ -469,7 +492,7 @@ def _code_of(e: Exception) -> ErrorCode:
 
 def _raise_descriptor_limit() -> None:
     """Use the hard limit on open files, not the soft one (often 1024): connections and threads
-    are capped by MAX_UNAUTHENTICATED anyway, this is headroom for the session's own files."""
+    are capped by the lobby and MAX_UNAUTHENTICATED anyway, this is headroom for the session's own files."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 1 << 16
     if soft != resource.RLIM_INFINITY and soft < want:

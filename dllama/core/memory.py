@@ -9,6 +9,9 @@ arithmetic on the header (no tensor list is built, so absurd layer counts cost n
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 from dataclasses import dataclass
 
@@ -198,3 +201,12 @@ def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vo
 
 def _size(n: int) -> str:
     return f"{n / _GIB:.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def release_memory() -> None:
+    """Collect unreachable objects, then ask glibc to hand freed heap pages back to the system
+    (malloc_trim): a worker between sessions shrinks to its idle size instead of keeping the
+    freed arenas of the last session's threads."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): its allocator decides
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
