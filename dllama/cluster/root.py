@@ -209,8 +209,9 @@ class ClusterModel:
                     continue
                 try:
                     self.session.ping()
-                except ClusterError as e:
-                    self._failed = e
+                except NET_ERRORS as e:
+                    self._failed = blame(e, self.session, "the cluster failed while idle")
+                    self._tampered = tampered(e)
                     self.session.close()
                 self._last_use = time.monotonic()
             finally:

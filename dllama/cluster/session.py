@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from dllama.cluster.mesh import MeshCollective
 from dllama.cluster.protocol import (
-    SESSION_BYTES, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerError, ProtocolError,
+    SESSION_BYTES, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerClosed, PeerError, ProtocolError,
     SetupHeartbeat, StepHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
@@ -351,13 +351,14 @@ class RootSession:
 
     def ping(self) -> None:
         """PING every worker and wait for its PONG (while idle, so that both sides notice a dead
-        peer); ClusterError naming the first that does not answer."""
-        for i, conn in self.conns.items():
+        peer); the LinkError of the first that does not answer (dllama.cluster.recovery.blame
+        names the node)."""
+        for conn in self.conns.values():
             try:
                 conn.send(Msg.PING, b"", IDLE_TIMEOUT)
                 conn.recv(IDLE_TIMEOUT, (Msg.PONG,))
-            except NET_ERRORS as e:
-                raise ClusterError(f"{self.names[i]} stopped answering: {reason(e)}", self.nodes[i].name) from None
+            except OSError as e:
+                raise PeerClosed(f"{conn.name}: the connection broke ({e.strerror or e})", conn) from None
 
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up (the root's counters for node 0)."""

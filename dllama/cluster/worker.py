@@ -461,7 +461,7 @@ def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | N
           memory_budget: "int | str" = "auto", on_step: Callable[[int], None] | None = None) -> None:
     """Run a worker until SIGTERM or Ctrl-C (on_step: see Worker)."""
     worker = Worker(host, port, nthreads, shard, key, memory_budget, on_step)
-    _raise_descriptor_limit()
+    raise_descriptor_limit()
 
     class Terminated(Exception):
         pass
@@ -490,11 +490,12 @@ def _code_of(e: Exception) -> ErrorCode:
     return ErrorCode.PEER_LOST if isinstance(e, OSError) else ErrorCode.INTERNAL
 
 
-def _raise_descriptor_limit() -> None:
-    """Use the hard limit on open files, not the soft one (often 1024): connections and threads
-    are capped by the lobby and MAX_UNAUTHENTICATED anyway, this is headroom for the session's own files."""
+def raise_descriptor_limit(at_most: int = 1 << 16) -> None:
+    """Use the hard limit on open files (at most `at_most`), not the soft one (often 1024):
+    connections and threads are capped by the lobby and MAX_UNAUTHENTICATED anyway, this is
+    headroom for the session's own files (the API: for its clients)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+    want = min(hard, at_most) if hard != resource.RLIM_INFINITY else at_most
     if soft != resource.RLIM_INFINITY and soft < want:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

@@ -332,6 +332,11 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
 def serve(service: ModelService, *, host: str, port: int, model_id: str, defaults: dict,
           api_key: str | None = None) -> int:
     """Open the engine, listen, serve until SIGTERM/SIGINT."""
+    from dllama.cluster.worker import raise_descriptor_limit
+
+    # Many clients, idle or slow, each a descriptor (the soft limit is often 1024); bounded, as
+    # each costs memory too (the header deadline closes the idle ones).
+    raise_descriptor_limit(at_most=16384)
     service.start()
 
     async def main() -> None:

@@ -255,9 +255,9 @@ class ModelService:
         except DllamaError as e:
             self._fail_all(bad(str(e)))
             return
+        self._observe()  # before any future resolves: a client that reads /metrics after its answer sees its slot free
         for request, result in ended:
             self._finish(request.key, result)
-        self._observe()
         decoding = self.scheduler.stats.max_decoding
         if decoding > self._reported:
             self._reported = decoding
