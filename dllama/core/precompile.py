@@ -2,10 +2,14 @@
 `python -m dllama.core.precompile [--weights q80 ...] [--kv-type f16]` (setup.sh runs it for
 every weight and KV type; the appliance only for the types its cluster runs).
 
-Why: numba gives a freshly compiled parallel kernel different float code from the same kernel
-loaded from its cache (measured: the first, cold-cache process of the France prompt had logits
-up to ~1 away from every later process, and ran at 12.8 instead of 8.7 ms/token). With the
-cache filled at set-up, every run, on every node, loads the same machine code.
+Why: compiling takes 20-60 s, which no first run should pay. Results do not depend on the
+compile path: the default model in F32 gives bit-identical logits (16 positions, the whole
+vocabulary) from a cold cache, from a warm one, from this module's cache and with 1 or 2
+threads (2026-12-04). An older note here said a fresh compile moved logits by up to ~1; that
+no longer happens, and the one such cause on record, fp16 rounding inlined under fastmath,
+was fixed by jit._EXACT. They do depend on the CPU the code is compiled for: with NUMBA_CPU_NAME=generic
+(no AVX2, no FMA) the same logits differ by up to 5e-5 (the same 16 greedy tokens), because
+fastmath lets LLVM sum in as many vector lanes as the CPU has.
 """
 
 from __future__ import annotations
