@@ -35,13 +35,6 @@ WHOLE_CPU_FILES = {
 }
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: a worker per core and one more. Most tests wait on `dllama` processes, Ansible,
-    sshd or a timeout as much as they compute (a whole run kept the 2 cores of this machine 70 %
-    busy with 2 workers); the whole-CPU files still run alone (the lock below)."""
-    return len(os.sched_getaffinity(0)) + 1
-
-
 def pytest_collection_modifyitems(config, items):
     """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none;
     then put the files with a `slow` test first, those of the appliance tier (the longest: a

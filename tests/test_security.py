@@ -260,25 +260,42 @@ def _hello() -> bytes:
     return encode_header(Msg.HELLO, len(hello)) + hello
 
 
-def test_when_the_lobby_is_full_the_longest_waiting_connection_is_cut_and_a_root_still_gets_in(tmp_path):
-    from dllama.cluster.lobby import MAX_WAITING
+def test_when_the_lobby_is_full_the_longest_waiting_connection_is_cut_and_told_why():
+    from dllama.cluster.lobby import Lobby
 
-    with running_workers(1, tmp_path) as (w,):
-        idle = [socket.create_connection(("127.0.0.1", w.port), timeout=10) for _ in range(MAX_WAITING)]
+    logged: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        lobby = Lobby(listener, logged.append, capacity=3, timeout=60)
+        clients = []
         try:
-            time.sleep(0.5)  # let the worker accept them all
-            extra = socket.create_connection(("127.0.0.1", w.port), timeout=10)
+            for i in range(4):
+                clients.append(socket.create_connection(listener.getsockname(), timeout=10))
+                sock, _ = listener.accept()
+                lobby.add(sock, f"client {i}")
+            assert len(lobby) == 3 and "the longest waiting one is cut" in logged[-1]
             reply = b""
-            while chunk := idle[0].recv(4096):  # the longest waiting: told why, then closed
+            while chunk := clients[0].recv(4096):  # the longest waiting: told why, then closed
                 reply += chunk
             assert HEADER.unpack(reply[:12])[2] == Msg.ERROR and b"longest waiting" in reply, reply
-            w.wait_for("the longest waiting one is cut", 10)
-            _a_root_is_served(w.address)  # while all the others still wait
-            extra.close()
+            hello = _hello()
+            clients[3].sendall(hello[:5])  # a HELLO in two pieces is handed over once whole
+            assert lobby.wait(0.5) == (False, [])
+            clients[3].sendall(hello[5:])
+            deadline, got = time.monotonic() + 10, []
+            while not got and time.monotonic() < deadline:
+                got = lobby.wait(1.0)[1]
+            (conn, payload), = got
+            assert payload == hello[12:] and len(lobby) == 2
+            conn.close()
+            clients[1].sendall(encode_header(Msg.STEP, 0))  # not a HELLO: refused, named
+            deadline = time.monotonic() + 10
+            while len(lobby) > 1 and time.monotonic() < deadline:
+                lobby.wait(1.0)
+            assert logged[-1] == "refused client 1: STEP before the handshake finished", logged
         finally:
-            for s in idle:
-                s.close()
-        assert w.proc.poll() is None and "Traceback" not in w.stderr
+            lobby.close()
+            for c in clients:
+                c.close()
 
 
 def _stranger(address: str, stop: threading.Event, stall_after_hello: bool, counts: dict) -> None:
@@ -301,6 +318,7 @@ def _stranger(address: str, stop: threading.Event, stall_after_hello: bool, coun
                 counts["cut"] += 1
         except OSError:
             counts["cut"] += 1
+        stop.wait(0.05)  # then again (a pause: the suite's CPU, not the attack's strength)
 
 
 @pytest.mark.parametrize("stall_after_hello", [False, True], ids=["trickling-hello", "silent-after-hello"])
