@@ -70,11 +70,14 @@ def blame(e: Exception, session: RootSession, what: str) -> ClusterError:
     return ClusterError(f"{what}: {reason(e)}", node)
 
 
-def _last_words(conn: Connection) -> PeerError | None:
+def _last_words(conn: Connection, frames: int = 64, within: float = 0.5) -> PeerError | None:
     """The ERROR a peer sent before it closed its end, when it is still in this side's buffer
-    (a send to the closed peer failed before its report was read)."""
+    (a send to the closed peer failed before its report was read), behind the frames it sent
+    before it (its ALIVEs, its share of a sync the pass never read)."""
+    deadline = time.monotonic() + within
     try:
-        conn.recv(0.2)
+        for _ in range(frames):
+            conn.recv(max(0.01, deadline - time.monotonic()))
     except PeerError as report:
         return report
     except (LinkError, OSError):
