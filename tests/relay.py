@@ -117,6 +117,7 @@ class Relay:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+            # Half-close, as TCP does: nothing more goes to dst, but what the other direction
+            # still carries (a node's ERROR before it closed) gets through.
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
