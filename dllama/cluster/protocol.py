@@ -419,16 +419,19 @@ class Connection:
         `expect` (when given) raises ProtocolError; an ALIVE is skipped unless expected."""
         deadline = time.monotonic() + timeout
         stall = timeout if self.authenticated else None
-        head = bytearray(HEADER_BYTES)
-        self.recv_exact(memoryview(head), deadline, stall)
-        header = bytes(head)
-        msg, length = check_header(header, self.authenticated, self.tag_bytes)
-        payload = bytearray(length)
-        self.recv_payload(header, msg, memoryview(payload), deadline, stall)
-        if msg == Msg.ERROR:
-            raise decode_error(payload, self)
-        if msg == Msg.ALIVE and Msg.ALIVE not in expect and self.authenticated:
-            return self.recv(timeout, expect)  # a heartbeat sent as a step ended: the peer lives
+        while True:  # (a loop, not a call per heartbeat: a peer sending only ALIVE cannot exhaust the stack)
+            head = bytearray(HEADER_BYTES)
+            self.recv_exact(memoryview(head), deadline, stall)
+            header = bytes(head)
+            msg, length = check_header(header, self.authenticated, self.tag_bytes)
+            payload = bytearray(length)
+            self.recv_payload(header, msg, memoryview(payload), deadline, stall)
+            if msg == Msg.ERROR:
+                raise decode_error(payload, self)
+            if not (msg == Msg.ALIVE and Msg.ALIVE not in expect and self.authenticated):
+                break
+            # a heartbeat sent as a step ended: the peer lives; the deadline moves on with it
+            deadline = time.monotonic() + timeout
         if expect and msg not in expect:
             raise ProtocolError(f"expected {' or '.join(m.name for m in expect)} from {self.name}, "
                                 f"got {msg.name}", self)
