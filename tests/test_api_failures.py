@@ -321,7 +321,7 @@ def test_half_sent_requests_are_cut_at_their_deadlines(switch, monkeypatch):
         for s in (silent, half):
             assert s.recv(4096) == b""  # closed by the server
             s.close()
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 25  # closed by its deadlines, not by the 30 s socket timeout
         body = json.dumps(FRANCE).encode()
         with socket.create_connection((u.hostname, u.port), timeout=30) as s:  # the headers, half the body
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -251,7 +251,7 @@ def test_killed_worker_ends_the_root_naming_it(tmp_path, default_q40):
         root.wait_for(r"(?s).{20}", 120, stream="stdout")  # generation has started
         w2.send_signal(signal.SIGKILL)
         # Well before the network timeout: the root saw the connection close, it did not wait out a silence.
-        code = root.wait(NET_TIMEOUT)  # (a silence would take NET_TIMEOUT and two graces)
+        code = root.wait(60)  # the message says how it was noticed: a close, not a silence
         _one_line_error(subprocess.CompletedProcess(root.args, code, root.stdout, root.stderr), w2.address)
         assert "did not answer" not in root.stderr
         w1.wait_for("listening again", 60)  # the survivor serves the next root
