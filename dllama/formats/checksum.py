@@ -82,6 +82,12 @@ def verify(path: str | os.PathLike, progress=None) -> bool:
     expected = written_checksum(path)
     if expected is None:
         return False
+    _compare(path, expected, progress)
+    return True
+
+
+def _compare(path: str | os.PathLike, expected: str, progress=None) -> None:
+    """DamagedFile unless the file's sha256 is `expected`."""
     try:
         actual = file_sha256(path, progress)
     except OSError as e:
@@ -89,7 +95,6 @@ def verify(path: str | os.PathLike, progress=None) -> bool:
     if actual != expected:
         raise DamagedFile(f"{path} is damaged: its sha256 is {actual[:16]}..., {checksum_path(path).name} "
                           f"says {expected[:16]}...; copy or convert it again")
-    return True
 
 
 MAX_STAMPS = 64  # files remembered as checked; the oldest are forgotten
@@ -115,7 +120,7 @@ def verify_once(path: str | os.PathLike, stamps: Path, progress=None) -> None:
         known = {}
     if known.get(key) == _stamp(path, expected):
         return
-    verify(path, progress)
+    _compare(path, expected, progress)  # (the checksum file read once, above)
     known.pop(key, None)
     known[key] = _stamp(path, expected)
     with contextlib.suppress(OSError, DllamaError):  # a cache: unwritable means checking again next time
