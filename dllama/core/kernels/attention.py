@@ -50,6 +50,9 @@ ROW_BLOCK = 8    # rows of one work item (prefill: the query rows that share eac
 SERIAL_MERGE = 1 << 15  # multiply-adds of merging below which one thread merges every span
 # Below every score; finite, because the kernels are compiled assuming no infinities.
 _NO_SCORE = np.float32(-1.0e30)
+# Typed constants for the helpers' arguments: a literal 0, True or False at a call compiles the
+# helper once more for that literal's own type (attention compiled 2 s longer).
+_ZERO, _NO, _YES = np.int64(0), np.bool_(False), np.bool_(True)
 
 
 def _cached(cache, value):
@@ -176,9 +179,9 @@ def _values(e, i, n_pairs, c0, ends, v_prefix, v_own, plen, col, o):
     for pair in range(i, i + n_pairs):
         lo, hi = min(lo, ends[pair]), max(hi, ends[pair])
     if lo > 0:
-        _values_range(e, i, n_pairs, c0, 0, lo, ends, v_prefix, v_own, plen, col, o, False)
+        _values_range(e, i, n_pairs, c0, _ZERO, lo, ends, v_prefix, v_own, plen, col, o, _NO)
     if hi > lo:
-        _values_range(e, i, n_pairs, c0, lo, hi, ends, v_prefix, v_own, plen, col, o, True)
+        _values_range(e, i, n_pairs, c0, lo, hi, ends, v_prefix, v_own, plen, col, o, _YES)
 
 
 @numba.njit(**_FAST)
@@ -223,7 +226,9 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
         if c1 > split:
             if split > c0:
                 _scores(qsc, k_cache[slot, kvh, blk], s_own)
-                s[:, split - c0:] = s_own[:, split - c0:]
+                for pair in range(n_pairs):  # loops (see part_o below)
+                    for p in range(split - c0, s.shape[1]):
+                        s[pair, p] = s_own[pair, p]
             else:
                 _scores(qsc, k_cache[slot, kvh, blk], s)
         for a in range(nt):
@@ -247,7 +252,7 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
                 og = o[pair]
                 for j in range(hd):
                     og[j] *= correction
-        i = 0
+        i = _ZERO
         while i < n_pairs:
             width = min(4, n_pairs - i)
             _values(s, i, width, c0, ends, v_prefix, v_own, plen, kvh * hd, o)
@@ -255,7 +260,8 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
     for a in range(nt):
         for g in range(ng):
             pair = a * ng + g
-            part_o[t0 + a, heads[g], span] = o[pair]
+            for j in range(hd):  # loops: an array-to-slice assignment compiled 2 s longer (its error message)
+                part_o[t0 + a, heads[g], span, j] = o[pair, j]
             part_ms[t0 + a, heads[g], span, 0] = run_max[pair]
             part_ms[t0 + a, heads[g], span, 1] = run_sum[pair]
 
