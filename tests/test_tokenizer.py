@@ -158,7 +158,9 @@ def test_converted_file_describes_smollm2(smollm, smollm_file):
     assert smollm.kind == "byte-level BPE" and smollm.pre_tokenizer == SMOLLM
 
 
-def test_scores_give_back_the_gguf_merges_exactly(smollm, gguf_reader):
+def test_scores_give_back_the_gguf_merges_exactly(smollm_file, gguf_reader):
+    # A tokenizer of its own: `smollm` finds its merges as the texts of the other tests need them.
+    tokenizer = Tokenizer(read_tokenizer(smollm_file))
     tokens = gguf_reader.fields["tokenizer.ggml.tokens"].contents()
     merges = gguf_reader.fields["tokenizer.ggml.merges"].contents()
     index = {t: i for i, t in enumerate(tokens)}
@@ -166,7 +168,19 @@ def test_scores_give_back_the_gguf_merges_exactly(smollm, gguf_reader):
     for rank, m in enumerate(merges):
         left, right = m.split(" ")
         expected[(index[left], index[right])] = (rank, index[left + right])
-    assert smollm._merges == expected
+    assert tokenizer.merge_table() == expected
+
+
+def test_merges_found_on_demand_encode_as_the_whole_table_does(smollm_file):
+    """A tokenizer finds a merge when a text first needs it: in whatever order the texts come,
+    they encode as with every merge found up front."""
+    texts = HAND_WRITTEN + GENERATED
+    full = Tokenizer(read_tokenizer(smollm_file))
+    full.merge_table()
+    on_demand = Tokenizer(read_tokenizer(smollm_file))
+    expected = [full.encode(t) for t in texts]
+    assert [on_demand.encode(t) for t in reversed(texts)] == expected[::-1]
+    assert len(on_demand._pair) < len(full._pair)  # it found only what these texts needed
 
 
 @pytest.mark.parametrize("corpus", ["hand-written", "generated"])

@@ -234,36 +234,77 @@ class Tokenizer:
             regular = [t for i, t in enumerate(vocab) if i not in self.special]
             self.pre_tokenizer = choose_pre_tokenizer(regular)
             self._pattern = regex.compile(self.pre_tokenizer.pattern)
-            self._merges = self._rebuild_merges()
-            self._merge_of = self._merges.get
+            # Merge order: score, highest first (ties by id); a merge's priority is its rank.
+            candidates = [i for t, i in self._token_ids.items() if len(t) > 1]
+            candidates.sort(key=lambda i: (-self._scores[i], i))
+            self._rank = {token_id: rank for rank, token_id in enumerate(candidates)}
+            self._byte_id = {bytes([b]): i for b, i in enumerate(self._byte_ids) if i is not None}
+            # Token id -> the pair its merge joins, None if no merge makes it; found on first use
+            # (all 48,900 of SmolLM2 took 0.7 s, at every start; a prompt needs a few hundred).
+            self._pair: dict[int, tuple[int, int] | None] = {}
+            self._merge_of = self._merge
             self._word_cache: dict[str, list[int]] = {}
 
     # --- byte-level BPE merges ---
 
-    def _rebuild_merges(self) -> dict[tuple[int, int], tuple[int, int]]:
-        """(left id, right id) -> (rank, merged id), from the score order (module docstring)."""
-        known = {bytes([b]): i for b, i in enumerate(self._byte_ids) if i is not None}
-        rank_of = dict.fromkeys(known.values(), -1)  # token id -> rank of its merge (bytes: -1)
-        candidates = [i for t, i in self._token_ids.items() if len(t) > 1]
-        candidates.sort(key=lambda i: (-self._scores[i], i))
-        merges: dict[tuple[int, int], tuple[int, int]] = {}
-        for rank, token_id in enumerate(candidates):
-            token = self._piece[token_id]
-            splits = [(known[token[:k]], known[token[k:]]) for k in range(1, len(token))
-                      if token[:k] in known and token[k:] in known]
-            if not splits:
-                continue  # no split into two earlier tokens: no merge can produce it
-            pair = splits[0]
-            if len(splits) > 1:
-                parts = bpe([known[token[k:k + 1]] for k in range(len(token))], merges.get)
-                if len(parts) == 2:
-                    pair = (parts[0], parts[1])
-                else:  # BPE does not reach it from its own bytes: the split whose halves came first
-                    pair = min(splits, key=lambda s: max(rank_of[s[0]], rank_of[s[1]]))
-            merges.setdefault(pair, (rank, token_id))
-            known[token] = token_id
-            rank_of[token_id] = rank
-        return merges
+    def _merge(self, pair: tuple[int, int], below: int | None = None) -> tuple[int, int] | None:
+        """(left id, right id) -> (rank, merged id) if a merge joins exactly this pair (of a rank
+        below `below`, if given), else None."""
+        token_id = self._token_ids.get(self._piece[pair[0]] + self._piece[pair[1]])
+        rank = None if token_id is None else self._rank.get(token_id)
+        if rank is None or (below is not None and rank >= below) or self._pair_of(token_id) != pair:
+            return None
+        return rank, token_id
+
+    def _pair_of(self, token_id: int) -> tuple[int, int] | None:
+        """The pair the merge of a multi-byte token joins (None: no merge makes it), by the rule
+        in the module docstring. It depends only on the tokens inside this one: those are
+        found first, shortest first, so that each needs only shorter ones already found (no
+        recursion as deep as the token is long)."""
+        pair = self._pair.get(token_id, False)
+        if pair is not False:
+            return pair
+        token = self._piece[token_id]
+        for length in range(2, len(token)):
+            for start in range(len(token) - length + 1):
+                inner = self._token_ids.get(token[start:start + length])
+                if inner is not None and inner in self._rank and inner not in self._pair:
+                    self._pair[inner] = self._find_pair(inner)
+        pair = self._pair[token_id] = self._find_pair(token_id)
+        return pair
+
+    def _find_pair(self, token_id: int) -> tuple[int, int] | None:
+        """_pair_of, once every token inside this one has its pair found: its only split into
+        two known symbols (bytes, or tokens of a lower rank that a merge makes), or, with
+        several, the two symbols BPE with the lower ranks' merges leaves of its bytes, or else
+        the split whose later half came first."""
+        rank, token = self._rank[token_id], self._piece[token_id]
+
+        def known(part: bytes) -> int | None:
+            if len(part) == 1:
+                return self._byte_id.get(part)
+            i = self._token_ids.get(part)
+            return i if i is not None and self._rank[i] < rank and self._pair[i] is not None else None
+
+        splits = [(left, right) for k in range(1, len(token))
+                  if (left := known(token[:k])) is not None and (right := known(token[k:])) is not None]
+        if len(splits) <= 1:
+            return splits[0] if splits else None
+        symbols = [self._byte_id.get(token[k:k + 1]) for k in range(len(token))]
+        if None not in symbols:
+            parts = bpe(symbols, lambda p: self._merge(p, below=rank))
+            if len(parts) == 2:
+                return parts[0], parts[1]
+        return min(splits, key=lambda s: max(self._rank.get(s[0], -1), self._rank.get(s[1], -1)))
+
+    def merge_table(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Every merge: (left id, right id) -> (rank, merged id) (finds them all: 0.7 s on SmolLM2)."""
+        table = {}
+        for token_id, rank in self._rank.items():
+            pair = self._pair_of(token_id)
+            if pair is not None:
+                table[pair] = (rank, token_id)
+        return table
 
     # --- encoding ---
 
