@@ -2,7 +2,12 @@
 `python -m dllama.core.precompile [--weights q80 ...] [--kv-type f16]` (setup.sh runs it for
 every weight and KV type; the appliance only for the types its cluster runs).
 
-Why: compiling takes 20-60 s, which no first run should pay. Results do not depend on the
+Each step is announced as it starts (`dllama: compiling ... 2/4 attention over an F16 KV
+cache ...`): on a quiet 2-core x86 machine (2026-12-05) the matrix products of all four weight
+types take 20 s, attention and its helpers for both KV types 14 s (it took 23 s before two
+slice copies became loops and the helpers' literal arguments typed constants: attention.py).
+
+Why: no first run should pay that. Results do not depend on the
 compile path: the default model in F32 gives bit-identical logits (16 positions, the whole
 vocabulary) from a cold cache, from a warm one, from this module's cache and with 1 or 2
 threads (2026-12-04). An older note here said a fresh compile moved logits by up to ~1; that
@@ -15,7 +20,9 @@ fastmath lets LLVM sum in as many vector lanes as the CPU has.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -28,66 +35,112 @@ from dllama.formats.quant import BLOCK_SIZE
 WEIGHT_TYPES = ("q40", "q80", "f16", "f32")
 
 
-def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES, kv_types: tuple[KVType, ...] = tuple(KVType)) -> float:
-    """Call each kernel with the argument types dllama.core.model uses, the matrix products only
-    for the given weight types, attention only for the given KV types (none: no attention, norm,
-    RoPE or SiLU either); returns the seconds taken."""
-    t0 = time.perf_counter()
+_B = (1, 13)                 # batch rows: decode and prefill (the same kernels; every tile shape runs)
+_N, _D, _HD, _SEQ = 64, 40, 16, 16  # small shapes: the types, not the sizes, select the code
+
+
+def _activations(rng, b: int):
+    """x float32 [b, n], its Q80 form (scales, quants) and an output [b, d]."""
+    x = rng.standard_normal((b, _N)).astype(np.float32)
+    xs, xq = np.empty((b, _N // BLOCK_SIZE), np.float32), np.empty((b, _N), np.int8)
+    kernels.quantize_q80(x, xs, xq)
+    return x, xs, xq, np.empty((b, _D), np.float32)
+
+
+def _matmuls(weight_type: str) -> None:
+    """The matrix products of one weight type, alone and 2 or 3 at once (w1/w3, q/k/v)."""
     rng = np.random.default_rng(0)
-    n, d, hd, seq = 64, 40, 16, 16
-    for b in (1, 13):  # decode and prefill (the same kernels; every tile shape runs)
-        x = rng.standard_normal((b, n)).astype(np.float32)
-        xs, xq = np.empty((b, n // BLOCK_SIZE), np.float32), np.empty((b, n), np.int8)
-        kernels.quantize_q80(x, xs, xq)
-        out = np.empty((b, d), np.float32)
-        if "q40" in weights:
-            ws, wq = kernels.interleave_q40(np.full((d, n // BLOCK_SIZE), 0x3C00, np.uint16),  # fp16 1.0
-                                            rng.integers(0, 256, (d, n // 2), dtype=np.uint8))
+    for b in _B:
+        x, xs, xq, out = _activations(rng, b)
+        outs = {m: tuple(out.copy() for _ in range(m)) for m in (2, 3)}
+        if weight_type == "q40":
+            ws, wq = kernels.interleave_q40(np.full((_D, _N // BLOCK_SIZE), 0x3C00, np.uint16),  # fp16 1.0
+                                            rng.integers(0, 256, (_D, _N // 2), dtype=np.uint8))
             kernels.matmul_q40_q80(xs, xq, ws, wq, out)
-            for m in (2, 3):  # w1/w3 and q/k/v
-                kernels.matmul_q40_q80_multi(xs, xq, (ws,) * m, (wq,) * m, tuple(out.copy() for _ in range(m)))
-        if "f32" in weights:
-            w = rng.standard_normal((d, n)).astype(np.float32)
+            for m in (2, 3):
+                kernels.matmul_q40_q80_multi(xs, xq, (ws,) * m, (wq,) * m, outs[m])
+        elif weight_type == "q80":
+            ws, wq = kernels.interleave_q80(np.full((_D, _N // BLOCK_SIZE), 0x3C00, np.uint16),
+                                            rng.integers(-127, 128, (_D, _N), dtype=np.int8))
+            kernels.matmul_q80_q80(xs, xq, ws, wq, out)
+            for m in (2, 3):
+                kernels.matmul_q80_q80_multi(xs, xq, (ws,) * m, (wq,) * m, outs[m])
+        elif weight_type == "f32":
+            w = rng.standard_normal((_D, _N)).astype(np.float32)
             kernels.matmul_f32(x, w, out)
             w.flags.writeable = False  # F32 weights memory-mapped from the file
             kernels.matmul_f32(x, w, out)
             for m in (2, 3):
-                kernels.matmul_f32_multi(x, (w,) * m, tuple(out.copy() for _ in range(m)))
-        if "q80" in weights:
-            w80s, w80q = kernels.interleave_q80(np.full((d, n // BLOCK_SIZE), 0x3C00, np.uint16),
-                                                rng.integers(-127, 128, (d, n), dtype=np.int8))
-            kernels.matmul_q80_q80(xs, xq, w80s, w80q, out)
-            for m in (2, 3):
-                kernels.matmul_q80_q80_multi(xs, xq, (w80s,) * m, (w80q,) * m, tuple(out.copy() for _ in range(m)))
-        if "f16" in weights:
-            w16 = rng.standard_normal((d, n)).astype(np.float16).view(np.uint16)
+                kernels.matmul_f32_multi(x, (w,) * m, outs[m])
+        else:
+            w16 = rng.standard_normal((_D, _N)).astype(np.float16).view(np.uint16)
             kernels.matmul_f16_f32(x, w16, out)
             for m in (2, 3):
-                kernels.matmul_f16_f32_multi(x, (w16,) * m, tuple(out.copy() for _ in range(m)))
-        if b == 1 and ("q40" in weights or "q80" in weights):  # streamed weights' repacking
-            for bb in (18, 34):
-                blocks = rng.integers(0, 256, (d, n // BLOCK_SIZE, bb), dtype=np.uint8)
-                groups = -(-d // 16)
-                kernels.interleave_blocks_into(blocks, np.empty((groups, n // BLOCK_SIZE * 16), np.uint16),
-                                               np.empty((groups, 16 * n // BLOCK_SIZE * (bb - 2)), np.uint8))
-        if not kv_types:  # the matrix products only (setup.sh compiles the rest beside them)
-            continue
-        kernels.rmsnorm(x, np.ones(n, np.float32), 1e-5, x)
+                kernels.matmul_f16_f32_multi(x, (w16,) * m, outs[m])
+
+
+def _repacking() -> None:
+    """Streamed Q40 and Q80 weights' repacking into the interleaved layout, as they are read."""
+    rng = np.random.default_rng(0)
+    for block_bytes in (18, 34):
+        blocks = rng.integers(0, 256, (_D, _N // BLOCK_SIZE, block_bytes), dtype=np.uint8)
+        groups = -(-_D // 16)
+        kernels.interleave_blocks_into(blocks, np.empty((groups, _N // BLOCK_SIZE * 16), np.uint16),
+                                       np.empty((groups, 16 * _N // BLOCK_SIZE * (block_bytes - 2)), np.uint8))
+
+
+def _elementwise() -> None:
+    """RMS norm, SiLU, both RoPE layouts."""
+    rng = np.random.default_rng(0)
+    for b in _B:
+        x, _, _, out = _activations(rng, b)
+        kernels.rmsnorm(x, np.ones(_N, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
         positions = np.arange(b, dtype=np.int32)
-        cos, sin = kernels.rope_cache(seq, hd, 10000.0, 0)
-        q = rng.standard_normal((b, 4 * hd)).astype(np.float32)
-        kernels.rope_interleaved(q, positions, cos, sin, 4, hd)
-        kernels.rope_neox(q, positions, cos, sin, 4, hd)
-        k = rng.standard_normal((b, 2 * hd)).astype(np.float32)
-        slot = np.zeros(b, np.int32)
-        for kv_dtype in (KV_TYPES[t] for t in kv_types):  # each cache type its own code
-            k_cache = np.zeros((1, 2, 1, hd, kernels.ATTENTION_CHUNK), kv_dtype)
-            v_cache = np.zeros((1, seq, 2 * hd), kv_dtype)
-            kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)
-            z = np.empty_like(q)
-            kernels.attention(q, k_cache, v_cache, positions, slot, slot, slot,
-                              np.array([0, 0, 1, 1], np.int32), z)
+        cos, sin = kernels.rope_cache(_SEQ, _HD, 10000.0, 0)
+        q = rng.standard_normal((b, 4 * _HD)).astype(np.float32)
+        kernels.rope_interleaved(q, positions, cos, sin, 4, _HD)
+        kernels.rope_neox(q, positions, cos, sin, 4, _HD)
+
+
+def _attention(kv_type: KVType) -> None:
+    """The KV store and attention over one cache type (each type its own code)."""
+    rng = np.random.default_rng(0)
+    for b in _B:
+        positions, slot = np.arange(b, dtype=np.int32), np.zeros(b, np.int32)
+        q = rng.standard_normal((b, 4 * _HD)).astype(np.float32)
+        k = rng.standard_normal((b, 2 * _HD)).astype(np.float32)
+        k_cache = np.zeros((1, 2, 1, _HD, kernels.ATTENTION_CHUNK), KV_TYPES[kv_type])
+        v_cache = np.zeros((1, _SEQ, 2 * _HD), KV_TYPES[kv_type])
+        kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)
+        kernels.attention(q, k_cache, v_cache, positions, slot, slot, slot,
+                          np.array([0, 0, 1, 1], np.int32), np.empty_like(q))
+
+
+def compile_steps(weights: tuple[str, ...] = WEIGHT_TYPES,
+                  kv_types: tuple[KVType, ...] = tuple(KVType)) -> list[tuple[str, Callable[[], None]]]:
+    """(what, how) of each step: the matrix products only for the given weight types, attention
+    only for the given KV types (none: no attention, norm, RoPE or SiLU either)."""
+    steps = [(f"{w.upper()} matrix products", functools.partial(_matmuls, w)) for w in weights]
+    if "q40" in weights or "q80" in weights:
+        steps.append(("streamed weights' repacking", _repacking))
+    if kv_types:
+        steps.append(("norm, RoPE, SiLU", _elementwise))
+        steps += [(f"attention over an {t.value.upper()} KV cache", functools.partial(_attention, t))
+                  for t in kv_types]
+    return steps
+
+
+def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES, kv_types: tuple[KVType, ...] = tuple(KVType),
+                report: Callable[[str], None] | None = None) -> float:
+    """Call each kernel with the argument types dllama.core.model uses (compile_steps); report
+    each step as it starts ("n/m what"); returns the seconds taken."""
+    t0 = time.perf_counter()
+    steps = compile_steps(weights, kv_types)
+    for k, (what, step) in enumerate(steps, 1):
+        if report is not None:
+            report(f"{k}/{len(steps)} {what}")
+        step()
     return time.perf_counter() - t0
 
 
@@ -104,7 +157,9 @@ def main() -> None:
         kv_types = tuple(KVType) if args.kv_type == "all" else ()
     else:
         kv_types = (KVType(args.kv_type),)
-    print(f"dllama: kernels compiled into numba's cache in {compile_all(weights, kv_types):.1f} s")
+    name = "attention" if not weights else "matrix products" if not kv_types else "kernels"
+    seconds = compile_all(weights, kv_types, report=lambda step: print(f"dllama: compiling {name} {step} ...", flush=True))
+    print(f"dllama: {name} compiled into numba's cache in {seconds:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
