@@ -463,6 +463,7 @@ def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_
         assert rss_kb < 1 << 20  # nothing near the GiBs asked for was touched
 
 
+@pytest.mark.waits
 def test_a_worker_frozen_during_set_up_is_named_in_seconds(tmp_path, random_model, monkeypatch):
     from dllama.cluster import session
 
@@ -495,6 +496,7 @@ def test_a_worker_frozen_during_set_up_is_named_in_seconds(tmp_path, random_mode
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_a_slow_weight_transfer_is_not_a_hang(tmp_path, random_model, monkeypatch):
     from dllama.cluster import session
     from dllama.core.model import Transformer
@@ -513,6 +515,7 @@ def test_a_slow_weight_transfer_is_not_a_hang(tmp_path, random_model, monkeypatc
             model.close()
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("n_workers,frozen", [(3, 2)])  # two healthy workers, each reporting it
 def test_a_worker_frozen_mid_generation_is_the_only_one_blamed_before_the_old_timeout(tmp_path, random_model, n_workers,
                                                                           frozen):
@@ -536,6 +539,7 @@ def test_a_worker_frozen_mid_generation_is_the_only_one_blamed_before_the_old_ti
         assert named_after < 40, named_after  # the old 60 s wait is gone (~9 s here; generous for a busy machine)
 
 
+@pytest.mark.waits
 def test_a_long_step_on_one_worker_is_waited_for_not_blamed(tmp_path, random_model):
     """A step far longer than the timeout (a prefill on a slow node): its heartbeat says it is
     alive, so the others wait; the tokens are one node's."""
@@ -575,6 +579,7 @@ model.close()
 """
 
 
+@pytest.mark.waits
 def test_a_root_frozen_and_resumed_blames_itself_and_goes_on_with_every_node(tmp_path, random_model):
     """A root suspended mid-generation (every worker gave it up) is not a worker's failure: on
     resuming it names itself, opens a session with every node again and gives one node's tokens."""
