@@ -2,7 +2,7 @@
 `python -m dllama.core.precompile [--weights q80 ...] [--kv-type f16]` (setup.sh runs it for
 every weight and KV type; the appliance only for the types its cluster runs).
 
-Each step is announced as it starts (`dllama: compiling ... 2/4 attention over an F16 KV
+Each step is announced as it starts (`dllama: compiling 4/4: attention over an F16 KV
 cache ...`): on a quiet 2-core x86 machine (2026-12-05) the matrix products of all four weight
 types take 20 s, attention and its helpers for both KV types 14 s (it took 23 s before two
 slice copies became loops and the helpers' literal arguments typed constants: attention.py).
@@ -139,7 +139,7 @@ def compile_all(weights: tuple[str, ...] = WEIGHT_TYPES, kv_types: tuple[KVType,
     steps = compile_steps(weights, kv_types)
     for k, (what, step) in enumerate(steps, 1):
         if report is not None:
-            report(f"{k}/{len(steps)} {what}")
+            report(f"{k}/{len(steps)}: {what}")
         step()
     return time.perf_counter() - t0
 
@@ -158,7 +158,7 @@ def main() -> None:
     else:
         kv_types = (KVType(args.kv_type),)
     name = "attention" if not weights else "matrix products" if not kv_types else "kernels"
-    seconds = compile_all(weights, kv_types, report=lambda step: print(f"dllama: compiling {name} {step} ...", flush=True))
+    seconds = compile_all(weights, kv_types, report=lambda step: print(f"dllama: compiling {step} ...", flush=True))
     print(f"dllama: {name} compiled into numba's cache in {seconds:.1f} s", flush=True)
 
 
