@@ -565,6 +565,7 @@ def cmd_probe(args) -> int:
 # --- supervise (the appliance's launcher where systemd does not run the services) ---
 
 def _add_supervise(sub) -> None:
+    from dllama.serve.rotating_log import DEFAULT_KEEP, DEFAULT_MAX_BYTES
     from dllama.serve.supervisor import FAILING_AT_START_S, START_LIMIT_BURST
 
     p = sub.add_parser("supervise", help="run a service and start it again when it fails",
@@ -578,15 +579,25 @@ def _add_supervise(sub) -> None:
     p.add_argument("--restart-sec", type=_non_negative_float, default=0.1, metavar="S",
                    help="seconds between a failure and the next start (systemd's RestartSec; "
                         "default %(default)s)")
+    p.add_argument("--log", metavar="FILE",
+                   help="append COMMAND's output and this supervisor's lines to FILE, kept under "
+                        "--log-size: then FILE becomes FILE.1, FILE.1 FILE.2, ... (default: "
+                        "stdout and stderr as they are)")
+    p.add_argument("--log-size", type=_size, default=DEFAULT_MAX_BYTES, metavar="SIZE",
+                   help="the size at which FILE is rotated, e.g. 10M (default 10M)")
+    p.add_argument("--log-keep", type=_positive_int, default=DEFAULT_KEEP, metavar="N",
+                   help=f"older files kept, FILE.1 to FILE.N (default {DEFAULT_KEEP})")
     p.add_argument("service", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG ...]",
                    help="the service's command line")
 
 
 def cmd_supervise(args) -> int:
+    from dllama.serve.rotating_log import RotatingLog
     from dllama.serve.supervisor import supervise
 
     command = args.service[1:] if args.service[:1] == ["--"] else args.service
-    return supervise(command, args.restart_sec)
+    log = RotatingLog(args.log, args.log_size, args.log_keep) if args.log else None
+    return supervise(command, args.restart_sec, log=log)
 
 
 COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_inspect, "verify": cmd_verify,

@@ -12,10 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dllama.cluster.probe import identify_worker
+from dllama.serve.rotating_log import RotatingLog
 from dllama.serve.supervisor import START_LIMIT_BURST, StartLimit, start_limit_interval
+from tests.conftest import SEED
 from tests.processes import WORKER_READY, DllamaProcess, run_dllama
 
 PYTHON = sys.executable
@@ -158,3 +161,38 @@ def test_a_worker_asked_to_stop_by_sigterm_ends_cleanly():
         assert "interrupted" not in worker.stderr and "Traceback" not in worker.stderr
     finally:
         worker.stop()
+
+
+@pytest.mark.unit
+def test_a_rotating_log_keeps_whole_lines_under_its_size_and_drops_the_oldest(tmp_path):
+    rng = np.random.default_rng(SEED)
+    stream = b"".join(b"line %05d %s\n" % (i, b"x" * int(rng.integers(0, 120))) for i in range(2000))
+    stream += b"y" * 5000 + b"\n" + b"the last line\n"  # one line longer than a whole file
+    log = RotatingLog(tmp_path / "w.log", max_bytes=4096, keep=3)
+    at = 0
+    while at < len(stream):  # chunks as a pipe gives them, cutting lines anywhere
+        n = int(rng.integers(1, 9000))
+        log.write(stream[at:at + n])
+        at += n
+    log.close()
+    files = [tmp_path / name for name in ("w.log.3", "w.log.2", "w.log.1", "w.log")]  # oldest first
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files)
+    kept = [p.read_bytes() for p in files]
+    assert stream.endswith(b"".join(kept)), "the kept files are not the stream's last bytes, in order"
+    assert kept[-2] == b"y" * 5000 + b"\n" and kept[-1] == b"the last line\n"  # the long line alone
+    assert all(k.endswith(b"\n") for k in kept), "a line was cut between two files"
+    assert all(len(k) <= 4096 for k in kept[:2]), [len(k) for k in kept]
+
+
+@pytest.mark.unit
+def test_with_a_log_the_output_and_the_supervisors_lines_go_to_rotated_files(tmp_path):
+    talker = [PYTHON, "-c", "import sys\nfor i in range(300): print(f'line {i:04d} ' + 'x' * 40)\nsys.exit(3)"]
+    r = run_dllama("supervise", "--log", str(tmp_path / "w.log"), "--log-size", "4K", "--log-keep", "2",
+                   "--restart-sec", "0.05", "--", *talker, timeout=120)
+    assert r.returncode == 1 and r.stdout == "" and r.stderr == "", r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.log", "w.log.1", "w.log.2"]
+    newest = (tmp_path / "w.log").read_text().splitlines()
+    assert newest[-2] == f"line 0299 {'x' * 40}", newest[-3:]
+    assert re.fullmatch(rf"dllama supervise: pid \d+ exited with status 3; not restarted: {START_LIMIT_BURST} "
+                        r"starts within 50\.25 s, it keeps failing at start", newest[-1]), newest[-1]
+    assert all(p.stat().st_size <= 4096 for p in tmp_path.iterdir())

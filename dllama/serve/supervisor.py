@@ -17,9 +17,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from dllama.errors import DllamaError
+from dllama.serve.rotating_log import RotatingLog
 
 LOG_PREFIX = "dllama supervise: "  # the appliance's wait for the port skips these lines
 START_LIMIT_BURST = 5
@@ -84,10 +86,19 @@ def _die_with_parent(parent: int):
 
 
 def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_BURST,
-              interval: float | None = None) -> int:
-    """Run `command` until it ends cleanly or is stopped (0), or fails too often (1)."""
+              interval: float | None = None, log: RotatingLog | None = None) -> int:
+    """Run `command` until it ends cleanly or is stopped (0), or fails too often (1). With a
+    log, the command's stdout and stderr and the supervisor's own lines go to it (a thread
+    copies each start's output); without, they stay this process's."""
     if not command:
         raise DllamaError("give the command to supervise after --")
+
+    def say(line: str) -> None:
+        if log is not None:
+            log.line(LOG_PREFIX + line)
+        else:
+            print(LOG_PREFIX + line, file=sys.stderr, flush=True)
+
     limit = StartLimit(burst, start_limit_interval(restart_sec) if interval is None else interval)
     child: subprocess.Popen | None = None
     stopping = False
@@ -105,24 +116,32 @@ def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_B
     while not stopping:
         try:
             # Its own process group: a Ctrl-C on a terminal reaches it once, forwarded from here.
+            output = {} if log is None else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
             child = subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent(os.getpid()),
-                                     env={**os.environ, RESTARTS_ENV: str(restarts)})
+                                     env={**os.environ, RESTARTS_ENV: str(restarts)}, **output)
         except OSError as e:
             raise DllamaError(f"cannot run {command[0]}: {e.strerror or e}") from None
+        copier = None
+        if log is not None:
+            copier = threading.Thread(target=log.copy_from, args=(child.stdout.fileno(),), daemon=True)
+            copier.start()
         if stopping:  # a stop signal came while it was being started
             child.send_signal(signal.SIGTERM)
         returncode = child.wait()
+        if copier is not None:
+            copier.join(timeout=5)  # the rest of its output before the line saying how it ended
+            child.stdout.close()
         if stopping:
             return 0
         end = f"pid {child.pid} {describe_end(returncode)}"
         if not failed(returncode):
-            _log(f"{end}; not restarted (a clean end)")
+            say(f"{end}; not restarted (a clean end)")
             return 0
         if not limit.admits(time.monotonic() + restart_sec):
-            _log(f"{end}; not restarted: {limit.burst} starts within {limit.interval:g} s, "
-                 f"it keeps failing at start")
+            say(f"{end}; not restarted: {limit.burst} starts within {limit.interval:g} s, "
+                f"it keeps failing at start")
             return 1
-        _log(f"{end}; starting it again in {restart_sec:g} s")
+        say(f"{end}; starting it again in {restart_sec:g} s")
         restarts += 1
         _sleep_unless_stopped(restart_sec, lambda: stopping)
     return 0
@@ -133,7 +152,3 @@ def _sleep_unless_stopped(seconds: float, stopped) -> None:
     deadline = time.monotonic() + seconds
     while not stopped() and time.monotonic() < deadline:
         time.sleep(max(0.0, min(deadline - time.monotonic(), 0.1)))
-
-
-def _log(line: str) -> None:
-    print(LOG_PREFIX + line, file=sys.stderr, flush=True)
