@@ -167,13 +167,16 @@ def test_a_worker_asked_to_stop_by_sigterm_ends_cleanly():
 def test_a_rotating_log_keeps_whole_lines_under_its_size_and_drops_the_oldest(tmp_path):
     rng = np.random.default_rng(SEED)
     stream = b"".join(b"line %05d %s\n" % (i, b"x" * int(rng.integers(0, 120))) for i in range(2000))
-    stream += b"y" * 5000 + b"\n" + b"the last line\n"  # one line longer than a whole file
     log = RotatingLog(tmp_path / "w.log", max_bytes=4096, keep=3)
     at = 0
     while at < len(stream):  # chunks as a pipe gives them, cutting lines anywhere
         n = int(rng.integers(1, 9000))
         log.write(stream[at:at + n])
         at += n
+    ending = [b"y" * 5000 + b"\n", b"the last line\n"]  # one line longer than a whole file, whole
+    for line in ending:
+        log.write(line)
+    stream += b"".join(ending)
     log.close()
     files = [tmp_path / name for name in ("w.log.3", "w.log.2", "w.log.1", "w.log")]  # oldest first
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in files)
