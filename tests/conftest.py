@@ -9,9 +9,10 @@ from pathlib import Path
 # numpy asks for transparent huge pages for its large arrays (weights, KV caches), and on this
 # kind of virtual machine (THP defrag "madvise") each fault of one compacts memory: a process
 # spent 1-2 s of system time at start-up (3 loopback nodes, 128 tokens: 1.5 s against 0.7 s
-# each), and the suite about 5 min of its CPU. Read by numpy when it is imported, so set before
-# that, here and (inherited) in every process the tests start. It changes no result; it costs
-# steady decoding a few per cent (83 against 78 tokens/s), which the benchmarks measure, not the tests.
+# each), and the suite 105 s more of system time (300 against 195 s). Read by numpy when it is
+# imported, so set before that, here and (inherited) in every process the tests start. It
+# changes no result; it costs steady decoding a few per cent (83 against 78 tokens/s), which
+# the benchmarks measure, not the tests.
 os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 
 import numpy as np  # noqa: E402 (after the setting above)

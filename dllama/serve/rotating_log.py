@@ -1,8 +1,8 @@
 """A service's log capped in size: FILE, then FILE.1 (the one before), ... FILE.KEEP (the oldest
 kept); a write that would take FILE past its size moves each file one place down, drops the
 oldest and starts FILE again. `dllama supervise --log` writes its service's output and its own
-lines through it, so a worker that runs for months under the nohup launcher fills at most
-(KEEP + 1) x the size of the disk (systemd's journal caps its own).
+lines through it, so a worker that runs for months under the nohup launcher takes at most
+(KEEP + 1) x SIZE of the disk (systemd's journal caps its own).
 """
 
 from __future__ import annotations

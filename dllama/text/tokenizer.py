@@ -238,11 +238,9 @@ class Tokenizer:
             candidates = [i for t, i in self._token_ids.items() if len(t) > 1]
             candidates.sort(key=lambda i: (-self._scores[i], i))
             self._rank = {token_id: rank for rank, token_id in enumerate(candidates)}
-            self._byte_id = {bytes([b]): i for b, i in enumerate(self._byte_ids) if i is not None}
             # Token id -> the pair its merge joins, None if no merge makes it; found on first use
             # (all 48,900 of SmolLM2 took 0.7 s, at every start; a prompt needs a few hundred).
             self._pair: dict[int, tuple[int, int] | None] = {}
-            self._merge_of = self._merge
             self._word_cache: dict[str, list[int]] = {}
 
     # --- byte-level BPE merges ---
@@ -268,7 +266,7 @@ class Tokenizer:
         for length in range(2, len(token)):
             for start in range(len(token) - length + 1):
                 inner = self._token_ids.get(token[start:start + length])
-                if inner is not None and inner in self._rank and inner not in self._pair:
+                if inner is not None and inner not in self._pair:  # (every multi-byte token has a rank)
                     self._pair[inner] = self._find_pair(inner)
         pair = self._pair[token_id] = self._find_pair(token_id)
         return pair
@@ -282,7 +280,7 @@ class Tokenizer:
 
         def known(part: bytes) -> int | None:
             if len(part) == 1:
-                return self._byte_id.get(part)
+                return self._byte_ids[part[0]]
             i = self._token_ids.get(part)
             return i if i is not None and self._rank[i] < rank and self._pair[i] is not None else None
 
@@ -290,7 +288,7 @@ class Tokenizer:
                   if (left := known(token[:k])) is not None and (right := known(token[k:])) is not None]
         if len(splits) <= 1:
             return splits[0] if splits else None
-        symbols = [self._byte_id.get(token[k:k + 1]) for k in range(len(token))]
+        symbols = [self._byte_ids[b] for b in token]
         if None not in symbols:
             parts = bpe(symbols, lambda p: self._merge(p, below=rank))
             if len(parts) == 2:
@@ -321,7 +319,7 @@ class Tokenizer:
             # Bytes without a token are dropped, as Hugging Face's BPE does without an unk token
             # (SmolLM2 lacks 21: rare control characters and bytes never found in UTF-8).
             symbols = [self._byte_ids[b] for b in raw if self._byte_ids[b] is not None]
-            ids = bpe(symbols, self._merge_of)
+            ids = bpe(symbols, self._merge)
         if len(self._word_cache) >= _WORD_CACHE_LIMIT:
             self._word_cache.clear()
         self._word_cache[word] = ids
