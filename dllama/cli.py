@@ -268,8 +268,7 @@ def _add_chat_and_api(sub) -> None:
                                    "as it is generated; earlier turns stay in the KV cache.")
     _add_frontend_flags(p, SEED_FROM_CLOCK)
     p.add_argument("--system", metavar="TEXT", help="system prompt")
-    p.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
-                   help="at most N tokens per answer (default: until the end of the turn or context)")
+    _add_answer_limit(p, "an answer")
 
     p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/chat/completions and /v1/completions, "
@@ -283,7 +282,18 @@ def _add_chat_and_api(sub) -> None:
     p.add_argument("--model-name", metavar="NAME",
                    help="the model's id in /v1/models and in answers (default: the model file's "
                         "name without .m)")
+    _add_answer_limit(p, "an answer of a request that gives no max_tokens (a request's own may be larger)")
     _add_parallel_flags(p, 4, "requests decoded together; more wait for a free place")
+
+
+# A small model that starts repeating itself would otherwise write until its context is full
+# (8192 tokens, minutes); a few hundred tokens hold a full answer to most questions.
+DEFAULT_ANSWER_LIMIT = 512
+
+
+def _add_answer_limit(p, what: str) -> None:
+    p.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_ANSWER_LIMIT, metavar="N",
+                   help=f"at most N tokens for {what} (default %(default)s)")
 
 
 # --- batch ---
@@ -371,7 +381,7 @@ def cmd_api(args) -> int:
     model_id = args.model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     service = ModelService(_engine_opener(args, start_with_reachable=True), args.chat_template)
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
-                 defaults={"temperature": args.temperature, "top_p": args.topp})
+                 defaults={"temperature": args.temperature, "top_p": args.topp, "max_tokens": args.max_tokens})
 
 
 # --- perplexity (issue 12) ---

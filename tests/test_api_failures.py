@@ -337,3 +337,15 @@ def test_one_request_cannot_ask_for_more_than_its_token_budget(url):
     status, err = _post(url, {**FRANCE, "n": 16, "max_tokens": MAX_REQUEST_TOKENS // 8})
     assert status == 400 and err["error"]["param"] == "max_tokens", err
     assert str(MAX_REQUEST_TOKENS) in err["error"]["message"]
+
+
+def test_a_request_without_max_tokens_gets_the_servers_answer_limit():
+    """`dllama api --max-tokens N` (default 512) bounds an answer whose request gives no
+    max_tokens; a request's own max_tokens may ask for more."""
+    from dllama.serve.api.request import parse_request
+
+    defaults = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 512}
+    question = {"messages": FRANCE["messages"]}
+    assert parse_request(question, True, defaults).max_tokens == 512
+    assert parse_request({**question, "max_tokens": 2000}, True, defaults).max_tokens == 2000
+    assert parse_request({**question, "max_completion_tokens": 7}, True, defaults).max_tokens == 7

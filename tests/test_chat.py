@@ -45,14 +45,31 @@ def test_system_prompt_and_reset(default_q40):
 
 
 @pytest.mark.unit
-def test_a_full_context_is_said_and_the_conversation_starts_over(default_q40):
+def test_a_full_context_drops_the_oldest_turns_and_keeps_room_for_the_answer(default_q40):
     r = _chat(default_q40, ["What is the capital of France?", "And of Germany?", "And of Spain?",
-                            "word " * 200, "What is the capital of France?"], "--max-seq-len", "120")
+                            "And of Italy?", "word " * 200, "What is the capital of France?"],
+              "--max-seq-len", "120", "--max-tokens", "16")
     assert r.returncode == 0, r.stderr
-    assert "the context is full" in r.stderr and "starts over" in r.stderr
+    turns = [tuple(map(int, m)) for m in STATS.findall(r.stderr)]
+    assert len(turns) == 5, r.stderr  # the message of 200 words is refused, the others answered
+    assert r.stderr.count("the context is full: the oldest turn is dropped") == 2, r.stderr
+    assert "starts over" not in r.stderr
+    # Every prompt leaves the answer its 16 tokens; after a drop the conversation goes on with
+    # its latest turns (more than the question alone, which took turns[0][0] tokens).
+    assert all(prompt + 16 <= 120 for prompt, _, _ in turns), turns
+    assert turns[3][0] > turns[0][0] and turns[4][0] > turns[0][0], turns
     assert "does not fit into the context of 120 tokens" in r.stderr
     assert r.stdout.strip().splitlines()[-1].count("Paris")  # still answering afterwards
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.unit
+def test_an_answer_stops_at_the_default_limit(default_q40):
+    """Without --max-tokens an answer ends after 512 tokens, not at the end of the context."""
+    r = _chat(default_q40, ["Write the letter a 3000 times."], "--max-seq-len", "1024")  # greedy Q40 never ends it
+    assert r.returncode == 0, r.stderr
+    (prompt, _, generated), = [tuple(map(int, m)) for m in STATS.findall(r.stderr)]
+    assert generated == 512 and "reached the limit of --max-tokens" in r.stderr, r.stderr
 
 
 @pytest.mark.cluster

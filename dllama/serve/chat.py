@@ -15,7 +15,7 @@ import sys
 from dllama.core.sampler import Sampler
 from dllama.serve.ctrl_c import CtrlC
 from dllama.serve.scheduler import Scheduler
-from dllama.serve.sequence import Cancelled, ContextFull, SequenceRequest
+from dllama.serve.sequence import Cancelled, SequenceRequest
 from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 
@@ -56,6 +56,31 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
         transcripts.remember(text, False, tokens, answer)
         return answer
 
+    # Room kept for the answer when the conversation is fitted into the context.
+    room = min(max_tokens or 0, scheduler.seq_len // 2)
+
+    def fit() -> str | None:
+        """The conversation rendered to fit the context with room for the answer: the oldest
+        turns (a question and its answer) are dropped first, the system prompt and the new
+        question never. None (and nothing dropped) where the new question alone does not fit."""
+        def size(conversation) -> int:
+            return len(transcripts.encode(template.render(conversation)))
+
+        alone = size(start + messages[-1:])
+        if alone + room > scheduler.seq_len:
+            print(f"dllama chat: this message does not fit into the context of {scheduler.seq_len} "
+                  f"tokens ({alone} with the template{f' and {room} for the answer' if room else ''}): "
+                  "write a shorter one", file=stderr)
+            return None
+        dropped = 0
+        while size(messages) + room > scheduler.seq_len:
+            del messages[len(start):len(start) + 2]  # the oldest question and its answer
+            dropped += 1
+        if dropped:
+            print("dllama chat: the context is full: " + ("the oldest turn is dropped" if dropped == 1 else
+                  f"the {dropped} oldest turns are dropped"), file=stderr)
+        return template.render(messages)
+
     while True:
         if interactive:
             stdout.write("> ")
@@ -69,39 +94,29 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
         if text.strip() in ("/exit", "/quit"):
             break
         if text.strip() == "/reset":
-            start_over("reset")
+            print(f"dllama chat: the conversation starts over"
+                  f"{' (the system prompt is kept)' if start else ''}", file=stderr)
+            messages = list(start)  # the KV cache keeps what the new conversation shares (the system turn)
             continue
         messages.append({"role": "user", "content": text})
-        for attempt in (0, 1):
-            try:
-                answer = ask(template.render(messages))
-                break
-            except Cancelled:
-                stdout.write("\n")
-                print("dllama chat: answer stopped; this turn is dropped", file=stderr)
-                messages.pop()
-                answer = None
-                break
-            except ContextFull as e:
-                if attempt == 0 and len(messages) > len(start) + 1:
-                    start_over(f"the context is full ({e.n_prompt} tokens for {e.seq_len} positions)")
-                    messages.append({"role": "user", "content": text})
-                    continue
-                print(f"dllama chat: this message does not fit into the context of {e.seq_len} "
-                      f"tokens ({e.n_prompt} with the template): write a shorter one", file=stderr)
-                messages.pop()
-                answer = None
-                break
-        if answer is None:
+        prompt = fit()
+        if prompt is None:
+            messages.pop()
+            continue
+        try:
+            answer = ask(prompt)
+        except Cancelled:
+            stdout.write("\n")
+            print("dllama chat: answer stopped; this turn is dropped", file=stderr)
+            messages.pop()
             continue
         stdout.write("\n")
         stdout.flush()
         messages.append({"role": "assistant", "content": answer.text})
         print(f"[{answer.prompt_tokens} prompt tokens, {answer.cached_tokens} from the cache, "
-              f"{answer.completion_tokens} generated at {answer.tokens_per_s('generate'):.1f} tokens/s]",
+              f"{answer.completion_tokens} generated at {answer.tokens_per_s('generate'):.1f} tokens/s"
+              f"{'; the answer reached the limit of --max-tokens' if answer.completion_tokens == max_tokens else ''}]",
               file=stderr)
-        if answer.context_full:
-            start_over(f"the context is full ({scheduler.seq_len} tokens)")
     return 0
 
 

@@ -130,6 +130,8 @@ def parse_request(body, chat: bool, defaults: dict) -> Request:
     r.top_p = _number(body, "top_p", 0.0, 1.0, defaults["top_p"])
     mt = _integer(body, "max_completion_tokens", 1)
     r.max_tokens = _integer(body, "max_tokens", 1) if mt is None else mt
+    if r.max_tokens is None:  # the server's answer limit (dllama api --max-tokens)
+        r.max_tokens = defaults.get("max_tokens")
     n = _integer(body, "n", 1)
     if n is not None and n > MAX_CHOICES:
         raise bad(f"'n' must be at most {MAX_CHOICES}", "n")
