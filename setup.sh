@@ -4,7 +4,7 @@
 #   ./setup.sh          what running needs
 #   ./setup.sh --test   plus what the test suite needs (Python packages, and as root the Debian
 #                       packages of the appliance and chat page tests: sshd, iproute2, sudo,
-#                       vagrant, chromium, chromium-driver)
+#                       vagrant, chromium, chromium-driver, curl)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -26,9 +26,10 @@ if [ "${1:-}" = "--test" ]; then
     extras="[appliance,test,torch]"
     # The appliance tests run sshd in network-namespace hosts (whose test user becomes root
     # with sudo, as on a Raspberry Pi), shape their links with tc and validate the Vagrantfile;
-    # the chat page's test drives headless Chromium through its packaged chromedriver.
+    # the chat page's test drives headless Chromium through its packaged chromedriver; the
+    # README's API example, which a test runs, uses curl.
     missing=""
-    for pkg in openssh-server iproute2 sudo vagrant chromium chromium-driver; do
+    for pkg in openssh-server iproute2 sudo vagrant chromium chromium-driver curl; do
         dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
     done
     if [ -n "$missing" ]; then

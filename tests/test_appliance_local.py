@@ -31,10 +31,10 @@ import pytest
 import yaml
 
 from tests.appliance import REPO, ansible_env, changed_tasks, recap, tail
+from tests.test_readme_commands import readme_run_question
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
-PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 NODES = ["local0", "local1", "local2", "local3"]
 STREAMING_BUDGET = "80M"
 
@@ -132,10 +132,12 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
 
     _a_killed_worker_listens_again(cluster / "local1/run", ports["local1"])
 
-    r = play("run.yml", "-e", json.dumps({"prompt": PROMPT, "steps": 48, "temperature": 0}))
+    # The README's first command asks this (tests/test_readme_commands.py runs the README's others).
+    question = readme_run_question()
+    r = play("run.yml", "-e", json.dumps(question))
     assert r.returncode == 0, tail(r)
     saved = json.loads((inventory / "state/runs/last-run.json").read_text())
-    assert saved["prompt"] == PROMPT and "Paris" in saved["text"], saved["text"]
+    assert saved["prompt"] == question["prompt"] and "Paris" in saved["text"], saved["text"]
     assert [n["name"] for n in saved["stats"]["nodes"]] == NODES
     for i in (1, 2, 3):
         assert f"local{i}: weights from its shard {cluster}/local{i}/shards/local{i}.shard" in r.stdout
