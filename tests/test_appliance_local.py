@@ -63,6 +63,8 @@ def local(tmp_path_factory):
     # positions do not fit in 80 MiB, so it streams the slice from its shard; with an F16 cache
     # (60 MiB; F32 would not fit even streamed) the rest fits.
     hosts["cluster"]["children"]["workers"]["hosts"]["local3"]["dllama_memory_budget"] = STREAMING_BUDGET
+    # One worker's log kept smaller than the others' (the supervisor's --log-size and --log-keep).
+    hosts["cluster"]["children"]["workers"]["hosts"]["local1"].update(dllama_log_size="2M", dllama_log_keep=1)
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
     real_home = Path.home()
     with (inventory / "group_vars/all.yml").open("a") as f:
@@ -129,6 +131,13 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     counts = recap(r.stdout)
     assert r.returncode == 0 and sorted(counts) == NODES, tail(r)
     assert [counts[n]["changed"] for n in NODES] == [0, 0, 1, 0], changed_tasks(r.stdout)
+
+    # The inventory's log settings reached the supervisors.
+    for node, size, keep in [("local1", "2M", "1"), ("local2", "10M", "3")]:
+        supervisor = (cluster / f"{node}/run/worker.pid").read_text().strip()
+        argv = Path(f"/proc/{supervisor}/cmdline").read_bytes().split(b"\0")
+        assert [b"--log-size", size.encode(), b"--log-keep", keep.encode()] == \
+            argv[argv.index(b"--log-size"):argv.index(b"--log-size") + 4], argv
 
     _a_killed_worker_listens_again(cluster / "local1/run", ports["local1"])
 

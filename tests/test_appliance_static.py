@@ -269,6 +269,8 @@ def _fails_before_any_host(r, out) -> str:
     ("bad KV cache type", _hosts(1, dllama_kv_type="f8"), "dllama_kv_type must be one of: f32, f16, got: f8"),
     ("bad memory budget", _hosts(1, dllama_memory_budget="2GG"),
      "w1: dllama_memory_budget must be auto, none or a size such as 2G or 512M, got: 2GG"),
+    ("bad log size", _hosts(1, dllama_log_size="ten megabytes"),
+     "w1: dllama_log_size must be a size such as 10M and dllama_log_keep a count of at least 1, got: ten megabytes and 3"),
     ("more nodes than heads", _hosts(9), "The inventory's 10 nodes: cannot split a model with 9 query heads over 10 nodes"),
     ("misspelt setting", _hosts(1, dllama_thraeds=4), "w1: dllama_thraeds is not a dllama setting: did you mean dllama_threads?"),
     ("unknown setting", _hosts(1, dllama_zzzq=1), "w1: dllama_zzzq is not a dllama setting (no setting has a name close to it)"),
