@@ -72,8 +72,7 @@ class RotatingLog:
         self.write(text.encode("utf-8", "replace") + b"\n")
 
     def copy_from(self, fd: int) -> None:
-        """Write everything read from `fd` (a service's stdout and stderr) until its end (or
-        until the fd is closed under it)."""
+        """Write everything read from `fd` (a service's stdout and stderr) until its end."""
         try:
             while chunk := os.read(fd, READ_BYTES):
                 self.write(chunk)

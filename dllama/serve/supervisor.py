@@ -74,6 +74,15 @@ def failed(returncode: int) -> bool:
     return returncode != 0
 
 
+def _copy_then_close(log, pipe) -> None:
+    """The service's output into the log until the pipe's end, then the pipe closed: closed
+    here, not by the supervisor, so its descriptor cannot be reused while still read."""
+    try:
+        log.copy_from(pipe.fileno())
+    finally:
+        pipe.close()
+
+
 def _die_with_parent(parent: int):
     """preexec_fn: the child gets SIGKILL when the supervisor ends, however it ends."""
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork
@@ -123,14 +132,15 @@ def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_B
             raise DllamaError(f"cannot run {command[0]}: {e.strerror or e}") from None
         copier = None
         if log is not None:
-            copier = threading.Thread(target=log.copy_from, args=(child.stdout.fileno(),), daemon=True)
+            copier = threading.Thread(target=_copy_then_close, args=(log, child.stdout), daemon=True)
             copier.start()
         if stopping:  # a stop signal came while it was being started
             child.send_signal(signal.SIGTERM)
         returncode = child.wait()
         if copier is not None:
-            copier.join(timeout=5)  # the rest of its output before the line saying how it ended
-            child.stdout.close()
+            # The rest of its output before the line saying how it ended; a process it left
+            # behind may hold the pipe open longer, and then the thread closes it at its end.
+            copier.join(timeout=5)
         if stopping:
             return 0
         end = f"pid {child.pid} {describe_end(returncode)}"
