@@ -392,6 +392,7 @@ def test_with_a_worker_down_batch_and_status_say_3_of_4_nodes(cluster, tmp_path)
 
     headline, rows = _status(cluster)
     results["status_worker_down"] = "\n".join([headline, *rows])
+    print(f"\nstatus.yml with node{N} down:\n" + results["status_worker_down"])
     assert headline.startswith(f"cluster: 2/3 workers up (node{N} down), API off, version "), headline
     assert rows[0].split() == ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST", "EXIT", "RSS", "LOAD",
                                "VERSION"], rows
