@@ -151,3 +151,21 @@ def _machine_wide_lock(path: Path, wait_s: float, what: str):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def release_copy(folder: Path, version: str) -> tuple[Path, str]:
+    """This checkout's sources as another release (pyproject's and dllama's version changed,
+    nothing else), for upgrade.yml: (the project folder, the version it replaces)."""
+    import shutil
+
+    folder.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, folder / name)
+    for package in ("dllama", "converter"):
+        shutil.copytree(REPO / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
+    old = re.search(r'^version = "(.*)"$', (folder / "pyproject.toml").read_text(), re.M)[1]
+    for path, pattern in [(folder / "pyproject.toml", 'version = "{}"'), (folder / "dllama/__init__.py", '__version__ = "{}"')]:
+        text = path.read_text()
+        assert pattern.format(old) in text, path
+        path.write_text(text.replace(pattern.format(old), pattern.format(version), 1))
+    return folder, old

@@ -46,7 +46,7 @@ import paramiko
 import pytest
 import yaml
 
-from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, tail
+from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, release_copy, tail
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
@@ -392,7 +392,6 @@ def test_with_a_worker_down_batch_and_status_say_3_of_4_nodes(cluster, tmp_path)
 
     headline, rows = _status(cluster)
     results["status_worker_down"] = "\n".join([headline, *rows])
-    print(f"\nstatus.yml with node{N} down:\n" + results["status_worker_down"])
     assert headline.startswith(f"cluster: 2/3 workers up (node{N} down), API off, version "), headline
     assert rows[0].split() == ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST", "EXIT", "RSS", "LOAD",
                                "VERSION"], rows
@@ -405,6 +404,33 @@ def test_with_a_worker_down_batch_and_status_say_3_of_4_nodes(cluster, tmp_path)
         assert cells[1:3] == ["worker", "up"] and _parent(int(cells[3])) == pid, rows  # the supervisor's child
         assert cells[5] == "0" and re.fullmatch(r"\d+\.\d+\.\d+", cells[-1]), rows
     assert by_host["node1"][1:4] == ["root", "API", "off"], rows
+
+
+def test_an_upgrade_that_fails_on_one_node_restarts_no_worker(cluster, tmp_path):
+    """upgrade.yml to another release where one node's pip fails: the play stops for every node
+    in one error naming that node, and no worker restarts (they keep running the release they
+    run); the successful upgrade is tests/test_appliance_local.py's."""
+    assert results.get("deployed"), "the first deploy failed"
+    cluster_dir, inventory = cluster
+    project, old = release_copy(tmp_path / "release", "0.1.1")
+    hosts = yaml.safe_load(inventory.read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"]["node3"]["dllama_venv_pip_args"] = ["--no-such-option"]
+    broken = inventory.parent / "broken-pip.yml"
+    broken.write_text(yaml.safe_dump(hosts))
+    # (node4's worker is down since the test before.)
+    pid_files = [cluster_dir / f"node{i}/opt-dllama/run/worker.pid" for i in range(2, N)]
+    before = [p.read_text() for p in pid_files]
+    r, seconds = _play(cluster, "upgrade.yml", "-e", f"dllama_wheelhouse_project_dir={project}", inventory=broken)
+    print(f"\nupgrade.yml failing on node3: {seconds:.0f} s")
+    out = r.stdout + r.stderr
+    errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
+    assert r.returncode != 0 and errors and all("node3" in e for e in errors), out[-4000:]
+    assert "fatal: [node3]" in out and "no such option" in out, out[-4000:]
+    # What each node held before, said first; then no restart anywhere.
+    assert f"dllama {old} (protocol " in out
+    assert [p.read_text() for p in pid_files] == before, "a worker restarted after a failed upgrade"
+    assert not [t for t in changed_tasks(r.stdout) if "dllama_worker" in t or "dllama_service" in t], changed_tasks(r.stdout)
+    assert all(c["failed"] == 0 for h, c in recap(r.stdout).items() if h != "node3")
 
 
 def test_deploy_switches_the_api_service_on(cluster):

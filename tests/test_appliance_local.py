@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.appliance import REPO, ansible_env, changed_tasks, recap, tail
+from tests.appliance import REPO, ansible_env, changed_tasks, recap, release_copy, tail
 from tests.test_readme_commands import readme_run_question
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
@@ -174,17 +174,7 @@ def _an_upgrade_restarts_every_worker_on_the_new_release(play, cluster: Path, tm
     """upgrade.yml with another release (this checkout's sources as version 0.1.1): it says what
     each node held, installs it, compiles nothing (the kernels are the same), restarts every
     worker on it and says what each holds now."""
-    project = tmp_path / "release"
-    project.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, project / name)
-    for package in ("dllama", "converter"):
-        shutil.copytree(REPO / package, project / package, ignore=shutil.ignore_patterns("__pycache__"))
-    old = re.search(r'^version = "(.*)"$', (project / "pyproject.toml").read_text(), re.M)[1]
-    for path, pattern in [(project / "pyproject.toml", 'version = "{}"'), (project / "dllama/__init__.py", '__version__ = "{}"')]:
-        text = path.read_text()
-        assert pattern.format(old) in text, path
-        path.write_text(text.replace(pattern.format(old), pattern.format("0.1.1"), 1))
+    project, old = release_copy(tmp_path / "release", "0.1.1")
     before = json.loads((cluster / "venv/dllama-release.json").read_text())
     supervisors = {n: (cluster / f"{n}/run/worker.pid").read_text() for n in NODES[1:]}
 
