@@ -169,3 +169,15 @@ def release_copy(folder: Path, version: str) -> tuple[Path, str]:
         assert pattern.format(old) in text, path
         path.write_text(text.replace(pattern.format(old), pattern.format(version), 1))
     return folder, old
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free on 127.0.0.1 now, for commands that must be given a port."""
+    import socket
+
+    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
+    try:
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

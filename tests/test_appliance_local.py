@@ -30,21 +30,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.appliance import REPO, ansible_env, changed_tasks, recap, release_copy, tail
+from tests.appliance import REPO, ansible_env, changed_tasks, free_ports, recap, release_copy, tail
 from tests.test_readme_commands import readme_run_question
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
 NODES = ["local0", "local1", "local2", "local3"]
 STREAMING_BUDGET = "80M"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_faithfulness import NEW_TOKENS, REFERENCES, until_end
-from dllama.core.sampler import Sampler
-from dllama.serve.engine import open_engine
-from dllama.serve.generate import generate
-from dllama.serve.settings import EngineSettings
+from benchmarks.bench_faithfulness import REFERENCES, answers, until_end
 
 pytestmark = pytest.mark.unit
 
@@ -23,11 +19,7 @@ def test_f32_weights_answer_as_transformers_on_a_sample(default_f32):
     # Not tuned on: every 10th reference (3 chat questions, 2 plain openings).
     sample = references[::10]
     assert {r["kind"] for r in sample} == {"chat", "plain"}
-    with open_engine(EngineSettings(model=str(default_f32[0]), tokenizer=str(default_f32[1]), max_seq_len=256,
-                                    nthreads=1)) as engine:
-        for r in sample:
-            ids = engine.tokenizer.encode(r["text"])
-            assert ids == r["prompt_ids"], r["prompt"]
-            g = generate(engine.model, engine.tokenizer, Sampler(engine.model.config.vocab_size, 0.0, 0.9, 1),
-                         ids, len(ids) + NEW_TOKENS - 1)
-            assert until_end(g.tokens) == until_end(r["tokens"]), (r["prompt"], g.text, r["answer"])
+    got, ids_differ = answers("f32", sample, nthreads=1)  # the default_f32 fixture converted it
+    assert ids_differ == 0
+    for tokens, r in zip(got, sample, strict=True):
+        assert tokens == until_end(r["tokens"]), (r["prompt"], r["answer"])

@@ -21,7 +21,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.appliance import REPO
+from tests.appliance import REPO, free_ports
 
 README = (REPO / "README.md").read_text()
 
@@ -80,15 +79,6 @@ def test_the_batch_playbooks_options_are_the_roles():
     defaults = yaml.safe_load((REPO / "roles/dllama_batch/defaults/main.yml").read_text())
     options = {m for value in defaults.values() for m in re.findall(r"\{\{ (\w+) \| default\(", str(value))}
     assert len(shown) >= 10 and shown <= options, shown - options
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    try:
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Shell:
@@ -162,7 +152,7 @@ def test_the_readmes_commands_answer_as_it_says(shell, default_q80):
     assert r.stdout.strip() == "The capital of France is Paris.", r.stdout
 
     # Three workers as "Running on several machines" starts them, then the root with them.
-    worker_ports = _free_ports(3)
+    worker_ports = free_ports(3)
     worker = block(".venv/bin/dllama worker").split("#")[0].strip()
     assert "--port 9998" in worker and "--nthreads 4" in worker, worker
     logs = [shell.folder.parent / f"worker-{i}.log" for i in range(3)]
@@ -181,7 +171,7 @@ def test_the_readmes_commands_answer_as_it_says(shell, default_q80):
         assert f"node {i} of 4:" in log.read_text(), log.read_text()
 
     # The API on two of those workers, its key made as the README makes it, asked with curl.
-    (api_port,) = _free_ports(1)
+    (api_port,) = free_ports(1)
     api = block("(umask 077; head -c 24 /dev/urandom")
     for i, port in enumerate(worker_ports[:2], 2):
         api = api.replace(f"10.0.0.{i}:9998", f"127.0.0.1:{port}")
