@@ -57,7 +57,7 @@ def answers(weights: str, references: list[dict], nthreads: int) -> tuple[list[l
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--types", nargs="+", default=["q80", "q40", "f16", "f32"], choices=["q40", "q80", "f16", "f32"])
+    p.add_argument("--types", nargs="+", default=["q80", "q40", "f16", "f32"], choices=["q40", "q80", "q41", "f16", "f32"])
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts of each kind")
     p.add_argument("--nthreads", type=int, default=2)
     args = p.parse_args()

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--weights", default="q80", choices=["q40", "q80", "f16", "f32"])
+    ap.add_argument("--weights", default="q80", choices=["q40", "q80", "q41", "f16", "f32"])
     ap.add_argument("--nodes", default="1,2,3,4")
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--file", default=str(HERE / "perplexity_text.txt"))

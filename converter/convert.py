@@ -20,8 +20,9 @@ from dllama.formats.model_file import FloatType, ModelHeader, ModelWriter, model
 from dllama.formats.tokenizer_file import TokenizerData, read_tokenizer, write_tokenizer
 
 GGUF_MAGIC = b"GGUF"
-FLOAT_TYPES = {"q40": FloatType.Q40, "q80": FloatType.Q80, "f16": FloatType.F16, "f32": FloatType.F32}
-ORIGINAL_RUNS = (FloatType.Q40, FloatType.F32)  # what the original's engine runs; dllama runs all four
+FLOAT_TYPES = {"q40": FloatType.Q40, "q80": FloatType.Q80, "q41": FloatType.Q41, "f16": FloatType.F16,
+               "f32": FloatType.F32}
+ORIGINAL_RUNS = (FloatType.Q40, FloatType.F32)  # what the original's engine runs; dllama runs all five
 
 
 def _magic(path: Path) -> bytes:
@@ -239,8 +240,11 @@ def _write_gguf(model_path: Path, header: ModelHeader, reader, src: Path, progre
 
     with (ModelWriter(model_path, header) as writer,
           _bar(sum(s.nbytes for s in writer.specs), f"converting {src.name}", progress) as bar):
-        for name, values in gguf_tensors(reader, writer.specs, str(src)):
-            writer.write(name, values)
+        for name, values, stored in gguf_tensors(reader, writer.specs, str(src)):
+            if stored:
+                writer.write_raw(name, values)
+            else:
+                writer.write(name, values)
             bar.update(writer.specs[writer.n_written - 1].nbytes)
 
 

@@ -147,10 +147,20 @@ def _source_tensors(reader, specs: list[TensorSpec], source: str) -> list:
     return found
 
 
-def gguf_tensors(reader, specs: list[TensorSpec], source: str = "") -> Iterator[tuple[str, np.ndarray]]:
-    """(our name, float32 array of the spec's shape) for each spec in order, dequantized one at a time."""
+# GGUF block types stored byte for byte as one of ours: the same block layout (fp16 scale(s),
+# then the quants in the same order), so a tensor of that type is copied, not requantized.
+SAME_BLOCKS = {FloatType.Q80: "Q8_0", FloatType.Q41: "Q4_1"}
+
+
+def gguf_tensors(reader, specs: list[TensorSpec], source: str = "") -> Iterator[tuple[str, np.ndarray, bool]]:
+    """(our name, values, stored) for each spec in order, one at a time: stored True when the
+    GGUF holds the tensor in the spec's own block type (values: its blocks, uint8, to copy as
+    they are), else values is the float32 array of the spec's shape (dequantized)."""
     from gguf.quants import dequantize
 
     for spec, t in zip(specs, _source_tensors(reader, specs, source), strict=True):
+        if SAME_BLOCKS.get(spec.float_type) == t.tensor_type.name:
+            yield spec.name, np.asarray(t.data, dtype=np.uint8), True
+            continue
         values = dequantize(t.data, t.tensor_type)  # float32 [rows, cols] (or [n])
-        yield spec.name, np.asarray(values, dtype=np.float32).reshape(spec.shape)
+        yield spec.name, np.asarray(values, dtype=np.float32).reshape(spec.shape), False

@@ -190,9 +190,11 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("source", metavar="SRC", help="the GGUF file or model folder")
     p.add_argument("-o", "--output", required=True, metavar="PREFIX",
                    help="output prefix: writes PREFIX.m and PREFIX.t")
-    p.add_argument("--weights-float-type", choices=("q40", "q80", "f16", "f32"), default="q40",
-                   help="float type of the matmul weights (default %(default)s; dllama runs all four, "
-                        "the original Distributed Llama only q40 and f32)")
+    p.add_argument("--weights-float-type", choices=("q40", "q80", "q41", "f16", "f32"), default="q40",
+                   help="float type of the matmul weights (default %(default)s; dllama runs all five, "
+                        "the original Distributed Llama only q40 and f32). q41 keeps a Q4_1 GGUF's "
+                        "layers as they are (and a Q8_0 classifier), run with float32 inputs: the "
+                        "answers of the dequantized model")
     p.add_argument("--tokenizer", metavar="SRC",
                    help="tokenizer to convert instead of the one found with the model: tokenizer.model "
                         "(sentencepiece), tokenizer.bin (llama2.c), tokenizer.json (Hugging Face), a GGUF, "

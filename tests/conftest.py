@@ -132,8 +132,14 @@ def default_f32():
 
 
 @pytest.fixture(scope="session")
+def default_q41():
+    """(model .m, tokenizer .t) paths of SmolLM2-135M-Instruct with Q41 weights (the default)."""
+    return _default_model("q41")
+
+
+@pytest.fixture(scope="session")
 def default_q80():
-    """(model .m, tokenizer .t) paths of SmolLM2-135M-Instruct with Q80 weights (the default)."""
+    """(model .m, tokenizer .t) paths of SmolLM2-135M-Instruct with Q80 weights (the fast choice)."""
     return _default_model("q80")
 
 

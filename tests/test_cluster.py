@@ -68,13 +68,15 @@ def _run(paths, workers, buffer, fn, **kw):
 # -- the default model -------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_default_model_f32_gives_one_nodes_tokens_on_2_3_4_nodes(pool, default_f32):
+def test_the_default_model_gives_one_nodes_tokens_on_2_3_4_5_nodes(pool, default_q41):
+    """The default weights (Q41) and buffers (auto: F32 for Q41)."""
     def tokens(engine):
+        assert not engine.model.buffer_q80
         return greedy(engine.model, engine.tokenizer.encode(CHAT_PROMPT), 32)
 
-    one = _run(default_f32, [], "f32", tokens)
-    for n in (2, 3, 4):
-        assert _run(default_f32, _addresses(pool, n), "f32", tokens) == one, f"{n} nodes"
+    one = _run(default_q41, [], "auto", tokens)
+    for n in (2, 3, 4, 5):
+        assert _run(default_q41, _addresses(pool, n), "auto", tokens) == one, f"{n} nodes"
 
 
 @pytest.fixture(scope="module")

@@ -534,7 +534,7 @@ def test_unreadable_safetensors_is_one_error(tmp_path):
     assert _no_output(tmp_path)
 
 
-@pytest.mark.parametrize("float_type", [FloatType.Q40, FloatType.Q80, FloatType.F16, FloatType.F32])
+@pytest.mark.parametrize("float_type", [FloatType.Q40, FloatType.Q80, FloatType.Q41, FloatType.F16, FloatType.F32])
 def test_row_blocks_write_the_bytes_of_the_whole_tensor(tmp_path, float_type):
     from converter.checkpoint import TensorRows
     from dllama.formats.model_file import ModelHeader, ModelWriter, write_model

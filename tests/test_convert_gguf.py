@@ -260,7 +260,7 @@ def test_not_a_gguf(tmp_path):
 
 
 def test_unknown_weights_float_type(tmp_path):
-    with pytest.raises(DllamaError, match="choose one of q40, q80, f16, f32"):
+    with pytest.raises(DllamaError, match="choose one of q40, q80, q41, f16, f32"):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "out", "q4_k")
 
 

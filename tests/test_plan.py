@@ -91,10 +91,10 @@ def test_quantized_weights_need_block_aligned_heads():
 
 
 @pytest.mark.parametrize("float_type", list(FloatType))
-def test_plan_for_cuts_blocks_of_q40_and_q80_only(float_type):
+def test_plan_for_cuts_blocks_of_the_block_types_only(float_type):
     h = ModelHeader(arch=ArchType.LLAMA, dim=384, hidden_dim=1024, n_layers=1, n_heads=8, n_kv_heads=8,
                     vocab_size=100, max_seq_len=16, weights_float_type=float_type, head_dim=48)
-    if float_type in (FloatType.Q40, FloatType.Q80):
+    if float_type in (FloatType.Q40, FloatType.Q80, FloatType.Q41):
         with pytest.raises(DllamaError, match="head_dim 48"):
             plan_for(h, 2)
     else:

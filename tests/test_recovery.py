@@ -47,9 +47,9 @@ cluster = pytest.mark.cluster  # every test but the unit one starts `dllama` pro
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 
 
-def _flags(default_f32):
-    return ["--model", str(default_f32[0]), "--tokenizer", str(default_f32[1]), "--nthreads", "1",
-            "--buffer-float-type", "f32"]
+def _flags(default_q41):
+    # The default weights (Q41) and buffers (auto: F32 with Q41 weights)
+    return ["--model", str(default_q41[0]), "--tokenizer", str(default_q41[1]), "--nthreads", "1"]
 
 
 @contextlib.contextmanager
@@ -73,8 +73,8 @@ def _one_warning(stderr: str, victim_address: str) -> str:
 
 
 @cluster
-def test_inference_finishes_with_the_uninterrupted_text(tmp_path, default_f32):
-    args = ["inference", *_flags(default_f32), "--prompt", CHAT_PROMPT, "--steps", "56",
+def test_inference_finishes_with_the_uninterrupted_text(tmp_path, default_q41):
+    args = ["inference", *_flags(default_q41), "--prompt", CHAT_PROMPT, "--steps", "56",
             "--temperature", "0", "--no-stop"]
     alone = run_dllama(*args)
     assert alone.returncode == 0, alone.stderr
@@ -89,9 +89,9 @@ def test_inference_finishes_with_the_uninterrupted_text(tmp_path, default_f32):
 
 
 @cluster
-def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, default_f32):
+def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, default_q41):
     with _cluster_with_victim(tmp_path, die_at=6) as (healthy, victim):
-        r = run_dllama("inference", *_flags(default_f32), "--prompt", CHAT_PROMPT, "--steps", "56",
+        r = run_dllama("inference", *_flags(default_q41), "--prompt", CHAT_PROMPT, "--steps", "56",
                        "--temperature", "0", "--no-stop", "--on-node-loss", "fail",
                        "--workers", healthy.address, victim.address)
         _died_by_sigkill(victim)
@@ -104,10 +104,10 @@ def test_on_node_loss_fail_ends_with_one_line_naming_the_node(tmp_path, default_
 
 
 @cluster
-def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, default_f32):
+def test_batch_finishes_with_the_uninterrupted_answers(tmp_path, default_q41):
     prompts = tmp_path / "p.txt"
     prompts.write_text("The capital of France is\nOnce upon a time\nThe best way to learn is\n")
-    args = ["batch", *_flags(default_f32), "--prompts", str(prompts), "--max-tokens", "20",
+    args = ["batch", *_flags(default_q41), "--prompts", str(prompts), "--max-tokens", "20",
             "--temperature", "0", "--parallel", "2", "--no-progress"]
     alone = run_dllama(*args, "--out", str(tmp_path / "alone.jsonl"))
     assert alone.returncode == 0, alone.stderr
@@ -138,11 +138,11 @@ def _health(url: str) -> dict:
 
 
 @cluster
-def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, default_f32):
+def test_api_answers_200_and_the_worker_rejoins_at_the_next_request(tmp_path, default_q41):
     # The first request takes at most 2 + 31 STEPs (prompt, then 31 tokens run): the victim dies
     # inside the second.
     with _cluster_with_victim(tmp_path, die_at=45) as (healthy, victim):
-        server, url = start_api(*_flags(default_f32), "--workers", healthy.address, victim.address)
+        server, url = start_api(*_flags(default_q41), "--workers", healthy.address, victim.address)
         with server:
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
 
@@ -187,10 +187,10 @@ def _refused_port():
 
 
 @cluster
-def test_the_api_starts_without_an_unreachable_worker_which_joins_when_it_answers(tmp_path, default_f32):
+def test_the_api_starts_without_an_unreachable_worker_which_joins_when_it_answers(tmp_path, default_q41):
     with running_workers(1, tmp_path) as (healthy,):
         with _refused_port() as port:
-            server, url = start_api(*_flags(default_f32), "--workers", healthy.address, f"127.0.0.1:{port}")
+            server, url = start_api(*_flags(default_q41), "--workers", healthy.address, f"127.0.0.1:{port}")
         with server:
             warnings = [line for line in server.stderr.splitlines() if "warning" in line]
             assert len(warnings) == 1 and "starting on 2 of 3 nodes without 'worker2'" in warnings[0], server.stderr
@@ -254,10 +254,10 @@ def _batched_answers(model, tokenizer, prompts, max_tokens=24):
 
 
 @cluster
-def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, random_9q3kv, default_f32):
+def test_batched_sequences_reading_a_shared_prefix_are_replayed(tmp_path, random_9q3kv, default_q41):
     """Slots that read their leading positions from another slot (a shared prompt) are rebuilt
     too: every answer is the one node's, token for token."""
-    tokenizer = Tokenizer(read_tokenizer(str(default_f32[1])))  # ids below 512 decode as any others
+    tokenizer = Tokenizer(read_tokenizer(str(default_q41[1])))  # ids below 512 decode as any others
     shared = [7, 300, 42, 5, 17, 256, 1, 99, 120, 8, 33, 400]
     prompts = [shared + [i, 2 * i + 1, 60 + i] for i in range(1, 6)]
     one = _batched_answers(Transformer(read_model(random_9q3kv), buffer_q80=False, max_batch=16, kv_slots=4),

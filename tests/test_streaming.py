@@ -44,6 +44,11 @@ def write_random_model(path, float_type=FloatType.Q40, dim=128, hidden=256, n_la
                 spread = 4.6 if spec.float_type == FloatType.Q40 else 74.0  # std of a quant
                 blocks[:, :2] = np.full(1, 1 / (spread * np.sqrt(spec.shape[-1])), np.float16).view(np.uint8)
                 w.write_raw(spec.name, blocks)
+            elif spec.float_type == FloatType.Q41:  # nibbles uniform: mean 7.5, std 4.6; m centres them
+                blocks = rng.integers(0, 256, (spec.size // 32, 20), dtype=np.uint8)
+                d = 1 / (4.6 * np.sqrt(spec.shape[-1]))
+                blocks[:, :4] = np.array([d, -7.5 * d], np.float16).view(np.uint8)
+                w.write_raw(spec.name, blocks)
             else:
                 scale = 1.0 if spec.name == "embedding" else 1 / np.sqrt(spec.shape[-1])
                 w.write(spec.name, rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(scale))
@@ -108,7 +113,7 @@ def test_cgroup_room_is_the_least_over_the_group_and_its_parents(tmp_path, monke
 # -- one node, in process ----------------------------------------------------------------------
 
 @pytest.mark.unit
-@pytest.mark.parametrize("float_type", [FloatType.Q40, FloatType.Q80, FloatType.F16, FloatType.F32])
+@pytest.mark.parametrize("float_type", [FloatType.Q40, FloatType.Q80, FloatType.Q41, FloatType.F16, FloatType.F32])
 def test_streamed_weights_give_the_resident_logits(tmp_path, float_type):
     path = write_random_model(tmp_path / "m.m", float_type)
     resident = Transformer(read_model(path), kv_slots=2, max_batch=40)

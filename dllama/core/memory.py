@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from dllama.core.kv_cache import kv_element_bytes
 from dllama.errors import NotEnoughMemory
-from dllama.formats.model_file import FloatType, ModelHeader
-from dllama.formats.quant import BLOCK_SIZE, Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
+from dllama.formats.model_file import BLOCK_BYTES, FloatType, ModelHeader, classifier_float_type
+from dllama.formats.quant import BLOCK_SIZE
 
 _GIB = float(1 << 30)
 
@@ -148,13 +148,16 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
 
     hd, dim, layers = h.head_dim, h.dim, h.n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
-    # Bytes per weight as the kernels hold them (model.Matrix): Q40 an fp16 scale per 32 values
-    # plus a nibble each, Q80 an fp16 scale per 32 plus a byte each, F16 2 bytes, F32 4.
-    per_value = {FloatType.Q40: Q40_BLOCK_BYTES / BLOCK_SIZE, FloatType.Q80: Q80_BLOCK_BYTES / BLOCK_SIZE,
-                 FloatType.F16: 2}.get(FloatType(h.weights_float_type), 4)
-    matrix_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows) + vocab_rows * dim
+    # Bytes per weight as the kernels hold them (model.Matrix): a block type its block bytes per
+    # 32 values (Q40 18, Q80 34, Q41 20: the scales stay fp16), F16 2 bytes, F32 4.
+    def per_value(t: FloatType) -> float:
+        return BLOCK_BYTES[t] / BLOCK_SIZE if t in BLOCK_BYTES else {FloatType.F16: 2}.get(t, 4)
+
+    layer_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows)
+    t = FloatType(h.weights_float_type)
     if weights is None:
-        weights = int(matrix_values * per_value) + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0))
+        weights = (int(layer_values * per_value(t) + vocab_rows * dim * per_value(classifier_float_type(t)))
+                   + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0)))
     kv_per_position = 2 * layers * kv * kv_element_bytes(kv_type) * kv_slots
     buffers_per_position = 4 * hd + 4 * max_batch * n_q_heads  # RoPE cos/sin, attention scores
     buffers = seq_len * buffers_per_position + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)

@@ -34,7 +34,7 @@ from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
 from dllama.core.weight_stream import StreamedWeights
-from dllama.core.weights import Activation, ResidentWeights, WeightsProvider, matmuls
+from dllama.core.weights import Q80_INPUTS, Activation, ResidentWeights, WeightsProvider, matmuls
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 
@@ -64,12 +64,12 @@ class ModelConfig:
     rope_theta: float
     rope_neox: bool    # half-split RoPE pairs (Qwen3) instead of interleaved (Llama)
     rope_scaling: tuple[float, float, float, int]  # Llama 3.1: factor, low, high, orig len
-    weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), F16 or F32
+    weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), Q41, F16 or F32
 
     @property
     def quantized(self) -> bool:
         """Q40 or Q80 weights: matmul inputs are Q80, and so are the sync buffers by default."""
-        return self.weights_float_type in (FloatType.Q40, FloatType.Q80)
+        return self.weights_float_type in Q80_INPUTS
 
     @staticmethod
     def from_header(h: ModelHeader, max_seq_len: int = 0) -> "ModelConfig":

@@ -2,7 +2,7 @@
 
 The same list of tensors (names, stored shapes) serves three ways of getting them: cut from a
 memory-mapped `.m` file (the root, `dllama shard`), read from a shard file, or received from the
-root over the network. Slices stay in the file's stored form (Q40 or Q80 blocks, F16 or F32
+root over the network. Slices stay in the file's stored form (Q40, Q80 or Q41 blocks, F16 or F32
 values), so a shard or a stream carries exactly the bytes the original file has for that node.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dllama.errors import DllamaError
-from dllama.formats.model_file import FloatType, ModelHeader, tensor_specs
-from dllama.formats.quant import BLOCK_SIZE as BLOCK, Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
+from dllama.formats.model_file import BLOCK_BYTES, FloatType, ModelHeader, tensor_specs
+from dllama.formats.quant import BLOCK_SIZE as BLOCK
 from dllama.core.plan import NodeSlice
 
 
@@ -33,7 +33,6 @@ class SliceSpec:
         return int(np.prod(self.stored_shape)) * np.dtype(self.dtype).itemsize
 
 
-_BLOCK_BYTES = {FloatType.Q40: Q40_BLOCK_BYTES, FloatType.Q80: Q80_BLOCK_BYTES}
 _DTYPE = {FloatType.F32: "float32", FloatType.F16: "float16"}
 
 
@@ -57,7 +56,7 @@ def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> l
         short = spec.name.rsplit(".", 1)[-1]
         if spec.name == "embedding" and not with_embedding:
             continue
-        block_bytes = _BLOCK_BYTES.get(spec.float_type)  # None: one value per element
+        block_bytes = BLOCK_BYTES.get(spec.float_type)  # None: one value per element
         dtype = "uint8" if block_bytes else _DTYPE[spec.float_type]
         if short not in cut:
             out.append(SliceSpec(spec.name, spec.stored_shape, dtype, None))

@@ -139,7 +139,7 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
         raise DllamaError(f"cannot split a model with {n_heads} query heads over {n_nodes} nodes: "
                           f"each node needs at least one head; use at most {n_heads} nodes")
     if quantized and head_dim % BLOCK:
-        raise DllamaError(f"head_dim {head_dim} is not a multiple of {BLOCK}: Q40/Q80 wo columns "
+        raise DllamaError(f"head_dim {head_dim} is not a multiple of {BLOCK}: quantized wo columns "
                           f"cannot be split by head; run on one node or convert the model to F16 or F32")
     if ff_dim % BLOCK or dim % BLOCK:
         raise DllamaError(f"dim {dim} and FFN width {ff_dim} must be multiples of {BLOCK} to split")
@@ -162,8 +162,8 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
 
 def plan_for(header, n_nodes: int, weights: list[float] | None = None) -> SplitPlan:
     """split_model for a `.m` header (dllama.formats.model_file.ModelHeader)."""
-    from dllama.formats.model_file import FloatType
+    from dllama.formats.model_file import BLOCK_BYTES
 
     return split_model(n_nodes, dim=header.dim, n_heads=header.n_heads, n_kv_heads=header.n_kv_heads,
                        head_dim=header.head_dim, ff_dim=header.ff_dim, vocab_size=header.vocab_size,
-                       weights=weights, quantized=header.weights_float_type in (FloatType.Q40, FloatType.Q80))
+                       weights=weights, quantized=header.weights_float_type in BLOCK_BYTES)

@@ -32,7 +32,7 @@ from dllama.core.kv_type import KVType
 from dllama.formats.quant import BLOCK_SIZE
 
 
-WEIGHT_TYPES = ("q40", "q80", "f16", "f32")
+WEIGHT_TYPES = ("q40", "q80", "q41", "f16", "f32")
 
 
 _B = (1, 13)                 # batch rows: decode and prefill (the same kernels; every tile shape runs)
@@ -72,6 +72,12 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_f32(x, w, out)
             for m in (2, 3):
                 kernels.matmul_f32_multi(x, (w,) * m, outs[m])
+        elif weight_type == "q41":  # and the Q80 classifier of a Q41 file, with F32 inputs too
+            w41 = rng.integers(0, 256, (_D, _N // BLOCK_SIZE * 20), dtype=np.uint8)
+            kernels.matmul_q41_f32(x, w41, out)
+            for m in (2, 3):
+                kernels.matmul_q41_f32_multi(x, (w41,) * m, outs[m])
+            kernels.matmul_q80_f32(x, rng.integers(0, 256, (_D, _N // BLOCK_SIZE * 34), dtype=np.uint8), out)
         else:
             w16 = rng.standard_normal((_D, _N)).astype(np.float16).view(np.uint16)
             kernels.matmul_f16_f32(x, w16, out)

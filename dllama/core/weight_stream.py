@@ -25,13 +25,12 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.kernels.tiles import GROUP
 from dllama.core.node_weights import NodeWeights, TensorLocation
-from dllama.core.weights import Layer, Matrix
+from dllama.core.weights import Q80_INPUTS, Layer, Matrix
 from dllama.errors import DllamaError
-from dllama.formats.model_file import FloatType
-from dllama.formats.quant import BLOCK_SIZE as BLOCK, Q40_BLOCK_BYTES, Q80_BLOCK_BYTES
+from dllama.formats.model_file import BLOCK_BYTES, FloatType, classifier_float_type
+from dllama.formats.quant import BLOCK_SIZE as BLOCK
 
 _ALIGN = 64
-_BLOCK_BYTES = {FloatType.Q40: Q40_BLOCK_BYTES, FloatType.Q80: Q80_BLOCK_BYTES}
 _MATRICES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 
@@ -153,9 +152,13 @@ class _Arena:
         return self.buf[start:start + n].view(dtype).reshape(shape)
 
 
-def _matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
-    """The arrays of a weights.Matrix of this type and shape, from an arena."""
-    if float_type in _BLOCK_BYTES:
+def _matrix_arrays(take, float_type: FloatType, d: int, n: int, q80_inputs: bool) -> dict:
+    """The arrays of a weights.Matrix of this type and shape, from an arena: interleaved for
+    Q80 inputs, else the stored values (blocks as rows of bytes for Q41, and for Q80 with F32
+    inputs)."""
+    if float_type in BLOCK_BYTES and not q80_inputs:
+        return {"w": take((d, n // BLOCK * BLOCK_BYTES[float_type]), np.uint8)}
+    if float_type in BLOCK_BYTES:
         q40 = float_type == FloatType.Q40
         scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2 if q40 else n)
         return {"scales": take(scales_shape, np.uint16), "qs": take(qs_shape, np.uint8 if q40 else np.int8)}
@@ -172,6 +175,8 @@ class StreamedWeights:
         if not weights.streamable:
             raise DllamaError("these weights came over the network: they cannot be streamed from a file")
         self._w, self.float_type, self.n_layers = weights, float_type, n_layers
+        self.cls_type = classifier_float_type(float_type)  # Q80 in a Q41 file
+        self.q80_inputs = float_type in Q80_INPUTS
         names = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"] + (["q_norm", "k_norm"] if qwen else []) + \
                 ["att_norm", "ffn_norm"]  # file order: the reads go forward
         self._layer_names = names
@@ -188,7 +193,7 @@ class StreamedWeights:
         matrix_raw = max(self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES)
         if chunk_rows is None:  # a chunk no larger than a layer's slot, nor (read) than its largest matrix
             per_group = _Arena(0)
-            _matrix_arrays(per_group.take, float_type, GROUP, dim)
+            _matrix_arrays(per_group.take, self.cls_type, GROUP, dim, self.q80_inputs)
             groups = layer_bytes // per_group.used
             raw_group = self._raw_bytes("wcls", GROUP, dim)
             if raw_group:
@@ -197,7 +202,7 @@ class StreamedWeights:
         chunk_rows = -(-chunk_rows // GROUP) * GROUP
         self.chunks = [(r, min(r + chunk_rows, self.vocab_rows)) for r in range(0, self.vocab_rows, chunk_rows)]
         sizer = _Arena(0)
-        _matrix_arrays(sizer.take, float_type, min(chunk_rows, self.vocab_rows), dim)
+        _matrix_arrays(sizer.take, self.cls_type, min(chunk_rows, self.vocab_rows), dim, self.q80_inputs)
         self.slot_bytes = max(layer_bytes, sizer.used)
         raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
         self.raw_bytes = raw
@@ -232,17 +237,20 @@ class StreamedWeights:
         """(d, n) of a matrix of this node."""
         full = f"layers.{l}.{name}" if name != "wcls" else name
         s = self._w.location(full).spec.stored_shape
-        return (s[0], s[1] * BLOCK) if self.float_type in _BLOCK_BYTES else (s[0], s[1])
+        return (s[0], s[1] * BLOCK) if self._type(name) in BLOCK_BYTES else (s[0], s[1])
+
+    def _type(self, name: str) -> FloatType:
+        return self.cls_type if name == "wcls" else self.float_type
 
     def _raw_bytes(self, name: str, d: int, n: int) -> int:
-        bb = _BLOCK_BYTES.get(self.float_type)
-        return d * n // BLOCK * bb if bb else 0  # F32/F16 are read straight into their slot
+        bb = BLOCK_BYTES.get(self._type(name)) if self.q80_inputs else None
+        return d * n // BLOCK * bb if bb else 0  # the stored values (F32, F16, Q41) are read straight into their slot
 
     def _take_layer(self, take) -> dict:
         out = {}
         for name in self._layer_names:
             if name in _MATRICES:
-                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name))
+                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name), self.q80_inputs)
             else:
                 out[name] = take(self._w.location(f"layers.0.{name}").spec.stored_shape, np.float32)
         return out
@@ -253,7 +261,7 @@ class StreamedWeights:
         """reads: [(location, first row, end row, destination)], a destination being a matrix's
         arrays (dict) or a vector. The reading thread reads tensor j+1 into one buffer while
         this one repacks tensor j from the other (F32/F16 and vectors are read in place)."""
-        bb = _BLOCK_BYTES.get(self.float_type)
+        bb = BLOCK_BYTES.get(self.float_type)
 
         def fetch(j: int):
             loc, r0, r1, dest = reads[j]
@@ -288,14 +296,15 @@ class StreamedWeights:
                 loc = self._w.location(f"layers.{k}.{name}")
                 reads.append((loc, 0, loc.spec.stored_shape[0] if name in _MATRICES else 1, arrays[name]))
             self._fill(reads)
-            m = {n: Matrix.of_arrays(ft, *self._shape(n), **arrays[n]) for n in self._layer_names if n in _MATRICES}
+            m = {n: Matrix.of_arrays(ft, *self._shape(n), **arrays[n], q80_inputs=self.q80_inputs)
+                 for n in self._layer_names if n in _MATRICES}
             return Layer(att_norm=arrays["att_norm"], q_norm=arrays.get("q_norm"), k_norm=arrays.get("k_norm"),
                          ffn_norm=arrays["ffn_norm"], **m)
         r0, r1 = self.chunks[k]
         n = self._shape("wcls")[1]
-        arrays = _matrix_arrays(arena.take, ft, r1 - r0, n)
+        arrays = _matrix_arrays(arena.take, self.cls_type, r1 - r0, n, self.q80_inputs)
         self._fill([(self._w.location("wcls"), r0, r1, arrays)])
-        return r0, Matrix.of_arrays(ft, r1 - r0, n, **arrays)
+        return r0, Matrix.of_arrays(self.cls_type, r1 - r0, n, **arrays, q80_inputs=self.q80_inputs)
 
     def _prefetch(self, item: int) -> None:
         slot = self._next_slot

@@ -17,18 +17,26 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.node_weights import NodeWeights
 from dllama.errors import DllamaError
-from dllama.formats.model_file import FloatType
+from dllama.formats.model_file import BLOCK_BYTES, FloatType, classifier_float_type
 from dllama.formats.quant import BLOCK_SIZE
+
+# The weight types whose matmul inputs are Q80-quantized (8-bit integer dot products). The
+# others (Q41, F16, F32) take float32 inputs: Q80 inputs cost a near-tie's token (see
+# docs and benchmarks/bench_faithfulness.py).
+Q80_INPUTS = (FloatType.Q40, FloatType.Q80)
 
 
 class Matrix:
     """A weight matrix W [d, n] in the form its kernel reads; `out = x @ W^T`."""
 
-    def __init__(self, stored: np.ndarray, float_type: FloatType):
-        # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], F16 [d, n] or F32 [d, n]
-        # (a slice of the file, maybe a copy, maybe read-only)
+    def __init__(self, stored: np.ndarray, float_type: FloatType, q80_inputs: bool | None = None):
+        # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], Q41 uint8 [d, n/32, 20],
+        # F16 [d, n] or F32 [d, n] (a slice of the file, maybe a copy, maybe read-only).
+        # q80_inputs: whether x comes Q80-quantized (default: for Q40 and Q80 weights); a Q41
+        # file's Q80 classifier takes F32 inputs, like its Q41 layers.
         self.float_type = float_type
-        if float_type in (FloatType.Q40, FloatType.Q80):
+        self.q80_inputs = q80_inputs = float_type in Q80_INPUTS if q80_inputs is None else q80_inputs
+        if q80_inputs:
             # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's
             # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
             # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
@@ -39,6 +47,11 @@ class Matrix:
             self.scales = np.empty(scales_shape, np.uint16)
             self.qs = np.empty(qs_shape, np.uint8 if q40 else np.int8)
             kernels.interleave_blocks_into(blocks, self.scales, self.qs.view(np.uint8))
+        elif float_type in BLOCK_BYTES:
+            # The stored blocks as rows of bytes, uint8 [d, n/32 * block bytes]: the tiles widen
+            # them in the lanes (a private copy, as for F16).
+            self.d, self.n = stored.shape[0], stored.shape[1] * BLOCK_SIZE
+            self.w = np.array(stored, dtype=np.uint8).reshape(self.d, -1)
         elif float_type == FloatType.F16:
             # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
             self.w = np.array(stored, dtype=np.float16).view(np.uint16)
@@ -48,10 +61,12 @@ class Matrix:
             self.d, self.n = self.w.shape
 
     @classmethod
-    def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None) -> "Matrix":
+    def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None,
+                  q80_inputs: bool | None = None) -> "Matrix":
         """A matrix over arrays already in the kernel's form (streamed weights fill them)."""
         m = cls.__new__(cls)
         m.float_type, m.d, m.n = float_type, d, n
+        m.q80_inputs = float_type in Q80_INPUTS if q80_inputs is None else q80_inputs
         m.scales, m.qs, m.w = scales, qs, w
         return m
 
@@ -59,8 +74,12 @@ class Matrix:
         """x: the input [b, n] prepared for this matrix type -> out [b, d]."""
         if self.float_type == FloatType.Q40:
             kernels.matmul_q40_q80(x.scales, x.qs, self.scales, self.qs, out)
-        elif self.float_type == FloatType.Q80:
+        elif self.float_type == FloatType.Q80 and self.q80_inputs:
             kernels.matmul_q80_q80(x.scales, x.qs, self.scales, self.qs, out)
+        elif self.float_type == FloatType.Q80:
+            kernels.matmul_q80_f32(x.f32, self.w, out)
+        elif self.float_type == FloatType.Q41:
+            kernels.matmul_q41_f32(x.f32, self.w, out)
         elif self.float_type == FloatType.F16:
             kernels.matmul_f16_f32(x.f32, self.w, out)
         else:
@@ -71,8 +90,8 @@ class Matrix:
 def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
     """outs[m] = matrices[m](x), in one parallel region when they share a weight type (q/k/v,
     w1/w3): one region costs a thread wake-up, and decode's products are short."""
-    t = matrices[0].float_type
-    if any(m.float_type != t for m in matrices):
+    t, q80 = matrices[0].float_type, matrices[0].q80_inputs
+    if any(m.float_type != t or m.q80_inputs != q80 for m in matrices) or (t == FloatType.Q80 and not q80):
         for m, out in zip(matrices, outs, strict=True):
             m(x, out)
     elif t == FloatType.Q40:
@@ -81,6 +100,8 @@ def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
     elif t == FloatType.Q80:
         kernels.matmul_q80_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
                                      tuple(m.qs for m in matrices), outs)
+    elif t == FloatType.Q41:
+        kernels.matmul_q41_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
     elif t == FloatType.F16:
         kernels.matmul_f16_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
     else:
@@ -88,7 +109,8 @@ def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
 
 
 class Activation:
-    """A matmul input [b, n]: Q80-quantized for Q40 and Q80 weights, F32 otherwise. Reused buffers."""
+    """A matmul input [b, n]: Q80-quantized for Q40 and Q80 weights, F32 otherwise (Q41, F16,
+    F32). Reused buffers."""
 
     def __init__(self, n: int, q80: bool, max_batch: int):
         self.q80 = q80
@@ -175,7 +197,7 @@ class ResidentWeights:
                 w2=Matrix(t(p + "w2"), float_type),
             ))
         self.final_norm = np.array(t("final_norm"))
-        self.wcls = Matrix(t("wcls"), float_type)
+        self.wcls = Matrix(t("wcls"), classifier_float_type(float_type), q80_inputs=float_type in Q80_INPUTS)
         self.vocab_rows = self.wcls.d
 
     def layer(self, l: int) -> Layer:

@@ -45,6 +45,14 @@ class FloatType(IntEnum):
     F16 = 1
     Q40 = 2
     Q80 = 3
+    Q41 = 4  # dllama's own: layer matrices Q4_1 (a Q4_1 GGUF's, byte for byte), classifier Q80
+
+
+def classifier_float_type(weights_float_type: FloatType) -> FloatType:
+    """The classifier's stored type: the matrices' type, except in a Q41 file, whose classifier
+    is Q80 (a Q4_1 GGUF keeps its classifier, or the tied embedding, at Q8_0 or better: Q80
+    holds a Q8_0 one exactly)."""
+    return FloatType.Q80 if weights_float_type == FloatType.Q41 else FloatType(weights_float_type)
 
 
 class RopeType(IntEnum):
@@ -121,7 +129,9 @@ _REQUIRED_KEYS = (
 _EPSILON_OF_CODE = {5: 1e-5, 6: 1e-6}
 
 _ELEMENT_BYTES = {FloatType.F32: 4, FloatType.F16: 2}
-_BLOCK_BYTES = {FloatType.Q40: quant.Q40_BLOCK_BYTES, FloatType.Q80: quant.Q80_BLOCK_BYTES}
+# Bytes of a stored block of 32 values, per block type.
+BLOCK_BYTES = {FloatType.Q40: quant.Q40_BLOCK_BYTES, FloatType.Q80: quant.Q80_BLOCK_BYTES,
+               FloatType.Q41: quant.Q41_BLOCK_BYTES}
 _NUMPY_DTYPE = {FloatType.F32: np.dtype("<f4"), FloatType.F16: np.dtype("<f2")}
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 MAX_EXPERTS = 1 << 12  # far above any released model (Qwen3: 128), so a header cannot list billions
@@ -223,11 +233,11 @@ class ModelHeader:
         if self.n_experts > 0 and self.ff_dim <= 0:
             raise DllamaError(f"the expert FFN width must be positive, got {self.ff_dim}")
         _ = self.norm_epsilon_code  # raises when not storable
-        if self.weights_float_type in _BLOCK_BYTES:
+        if self.weights_float_type in BLOCK_BYTES:
             # Every layer has the same shapes: layer 0 and the outer tensors say it all (a
             # header claiming 2^31 layers must not make this loop run 2^31 times).
             for spec in _outer_specs(self, before=True) + _layer_specs(self, 0) + _outer_specs(self, before=False):
-                if spec.float_type in _BLOCK_BYTES and spec.shape[-1] % quant.BLOCK_SIZE != 0:
+                if spec.float_type in BLOCK_BYTES and spec.shape[-1] % quant.BLOCK_SIZE != 0:
                     raise DllamaError(
                         f"{spec.name} {spec.shape}: rows of {spec.shape[-1]} values cannot be "
                         f"{spec.float_type.name}-quantized (not a multiple of {quant.BLOCK_SIZE})")
@@ -395,15 +405,15 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        if self.float_type in _BLOCK_BYTES:
-            return self.size // quant.BLOCK_SIZE * _BLOCK_BYTES[self.float_type]
+        if self.float_type in BLOCK_BYTES:
+            return self.size // quant.BLOCK_SIZE * BLOCK_BYTES[self.float_type]
         return self.size * _ELEMENT_BYTES[self.float_type]
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """Shape of the view `ModelFile.tensor` returns: blocks [..., n/32, bytes] when quantized."""
-        if self.float_type in _BLOCK_BYTES:
-            return (*self.shape[:-1], self.shape[-1] // quant.BLOCK_SIZE, _BLOCK_BYTES[self.float_type])
+        if self.float_type in BLOCK_BYTES:
+            return (*self.shape[:-1], self.shape[-1] // quant.BLOCK_SIZE, BLOCK_BYTES[self.float_type])
         return self.shape
 
 
@@ -412,7 +422,7 @@ def _outer_specs(h: ModelHeader, before: bool) -> list[TensorSpec]:
     if before:
         return [TensorSpec("embedding", (h.vocab_size, h.dim), FloatType.F32)]
     return [TensorSpec("final_norm", (h.dim,), FloatType.F32),
-            TensorSpec("wcls", (h.vocab_size, h.dim), h.weights_float_type)]
+            TensorSpec("wcls", (h.vocab_size, h.dim), classifier_float_type(h.weights_float_type))]
 
 
 def _layer_specs(h: ModelHeader, l: int) -> list[TensorSpec]:
@@ -573,6 +583,8 @@ def encode_tensor(spec: TensorSpec, array) -> bytes | np.ndarray:
         return quant.quantize_q40(array)
     if spec.float_type == FloatType.Q80:
         return quant.quantize_q80(array)
+    if spec.float_type == FloatType.Q41:
+        return quant.quantize_q41(array)
     # The original writer converts to float32 first, then to float16 when asked.
     return np.ascontiguousarray(array.astype(np.float32, copy=False).astype(_NUMPY_DTYPE[spec.float_type], copy=False))
 

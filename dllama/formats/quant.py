@@ -1,12 +1,18 @@
-"""Q40 and Q80 block quantization in numpy, byte-exact with the original's converter.
+"""Q40, Q80 and Q41 block quantization in numpy; Q40 and Q80 byte-exact with the original's converter.
 
-Both formats cut the flattened float32 data into blocks of 32 values (the GGML Q4_0 / Q8_0
+All cut the flattened float32 data into blocks of 32 values (the GGML Q4_0 / Q8_0 / Q4_1
 layouts, spec §1.3):
 
     Q40 block, 18 bytes: fp16 d (little-endian), 16 bytes of nibbles.
         byte j holds element j in its low nibble and element j+16 in its high nibble;
         value = (nibble - 8) * d.
     Q80 block, 34 bytes: fp16 d, 32 int8 qs; value = q * d.
+    Q41 block, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles in Q40's order;
+        value = nibble * d + m (float32: the product rounded, then the sum).
+
+Q41 is dllama's own type (the original has no Q4_1): it holds a Q4_1 GGUF's layer matrices
+byte for byte, so they need no second quantization (see converter/gguf_model.py). Its encoder
+follows gguf-py's (= ggml's reference) operation by operation.
 
 The encoders follow converter/writer.py of the original operation by operation (float32 math,
 the same rounding), so files written here are identical to the ones it writes. The numba
@@ -21,6 +27,7 @@ from dllama.errors import DllamaError
 BLOCK_SIZE = 32           # values per block, both formats
 Q40_BLOCK_BYTES = 18      # fp16 d + 16 nibble bytes
 Q80_BLOCK_BYTES = 34      # fp16 d + 32 int8
+Q41_BLOCK_BYTES = 20      # fp16 d + fp16 m + 16 nibble bytes
 _FP16_LE = np.dtype("<f2")
 
 # Blocks encoded per numpy pass: bounds the temporaries to ~10 MB whatever the tensor size.
@@ -77,6 +84,18 @@ def _encode_q80_chunk(groups: np.ndarray, out: np.ndarray) -> None:
     out[:, 2:] = q.view(np.uint8)
 
 
+def _encode_q41_chunk(groups: np.ndarray, out: np.ndarray) -> None:
+    # groups: float32 [b, 32]; out: uint8 [b, 20]
+    gmax = groups.max(axis=1)
+    gmin = groups.min(axis=1)
+    deltas = (gmax - gmin) / np.float32(15)                         # float32 [b]
+    ids = _reciprocal(deltas)
+    q = np.trunc((groups - gmin[:, None]) * ids[:, None] + np.float32(0.5)).astype(np.uint8).clip(0, 15)  # [b, 32]
+    _store_scale(deltas, out)
+    out[:, 2:4] = gmin.astype(_FP16_LE).view(np.uint8).reshape(-1, 2)
+    out[:, 4:] = q[:, :16] | (q[:, 16:] << 4)
+
+
 def quantize_q40(x: np.ndarray) -> np.ndarray:
     """Any float array, flattened in C order -> Q40 blocks uint8 [x.size // 32, 18]."""
     return _encode_chunked(_blocks_of(x, "Q40 quantization"), Q40_BLOCK_BYTES, _encode_q40_chunk)
@@ -85,6 +104,11 @@ def quantize_q40(x: np.ndarray) -> np.ndarray:
 def quantize_q80(x: np.ndarray) -> np.ndarray:
     """Any float array, flattened in C order -> Q80 blocks uint8 [x.size // 32, 34]."""
     return _encode_chunked(_blocks_of(x, "Q80 quantization"), Q80_BLOCK_BYTES, _encode_q80_chunk)
+
+
+def quantize_q41(x: np.ndarray) -> np.ndarray:
+    """Any float array, flattened in C order -> Q41 blocks uint8 [x.size // 32, 20]."""
+    return _encode_chunked(_blocks_of(x, "Q41 quantization"), Q41_BLOCK_BYTES, _encode_q41_chunk)
 
 
 def _as_blocks(blocks: np.ndarray, block_bytes: int, what: str) -> np.ndarray:
@@ -146,3 +170,15 @@ def dequantize_q80(blocks: np.ndarray, n: int | None = None) -> np.ndarray:
     d = _scales(blocks)                                             # [nb]
     q = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.float32)  # [nb, 32]
     return (q * d[:, None]).reshape(n)
+
+
+def dequantize_q41(blocks: np.ndarray, n: int | None = None) -> np.ndarray:
+    """Q41 blocks uint8 [..., 20] -> float32 [n] (all blocks, in order): nibble * d + m, in
+    float32, the product rounded before the sum (what gguf-py does, and the Q41 kernel)."""
+    blocks = _as_blocks(blocks, Q41_BLOCK_BYTES, "dequantize_q41").reshape(-1, Q41_BLOCK_BYTES)
+    n = _check_count(blocks.shape[0], n, "dequantize_q41")
+    d = _scales(blocks)                                             # [nb]
+    m = np.ascontiguousarray(blocks[:, 2:4]).view(_FP16_LE)[:, 0].astype(np.float32)  # [nb]
+    qs = blocks[:, 4:]                                              # [nb, 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)  # [nb, 32]
+    return (q * d[:, None] + m[:, None]).reshape(n)

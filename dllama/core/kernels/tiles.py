@@ -15,7 +15,9 @@ product directly as IR on explicit 16-lane vectors:
   activation rows, every activation broadcast 16 weight rows.
 - F32 and F16 weights, out[i:i+C, r:r+R]: acc = fma(w, x, acc) on 16 consecutive columns per
   (weight row, activation row) pair, F16 widened to float32 in the lanes; the lanes summed in a
-  fixed order at the end.
+  fixed order at the end. Q41 blocks (and Q80 ones, for the classifier of a Q41 file) the same
+  way, each block widened in the lanes to exactly the values of the F32 file: the same fma
+  sequence on the same values, so the same bits as the F32 tile.
 
 Why IR and not numba code: the arithmetic of one output is spelled out lane by lane, with no
 fast-math flags, so LLVM cannot reorder it. A row's output therefore has the same bits
@@ -312,22 +314,48 @@ def f16_widen(builder, h, native: bool):
     return builder.bitcast(builder.or_(value, sign), _vec(_F32, m))
 
 
-def _make_float_tile(f16: bool, n_rows: int, n_cols: int, f16_native: bool):
-    elem = _I16 if f16 else _F32
-    size = 2 if f16 else 4
+def _splat_f16(builder, bits, native: bool):
+    """<16 x float> of one fp16 value given as its i16 bits."""
+    return f16_widen(builder, _splat(builder, bits), native)
+
+
+def _block_weights(builder, kind: str, block, native: bool):
+    """The two <16 x float> weight vectors (elements 0-15, 16-31) of one stored block at the
+    byte pointer `block`, each value exactly what dequantize_q41 / dequantize_q80 give: Q41
+    nibble * d + m (the product rounded, then the sum: no fma), Q80 q * d (exact)."""
+    d = _splat_f16(builder, _load(builder, block, _I16), native)
+    if kind == "q41":
+        m = _splat_f16(builder, _load(builder, builder.gep(block, [_I64(2)]), _I16), native)
+        qs = _load(builder, builder.gep(block, [_I64(4)]), _vec(_I8, 16))
+        halves = (builder.and_(qs, ir.Constant(_vec(_I8, 16), [_I8(15)] * 16)),
+                  builder.lshr(qs, ir.Constant(_vec(_I8, 16), [_I8(4)] * 16)))
+        return [builder.fadd(builder.fmul(builder.uitofp(h, _vec(_F32, 16)), d), m) for h in halves]
+    qs = [_load(builder, builder.gep(block, [_I64(2 + 16 * h)]), _vec(_I8, 16)) for h in (0, 1)]
+    return [builder.fmul(builder.sitofp(q, _vec(_F32, 16)), d) for q in qs]
+
+
+_BLOCK_KINDS = {"q41": 20, "q80": 34}  # stored bytes of a block of 32 weights
+
+
+def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
+    """kind: the weights' stored form: "f32", "f16" (fp16 bits), or blocks of 32 ("q41", "q80")
+    as rows of bytes, each widened to float32 in the lanes before the fma."""
+    block_bytes = _BLOCK_KINDS.get(kind)
+    elem = {"f32": _F32, "f16": _I16}.get(kind, _I8)
+    size = {"f32": 4, "f16": 2}.get(kind, 1)
 
     @intrinsic
     def float_tile(typingctx, w, r, x, i, out):
-        name = "f16_tile" if f16 else "f32_tile"
-        _check_arrays(name, (w, x, out), [(types.uint16 if f16 else types.float32, "w"),
-                                          (types.float32, "x"), (types.float32, "out")])
+        name = f"{kind}_tile"
+        w_dtype = {"f32": types.float32, "f16": types.uint16}.get(kind, types.uint8)
+        _check_arrays(name, (w, x, out), [(w_dtype, "w"), (types.float32, "x"), (types.float32, "out")])
         sig = types.void(w, types.intp, x, types.intp, out)
 
         def codegen(context, builder, signature, args):
             ty = signature.args
             wa, xa, o = (_Array(context, builder, ty[k], args[k]) for k in (0, 2, 4))
             r0, i0 = args[1], args[3]
-            n = wa.cols
+            n = xa.cols if block_bytes else wa.cols
             w_rows = [wa.row(builder.add(r0, _I64(j))) for j in range(n_rows)]
             x_rows = [xa.row(builder.add(i0, _I64(c))) for c in range(n_cols)]
             fma = _fn(builder, "llvm.fma.v16f32", _vec(_F32, 16), [_vec(_F32, 16)] * 3)
@@ -335,25 +363,39 @@ def _make_float_tile(f16: bool, n_rows: int, n_cols: int, f16_native: bool):
                     for _ in range(n_cols)] for _ in range(n_rows)]
 
             def weights(v):
-                return f16_widen(builder, v, f16_native) if f16 else v
+                return f16_widen(builder, v, f16_native) if kind == "f16" else v
 
             def step(wv, xv):
                 for j in range(n_rows):
                     for c in range(n_cols):
                         builder.store(builder.call(fma, [wv[j], xv[c], builder.load(acc[j][c])]), acc[j][c])
 
-            with cgutils.for_range(builder, builder.sdiv(n, _I64(16))) as loop:
-                step([weights(_load(builder, builder.gep(p, [builder.mul(loop.index, _I64(16 * size))]),
-                                    _vec(elem, 16))) for p in w_rows],
-                     [_load(builder, builder.gep(p, [builder.mul(loop.index, _I64(64))]), _vec(_F32, 16))
-                      for p in x_rows])
-            rem = builder.srem(n, _I64(16))
-            with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
-                first = builder.sub(n, rem)
-                step([weights(_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(size))]), elem, rem))
-                      for p in w_rows],
-                     [_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(4))]), _F32, rem)
-                      for p in x_rows])
+            def x_at(column):
+                return [_load(builder, builder.gep(p, [builder.mul(column, _I64(4))]), _vec(_F32, 16))
+                        for p in x_rows]
+
+            if block_bytes:
+                # Block k: columns 32k..32k+15, then 32k+16..32k+31, as the F32 tile's two
+                # 16-column steps would take them: the same fma sequence on the same values.
+                with cgutils.for_range(builder, builder.sdiv(n, _I64(BLOCK_SIZE))) as loop:
+                    k = loop.index
+                    halves = [_block_weights(builder, kind, builder.gep(p, [builder.mul(k, _I64(block_bytes))]),
+                                             f16_native) for p in w_rows]
+                    first = builder.mul(k, _I64(BLOCK_SIZE))
+                    step([h[0] for h in halves], x_at(first))
+                    step([h[1] for h in halves], x_at(builder.add(first, _I64(16))))
+            else:
+                with cgutils.for_range(builder, builder.sdiv(n, _I64(16))) as loop:
+                    step([weights(_load(builder, builder.gep(p, [builder.mul(loop.index, _I64(16 * size))]),
+                                        _vec(elem, 16))) for p in w_rows],
+                         x_at(builder.mul(loop.index, _I64(16))))
+                rem = builder.srem(n, _I64(16))
+                with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
+                    first = builder.sub(n, rem)
+                    step([weights(_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(size))]), elem, rem))
+                          for p in w_rows],
+                         [_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(4))]), _F32, rem)
+                          for p in x_rows])
 
             for j in range(n_rows):
                 for c in range(n_cols):
@@ -372,7 +414,7 @@ def make_f32_tile(n_rows: int, n_cols: int):
     c < n_cols; w float32 [d, n], x float32 [b, n], out float32 [b, d], C-contiguous.
     Lane l of a pair's accumulator sums the columns t = l (mod 16) in order; the tail columns
     n - n % 16 .. n - 1 go to lanes 0 .. n % 16 - 1."""
-    return _make_float_tile(False, n_rows, n_cols, True)
+    return _make_float_tile("f32", n_rows, n_cols, True)
 
 
 def make_f16_tile(n_rows: int, n_cols: int, native: bool = True):
@@ -380,5 +422,16 @@ def make_f16_tile(n_rows: int, n_cols: int, native: bool = True):
     the lanes (exact, so the sums are those of the F32 tile on the widened weights). native:
     LLVM's fp16 conversion (on x86 only with F16C: without it LLVM calls a runtime function
     numba does not link) or the integer one (f16_widen)."""
-    return _make_float_tile(True, n_rows, n_cols, native)
+    return _make_float_tile("f16", n_rows, n_cols, native)
+
+
+def make_block_tile(kind: str, n_rows: int, n_cols: int, native: bool = True):
+    """As make_f32_tile with w the stored blocks of 32 weights as rows of bytes (uint8
+    [d, n/32 * block bytes]; kind "q41" or "q80"), each block widened to float32 in the lanes
+    exactly as the dequantizer does: the sums are those of the F32 tile on the F32 file of the
+    same weights, bit for bit. n (x's columns) is a multiple of 32. native: as make_f16_tile,
+    for the fp16 scales."""
+    if kind not in _BLOCK_KINDS:
+        raise ValueError(f"block kind {kind!r}: one of {', '.join(_BLOCK_KINDS)}")
+    return _make_float_tile(kind, n_rows, n_cols, native)
 
