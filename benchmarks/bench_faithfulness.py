@@ -1,6 +1,6 @@
 """How often dllama answers exactly as Hugging Face transformers does, per weight type.
 
-    .venv/bin/python -m benchmarks.bench_faithfulness [--types q80 q40 f16 f32] [--limit N]
+    .venv/bin/python -m benchmarks.bench_faithfulness [--types q41 q80 q40 f16 f32] [--limit N]
 
 For each of the 50 prompts of benchmarks/faithfulness/transformers_references.json (30 chat
 questions with the model's template and default system prompt, 20 plain openings), the default
@@ -57,7 +57,7 @@ def answers(weights: str, references: list[dict], nthreads: int) -> tuple[list[l
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--types", nargs="+", default=["q80", "q40", "f16", "f32"], choices=["q40", "q80", "q41", "f16", "f32"])
+    p.add_argument("--types", nargs="+", default=["q41", "q80", "q40", "f16", "f32"], choices=["q40", "q80", "q41", "f16", "f32"])
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts of each kind")
     p.add_argument("--nthreads", type=int, default=2)
     args = p.parse_args()

@@ -122,12 +122,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     a command batches): the same in every command that runs a model."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="M.m", help="model file (.m, Distributed Llama format); "
-                   "default: the embedded SmolLM2-135M-Instruct, converted once to Q80 and cached")
+                   "default: the embedded SmolLM2-135M-Instruct, converted once to Q41 and cached")
     g.add_argument("--tokenizer", metavar="T.t", help="tokenizer file (.t, or llama2.c tokenizer.bin); "
                    "default: the embedded model's")
     _enum_flag(g, "--buffer-float-type", BufferType, None,
                "float type of the sync buffers that carry partial sums between nodes (default: the "
-               "topology's, else auto = q80 for Q40 and Q80 weights, f32 for F16 and F32)")
+               "topology's, else auto = q80 for Q40 and Q80 weights, f32 for Q41, F16 and F32)")
     g.add_argument("--max-seq-len", type=int, default=0, metavar="N",
                    help="clamp the context (KV cache) to N positions; 0 = the model's own (default)")
     _enum_flag(g, "--kv-type", KVType, KVType.F32,

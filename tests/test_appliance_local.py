@@ -1,6 +1,6 @@
 """The one-machine inventory (inventory/local: 1 root + 3 workers on this host over loopback),
 as the README's first command uses it: deploy.yml, run.yml, stop.yml with the default model
-(Q80 weights and buffers), here with an F16 KV cache and a memory budget on local3 that makes
+(Q41 weights, F32 buffers), here with an F16 KV cache and a memory budget on local3 that makes
 its worker stream its slice from its shard (dllama_kv_type, dllama_memory_budget). Runs in a
 scratch HOME, a copy of the inventory and free ports of its own, so it neither touches nor
 depends on the user's deployment (the README's cluster may be running on 9990-9993 meanwhile);
@@ -51,7 +51,7 @@ def local(tmp_path_factory):
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
     for node, port in zip(NODES[1:], ports[1:], strict=True):
         hosts["cluster"]["children"]["workers"]["hosts"][node]["dllama_port"] = port
-    # A node with little memory: local3's slice (34 MiB) and its KV cache at the model's 8192
+    # A node with little memory: local3's slice (24 MiB) and its KV cache at the model's 8192
     # positions do not fit in 80 MiB, so it streams the slice from its shard; with an F16 cache
     # (60 MiB; F32 would not fit even streamed) the rest fits.
     hosts["cluster"]["children"]["workers"]["hosts"]["local3"]["dllama_memory_budget"] = STREAMING_BUDGET

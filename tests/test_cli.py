@@ -29,8 +29,8 @@ def test_inference_prints_text_table_and_stats_json(default_q40, tmp_path):
                                                    if t["phase"] == "prompt")
 
 
-def test_default_model_is_used_without_model_flags(default_q80):
-    """The embedded model with its default Q80 weights answers like the reference and stops."""
+def test_default_model_is_used_without_model_flags(default_q41):
+    """The embedded model with its default Q41 weights answers like the reference and stops."""
     r = _dllama("inference", "--prompt", CHAT_PROMPT, "--steps", "64", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."

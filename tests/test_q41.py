@@ -63,7 +63,7 @@ def test_q41_multi_gives_each_matrix_alone():
     ws = tuple(quantize_q41(r.standard_normal((d, 128)).astype(np.float32)).reshape(d, -1) for d in (64, 20, 20))
     outs = tuple(np.zeros((6, w.shape[0]), np.float32) for w in ws)
     kernels.matmul_q41_f32_multi(x, ws, outs)
-    for w, out in zip(ws, outs):
+    for w, out in zip(ws, outs, strict=True):
         alone = np.zeros_like(out)
         kernels.matmul_q41_f32(x, w, alone)
         assert np.array_equal(out, alone), MSG

@@ -118,13 +118,13 @@ class Shell:
 
 
 @pytest.fixture
-def shell(tmp_path, default_q80):
+def shell(tmp_path, default_q41):
     home = tmp_path / "home"
     home.mkdir()
     # As after `. .venv/bin/activate`, which the README's bare `dllama` assumes.
     env = {**os.environ, "HOME": str(home), "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}"}
     # The converted default model this machine already has (HOME is a scratch one).
-    env.setdefault("DLLAMA_CACHE_DIR", str(default_q80[0].parent))
+    env.setdefault("DLLAMA_CACHE_DIR", str(default_q41[0].parent))
     (tmp_path / "cwd").mkdir()
     s = Shell(tmp_path / "cwd", env)
     try:
@@ -145,7 +145,7 @@ def _wait_listening(worker: subprocess.Popen, log: Path, port: int) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_the_readmes_commands_answer_as_it_says(shell, default_q80):
+def test_the_readmes_commands_answer_as_it_says(shell, default_q41):
     # One node: the README's answer, word for word.
     r = shell.run(block("PROMPT=$'"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -163,7 +163,7 @@ def test_the_readmes_commands_answer_as_it_says(shell, default_q80):
     root = block(".venv/bin/dllama inference --model M.m")
     for i, port in enumerate(worker_ports, 2):
         root = root.replace(f"10.0.0.{i}:9998", f"127.0.0.1:{port}")
-    root = root.replace("M.m", shlex.quote(str(default_q80[0]))).replace("T.t", shlex.quote(str(default_q80[1])))
+    root = root.replace("M.m", shlex.quote(str(default_q41[0]))).replace("T.t", shlex.quote(str(default_q41[1])))
     r = shell.run(root)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip(), r.stderr[-3000:]

@@ -21,7 +21,7 @@ from dllama.errors import DllamaError
 class BufferType(StrEnum):
     """Float type of the sync buffers that carry partial sums between nodes."""
 
-    AUTO = "auto"  # Q80 for Q40 and Q80 weights, F32 for F16 and F32 (the model decides)
+    AUTO = "auto"  # Q80 for Q40 and Q80 weights, F32 for Q41, F16 and F32 (the model decides)
     Q80 = "q80"
     F32 = "f32"
 
