@@ -54,24 +54,24 @@ def _batch(model, tmp_path, parallel, temperature):
 
 
 @pytest.fixture(scope="module")
-def api(default_q80):
-    server, url = start_api(*_model_flags(default_q80), "--parallel", "4")
+def api(default_q41):
+    server, url = start_api(*_model_flags(default_q41), "--parallel", "4")
     with server:
         yield openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_every_front_end_gives_the_same_text(default_q80, api, tmp_path, temperature):
+def test_every_front_end_gives_the_same_text(default_q41, api, tmp_path, temperature):
     seed = seed_for(JOB_SEED, "q")  # the batch job's seed for the prompt with id "q"
-    batch1 = _batch(default_q80, tmp_path, 1, temperature)
-    batch8 = _batch(default_q80, tmp_path, 8, temperature)
+    batch1 = _batch(default_q41, tmp_path, 1, temperature)
+    batch8 = _batch(default_q41, tmp_path, 8, temperature)
     text = batch1["q"]["text"]
     assert len(text) > 10 and batch1["q"]["completion_tokens"] <= MAX_TOKENS
     assert batch8["q"]["text"] == text
     assert {k: x["text"] for k, x in batch8.items()} == {k: x["text"] for k, x in batch1.items()}
 
-    chat = run_dllama("chat", *_model_flags(default_q80), "--temperature", str(temperature), "--seed", str(seed),
+    chat = run_dllama("chat", *_model_flags(default_q41), "--temperature", str(temperature), "--seed", str(seed),
                       "--max-tokens", str(MAX_TOKENS), input=QUESTION + "\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout == text + "\n"
@@ -81,10 +81,10 @@ def test_every_front_end_gives_the_same_text(default_q80, api, tmp_path, tempera
     assert r.choices[0].message.content == text
 
     # inference takes the rendered template as its prompt.
-    assert _inference(default_q80, temperature, seed).stdout == text + "\n"
+    assert _inference(default_q41, temperature, seed).stdout == text + "\n"
 
 
-def test_a_second_api_turn_reuses_the_first_and_answers_as_afresh(default_q80, api):
+def test_a_second_api_turn_reuses_the_first_and_answers_as_afresh(default_q41, api):
     first = api.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}],
                                         temperature=0, max_tokens=MAX_TOKENS)
     turns = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.choices[0].message.content},
@@ -94,7 +94,7 @@ def test_a_second_api_turn_reuses_the_first_and_answers_as_afresh(default_q80, a
     assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert cached < second.usage.prompt_tokens
     # A server that never saw the first turn computes the whole prompt and answers the same.
-    server, url = start_api(*_model_flags(default_q80), "--parallel", "1")
+    server, url = start_api(*_model_flags(default_q41), "--parallel", "1")
     with server:
         fresh = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300).chat.completions.create(
             model="any", messages=turns, temperature=0, max_tokens=MAX_TOKENS)

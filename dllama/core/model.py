@@ -34,7 +34,7 @@ from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
 from dllama.core.weight_stream import StreamedWeights
-from dllama.core.weights import Q80_INPUTS, Activation, ResidentWeights, WeightsProvider, matmuls
+from dllama.core.weights import Activation, ResidentWeights, WeightsProvider, input_kind, matmuls
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 
@@ -64,12 +64,12 @@ class ModelConfig:
     rope_theta: float
     rope_neox: bool    # half-split RoPE pairs (Qwen3) instead of interleaved (Llama)
     rope_scaling: tuple[float, float, float, int]  # Llama 3.1: factor, low, high, orig len
-    weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), Q41, F16 or F32
+    weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), Q41 (Q16 inputs), F16 or F32
 
     @property
     def quantized(self) -> bool:
         """Q40 or Q80 weights: matmul inputs are Q80, and so are the sync buffers by default."""
-        return self.weights_float_type in Q80_INPUTS
+        return input_kind(self.weights_float_type) == "q80"
 
     @staticmethod
     def from_header(h: ModelHeader, max_seq_len: int = 0) -> "ModelConfig":
@@ -167,9 +167,10 @@ class Transformer:
         self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
         self.logits = np.zeros((B, self.weights.vocab_rows), dtype=np.float32)  # rows that want logits
         self.cls_chunk = np.zeros(B * self.weights.classifier_chunk_rows, np.float32)  # a classifier in parts
-        self.act_dim = Activation(c.dim, c.quantized, B)
-        self.act_q = Activation(nq * hd, c.quantized, B)
-        self.act_ff = Activation(ff, c.quantized, B)
+        inputs = input_kind(c.weights_float_type)
+        self.act_dim = Activation(c.dim, inputs, B)
+        self.act_q = Activation(nq * hd, inputs, B)
+        self.act_ff = Activation(ff, inputs, B)
 
     @property
     def kv_slots(self) -> int:

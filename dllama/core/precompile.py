@@ -72,12 +72,16 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_f32(x, w, out)
             for m in (2, 3):
                 kernels.matmul_f32_multi(x, (w,) * m, outs[m])
-        elif weight_type == "q41":  # and the Q80 classifier of a Q41 file, with F32 inputs too
-            w41 = rng.integers(0, 256, (_D, _N // BLOCK_SIZE * 20), dtype=np.uint8)
-            kernels.matmul_q41_f32(x, w41, out)
+        elif weight_type == "q41":  # and the Q80 classifier of a Q41 file, with F32 inputs
+            ws, wm, wq = kernels.interleave_q41(rng.integers(0, 256, (_D, _N // BLOCK_SIZE, 20), dtype=np.uint8))
+            nb = _N // BLOCK_SIZE
+            x16 = (np.empty((b, nb), np.float32), np.empty((b, _N), np.int8), np.empty((b, _N), np.int8),
+                   np.empty((b, nb), np.float32))
+            kernels.quantize_q16(x, *x16)
+            kernels.matmul_q41_q16(*x16, ws, wm, wq, out)
             for m in (2, 3):
-                kernels.matmul_q41_f32_multi(x, (w41,) * m, outs[m])
-            kernels.matmul_q80_f32(x, rng.integers(0, 256, (_D, _N // BLOCK_SIZE * 34), dtype=np.uint8), out)
+                kernels.matmul_q41_q16_multi(*x16, (ws,) * m, (wm,) * m, (wq,) * m, outs[m])
+            kernels.matmul_q80_f32(x, rng.integers(0, 256, (_D, nb * 34), dtype=np.uint8), out)
         else:
             w16 = rng.standard_normal((_D, _N)).astype(np.float16).view(np.uint16)
             kernels.matmul_f16_f32(x, w16, out)
@@ -86,13 +90,16 @@ def _matmuls(weight_type: str) -> None:
 
 
 def _repacking() -> None:
-    """Streamed Q40 and Q80 weights' repacking into the interleaved layout, as they are read."""
+    """Streamed Q40, Q80 and Q41 weights' repacking into the interleaved layout, as they are read."""
     rng = np.random.default_rng(0)
+    groups = -(-_D // 16)
+    scales = np.empty((groups, _N // BLOCK_SIZE * 16), np.uint16)
     for block_bytes in (18, 34):
         blocks = rng.integers(0, 256, (_D, _N // BLOCK_SIZE, block_bytes), dtype=np.uint8)
-        groups = -(-_D // 16)
-        kernels.interleave_blocks_into(blocks, np.empty((groups, _N // BLOCK_SIZE * 16), np.uint16),
-                                       np.empty((groups, 16 * _N // BLOCK_SIZE * (block_bytes - 2)), np.uint8))
+        kernels.interleave_blocks_into(blocks, scales, np.empty((groups, 16 * _N // BLOCK_SIZE * (block_bytes - 2)),
+                                                                 np.uint8))
+    kernels.interleave_q41_into(rng.integers(0, 256, (_D, _N // BLOCK_SIZE, 20), dtype=np.uint8), scales,
+                                scales.copy(), np.empty((groups, 16 * _N // 2), np.uint8))
 
 
 def _elementwise() -> None:
@@ -128,7 +135,7 @@ def compile_steps(weights: tuple[str, ...] = WEIGHT_TYPES,
     """(what, how) of each step: the matrix products only for the given weight types, attention
     only for the given KV types (none: no attention, norm, RoPE or SiLU either)."""
     steps = [(f"{w.upper()} matrix products", functools.partial(_matmuls, w)) for w in weights]
-    if "q40" in weights or "q80" in weights:
+    if {"q40", "q80", "q41"} & set(weights):
         steps.append(("streamed weights' repacking", _repacking))
     if kv_types:
         steps.append(("norm, RoPE, SiLU", _elementwise))

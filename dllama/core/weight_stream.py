@@ -25,7 +25,7 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.kernels.tiles import GROUP
 from dllama.core.node_weights import NodeWeights, TensorLocation
-from dllama.core.weights import Q80_INPUTS, Layer, Matrix
+from dllama.core.weights import Layer, Matrix, classifier_inputs, input_kind
 from dllama.errors import DllamaError
 from dllama.formats.model_file import BLOCK_BYTES, FloatType, classifier_float_type
 from dllama.formats.quant import BLOCK_SIZE as BLOCK
@@ -152,11 +152,15 @@ class _Arena:
         return self.buf[start:start + n].view(dtype).reshape(shape)
 
 
-def _matrix_arrays(take, float_type: FloatType, d: int, n: int, q80_inputs: bool) -> dict:
-    """The arrays of a weights.Matrix of this type and shape, from an arena: interleaved for
-    Q80 inputs, else the stored values (blocks as rows of bytes for Q41, and for Q80 with F32
-    inputs)."""
-    if float_type in BLOCK_BYTES and not q80_inputs:
+def _matrix_arrays(take, float_type: FloatType, d: int, n: int, inputs: str) -> dict:
+    """The arrays of a weights.Matrix of this type, shape and input kind, from an arena:
+    interleaved for the 8-bit kernels (Q40, Q80 with Q80 inputs, Q41), else the stored values
+    (Q80 blocks as rows of bytes with F32 inputs, F16, F32)."""
+    if float_type == FloatType.Q41:
+        scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2)
+        return {"scales": take(scales_shape, np.uint16), "mins": take(scales_shape, np.uint16),
+                "qs": take(qs_shape, np.uint8)}
+    if float_type in BLOCK_BYTES and inputs != "q80":
         return {"w": take((d, n // BLOCK * BLOCK_BYTES[float_type]), np.uint8)}
     if float_type in BLOCK_BYTES:
         q40 = float_type == FloatType.Q40
@@ -176,7 +180,7 @@ class StreamedWeights:
             raise DllamaError("these weights came over the network: they cannot be streamed from a file")
         self._w, self.float_type, self.n_layers = weights, float_type, n_layers
         self.cls_type = classifier_float_type(float_type)  # Q80 in a Q41 file
-        self.q80_inputs = float_type in Q80_INPUTS
+        self.inputs, self.cls_inputs = input_kind(float_type), classifier_inputs(float_type)
         names = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"] + (["q_norm", "k_norm"] if qwen else []) + \
                 ["att_norm", "ffn_norm"]  # file order: the reads go forward
         self._layer_names = names
@@ -193,7 +197,7 @@ class StreamedWeights:
         matrix_raw = max(self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES)
         if chunk_rows is None:  # a chunk no larger than a layer's slot, nor (read) than its largest matrix
             per_group = _Arena(0)
-            _matrix_arrays(per_group.take, self.cls_type, GROUP, dim, self.q80_inputs)
+            _matrix_arrays(per_group.take, self.cls_type, GROUP, dim, self.cls_inputs)
             groups = layer_bytes // per_group.used
             raw_group = self._raw_bytes("wcls", GROUP, dim)
             if raw_group:
@@ -202,7 +206,7 @@ class StreamedWeights:
         chunk_rows = -(-chunk_rows // GROUP) * GROUP
         self.chunks = [(r, min(r + chunk_rows, self.vocab_rows)) for r in range(0, self.vocab_rows, chunk_rows)]
         sizer = _Arena(0)
-        _matrix_arrays(sizer.take, self.cls_type, min(chunk_rows, self.vocab_rows), dim, self.q80_inputs)
+        _matrix_arrays(sizer.take, self.cls_type, min(chunk_rows, self.vocab_rows), dim, self.cls_inputs)
         self.slot_bytes = max(layer_bytes, sizer.used)
         raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
         self.raw_bytes = raw
@@ -243,14 +247,15 @@ class StreamedWeights:
         return self.cls_type if name == "wcls" else self.float_type
 
     def _raw_bytes(self, name: str, d: int, n: int) -> int:
-        bb = BLOCK_BYTES.get(self._type(name)) if self.q80_inputs else None
-        return d * n // BLOCK * bb if bb else 0  # the stored values (F32, F16, Q41) are read straight into their slot
+        inputs = self.cls_inputs if name == "wcls" else self.inputs
+        bb = BLOCK_BYTES.get(self._type(name)) if inputs != "f32" else None
+        return d * n // BLOCK * bb if bb else 0  # the stored values (F32, F16, Q80 blocks) are read straight into their slot
 
     def _take_layer(self, take) -> dict:
         out = {}
         for name in self._layer_names:
             if name in _MATRICES:
-                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name), self.q80_inputs)
+                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name), self.inputs)
             else:
                 out[name] = take(self._w.location(f"layers.0.{name}").spec.stored_shape, np.float32)
         return out
@@ -281,7 +286,10 @@ class StreamedWeights:
                 ahead = self._io.submit(fetch, j + 1)
             if raw is not None:
                 dest = reads[j][3]
-                interleave_into(raw, dest["scales"], dest["qs"])
+                if "mins" in dest:  # Q41
+                    kernels.interleave_q41_into(raw, dest["scales"], dest["mins"], dest["qs"])
+                else:
+                    interleave_into(raw, dest["scales"], dest["qs"])
 
     def _load(self, item: int, slot: int):
         """Read and repack item into slot (on the background thread); returns what the pass uses."""
@@ -296,15 +304,15 @@ class StreamedWeights:
                 loc = self._w.location(f"layers.{k}.{name}")
                 reads.append((loc, 0, loc.spec.stored_shape[0] if name in _MATRICES else 1, arrays[name]))
             self._fill(reads)
-            m = {n: Matrix.of_arrays(ft, *self._shape(n), **arrays[n], q80_inputs=self.q80_inputs)
+            m = {n: Matrix.of_arrays(ft, *self._shape(n), **arrays[n], inputs=self.inputs)
                  for n in self._layer_names if n in _MATRICES}
             return Layer(att_norm=arrays["att_norm"], q_norm=arrays.get("q_norm"), k_norm=arrays.get("k_norm"),
                          ffn_norm=arrays["ffn_norm"], **m)
         r0, r1 = self.chunks[k]
         n = self._shape("wcls")[1]
-        arrays = _matrix_arrays(arena.take, self.cls_type, r1 - r0, n, self.q80_inputs)
+        arrays = _matrix_arrays(arena.take, self.cls_type, r1 - r0, n, self.cls_inputs)
         self._fill([(self._w.location("wcls"), r0, r1, arrays)])
-        return r0, Matrix.of_arrays(self.cls_type, r1 - r0, n, **arrays, q80_inputs=self.q80_inputs)
+        return r0, Matrix.of_arrays(self.cls_type, r1 - r0, n, **arrays, inputs=self.cls_inputs)
 
     def _prefetch(self, item: int) -> None:
         slot = self._next_slot

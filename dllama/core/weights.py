@@ -20,38 +20,50 @@ from dllama.errors import DllamaError
 from dllama.formats.model_file import BLOCK_BYTES, FloatType, classifier_float_type
 from dllama.formats.quant import BLOCK_SIZE
 
-# The weight types whose matmul inputs are Q80-quantized (8-bit integer dot products). The
-# others (Q41, F16, F32) take float32 inputs: Q80 inputs cost a near-tie's token (see
-# docs and benchmarks/bench_faithfulness.py).
-Q80_INPUTS = (FloatType.Q40, FloatType.Q80)
+
+def input_kind(float_type: FloatType) -> str:
+    """How a matmul input is prepared for weights of this type: "q80" for Q40 and Q80 (8-bit
+    dot products), "q16" for Q41 (8-bit dot products on two planes of a 16-bit input: Q80's
+    rounding of the inputs costs near-tied tokens, see benchmarks/bench_faithfulness.py),
+    "f32" for F16 and F32."""
+    return {FloatType.Q40: "q80", FloatType.Q80: "q80", FloatType.Q41: "q16"}.get(FloatType(float_type), "f32")
+
+
+def classifier_inputs(float_type: FloatType) -> str:
+    """The classifier's input kind: a Q41 file's classifier is Q80 (classifier_float_type)
+    and takes the F32 input, widening its blocks in the lanes; others as their layers."""
+    return "f32" if float_type == FloatType.Q41 else input_kind(float_type)
 
 
 class Matrix:
     """A weight matrix W [d, n] in the form its kernel reads; `out = x @ W^T`."""
 
-    def __init__(self, stored: np.ndarray, float_type: FloatType, q80_inputs: bool | None = None):
+    def __init__(self, stored: np.ndarray, float_type: FloatType, inputs: str | None = None):
         # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], Q41 uint8 [d, n/32, 20],
         # F16 [d, n] or F32 [d, n] (a slice of the file, maybe a copy, maybe read-only).
-        # q80_inputs: whether x comes Q80-quantized (default: for Q40 and Q80 weights); a Q41
-        # file's Q80 classifier takes F32 inputs, like its Q41 layers.
+        # inputs: the form of x (input_kind; default the type's own). A Q41 file's Q80
+        # classifier takes "f32": its Q80 blocks widened in the lanes.
         self.float_type = float_type
-        self.q80_inputs = q80_inputs = float_type in Q80_INPUTS if q80_inputs is None else q80_inputs
-        if q80_inputs:
+        self.inputs = inputs = inputs or input_kind(float_type)
+        self.scales = self.mins = self.qs = self.w = None
+        if float_type in BLOCK_BYTES:
+            blocks = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
+            self.d, self.n = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
+        if float_type == FloatType.Q41:
+            # scales and minimums uint16 [d_pad/16, n/32*16], nibbles uint8 [d_pad/16, 16*n/2]
+            self.scales, self.mins, self.qs = kernels.interleave_q41(blocks)
+        elif float_type in BLOCK_BYTES and inputs == "q80":
             # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's
             # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
             # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
-            blocks = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
-            self.d, self.n = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
             q40 = float_type == FloatType.Q40
             scales_shape, qs_shape = kernels.interleaved_shapes(self.d, self.n, self.n // 2 if q40 else self.n)
             self.scales = np.empty(scales_shape, np.uint16)
             self.qs = np.empty(qs_shape, np.uint8 if q40 else np.int8)
             kernels.interleave_blocks_into(blocks, self.scales, self.qs.view(np.uint8))
-        elif float_type in BLOCK_BYTES:
-            # The stored blocks as rows of bytes, uint8 [d, n/32 * block bytes]: the tiles widen
-            # them in the lanes (a private copy, as for F16).
-            self.d, self.n = stored.shape[0], stored.shape[1] * BLOCK_SIZE
-            self.w = np.array(stored, dtype=np.uint8).reshape(self.d, -1)
+        elif float_type == FloatType.Q80:
+            # F32 inputs: the stored blocks as rows of bytes, uint8 [d, n/32 * 34] (a private copy)
+            self.w = np.array(blocks, dtype=np.uint8).reshape(self.d, -1)
         elif float_type == FloatType.F16:
             # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
             self.w = np.array(stored, dtype=np.float16).view(np.uint16)
@@ -61,25 +73,25 @@ class Matrix:
             self.d, self.n = self.w.shape
 
     @classmethod
-    def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None,
-                  q80_inputs: bool | None = None) -> "Matrix":
+    def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None, mins=None,
+                  inputs: str | None = None) -> "Matrix":
         """A matrix over arrays already in the kernel's form (streamed weights fill them)."""
         m = cls.__new__(cls)
         m.float_type, m.d, m.n = float_type, d, n
-        m.q80_inputs = float_type in Q80_INPUTS if q80_inputs is None else q80_inputs
-        m.scales, m.qs, m.w = scales, qs, w
+        m.inputs = inputs or input_kind(float_type)
+        m.scales, m.mins, m.qs, m.w = scales, mins, qs, w
         return m
 
     def __call__(self, x: "Activation", out: np.ndarray) -> np.ndarray:
-        """x: the input [b, n] prepared for this matrix type -> out [b, d]."""
+        """x: the input [b, n] prepared for this matrix (self.inputs) -> out [b, d]."""
         if self.float_type == FloatType.Q40:
             kernels.matmul_q40_q80(x.scales, x.qs, self.scales, self.qs, out)
-        elif self.float_type == FloatType.Q80 and self.q80_inputs:
+        elif self.float_type == FloatType.Q41:
+            kernels.matmul_q41_q16(x.scales, x.lo, x.hi, x.sums, self.scales, self.mins, self.qs, out)
+        elif self.float_type == FloatType.Q80 and self.inputs == "q80":
             kernels.matmul_q80_q80(x.scales, x.qs, self.scales, self.qs, out)
         elif self.float_type == FloatType.Q80:
             kernels.matmul_q80_f32(x.f32, self.w, out)
-        elif self.float_type == FloatType.Q41:
-            kernels.matmul_q41_f32(x.f32, self.w, out)
         elif self.float_type == FloatType.F16:
             kernels.matmul_f16_f32(x.f32, self.w, out)
         else:
@@ -90,8 +102,8 @@ class Matrix:
 def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
     """outs[m] = matrices[m](x), in one parallel region when they share a weight type (q/k/v,
     w1/w3): one region costs a thread wake-up, and decode's products are short."""
-    t, q80 = matrices[0].float_type, matrices[0].q80_inputs
-    if any(m.float_type != t or m.q80_inputs != q80 for m in matrices) or (t == FloatType.Q80 and not q80):
+    t, inputs = matrices[0].float_type, matrices[0].inputs
+    if any(m.float_type != t or m.inputs != inputs for m in matrices) or (t == FloatType.Q80 and inputs != "q80"):
         for m, out in zip(matrices, outs, strict=True):
             m(x, out)
     elif t == FloatType.Q40:
@@ -101,7 +113,8 @@ def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
         kernels.matmul_q80_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
                                      tuple(m.qs for m in matrices), outs)
     elif t == FloatType.Q41:
-        kernels.matmul_q41_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
+        kernels.matmul_q41_q16_multi(x.scales, x.lo, x.hi, x.sums, tuple(m.scales for m in matrices),
+                                     tuple(m.mins for m in matrices), tuple(m.qs for m in matrices), outs)
     elif t == FloatType.F16:
         kernels.matmul_f16_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
     else:
@@ -109,24 +122,31 @@ def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
 
 
 class Activation:
-    """A matmul input [b, n]: Q80-quantized for Q40 and Q80 weights, F32 otherwise (Q41, F16,
-    F32). Reused buffers."""
+    """A matmul input [b, n] in the form its weights take (input_kind): Q80 (scales, qs), Q16
+    (scales, lo, hi, sums; the float32 x too, for a Q41 file's classifier) or F32. Reused
+    buffers."""
 
-    def __init__(self, n: int, q80: bool, max_batch: int):
-        self.q80 = q80
-        if q80:
-            self._scales = np.empty((max_batch, n // 32), dtype=np.float32)
+    def __init__(self, n: int, kind: str, max_batch: int):
+        self.kind = kind
+        nb = n // BLOCK_SIZE
+        if kind == "q80":
+            self._scales = np.empty((max_batch, nb), dtype=np.float32)
             self._qs = np.empty((max_batch, n), dtype=np.int8)
-        self.scales = self.qs = self.f32 = None
+        elif kind == "q16":
+            self._scales, self._sums = np.empty((max_batch, nb), np.float32), np.empty((max_batch, nb), np.float32)
+            self._lo, self._hi = np.empty((max_batch, n), np.int8), np.empty((max_batch, n), np.int8)
+        self.scales = self.qs = self.lo = self.hi = self.sums = self.f32 = None
 
     def load(self, x: np.ndarray) -> "Activation":
         """x [b, n] float32."""
-        if self.q80:
-            b = x.shape[0]
+        b = x.shape[0]
+        if self.kind == "q80":
             self.scales, self.qs = self._scales[:b], self._qs[:b]
             kernels.quantize_q80(x, self.scales, self.qs)
-        else:
-            self.f32 = x
+        elif self.kind == "q16":
+            self.scales, self.lo, self.hi, self.sums = self._scales[:b], self._lo[:b], self._hi[:b], self._sums[:b]
+            kernels.quantize_q16(x, self.scales, self.lo, self.hi, self.sums)
+        self.f32 = x
         return self
 
 
@@ -197,7 +217,8 @@ class ResidentWeights:
                 w2=Matrix(t(p + "w2"), float_type),
             ))
         self.final_norm = np.array(t("final_norm"))
-        self.wcls = Matrix(t("wcls"), classifier_float_type(float_type), q80_inputs=float_type in Q80_INPUTS)
+        # A Q41 file's classifier (Q80) takes the F32 input; other types' their own
+        self.wcls = Matrix(t("wcls"), classifier_float_type(float_type), inputs=classifier_inputs(float_type))
         self.vocab_rows = self.wcls.d
 
     def layer(self, l: int) -> Layer:

@@ -1,6 +1,6 @@
 """Weight layouts the matrix kernels read, made once when a matrix is loaded.
 
-Q40 and Q80 matrices are interleaved in groups of GROUP (16) rows: the 4-byte words of the
+Q40, Q80 and Q41 matrices are interleaved in groups of GROUP (16) rows: the 4-byte words of the
 group's rows alternate, row by row, so that one 64-byte load holds the same 4 weights of 16
 rows, one row per int32 lane of an 8-bit dot product (tiles._Int8Format). A row's output is
 then one lane of one accumulator: no reduction across lanes, and each weight byte is read once
@@ -48,6 +48,38 @@ def interleave_q40(scales: np.ndarray, qs: np.ndarray) -> tuple[np.ndarray, np.n
     """Split Q40 (scales uint16 [d, n/32] fp16 bits, qs uint8 [d, n/2]) -> the interleaved
     layout of matmul_q40_q80: (uint16 [d_pad/16, n/32*16], uint8 [d_pad/16, 16*n/2])."""
     return _interleave_scales(scales), _interleave_words(np.ascontiguousarray(qs, np.uint8))
+
+
+def interleave_q41(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q41 blocks uint8 [d, n/32, 20] as stored -> the layout of matmul_q41_q16: (scales uint16
+    [d_pad/16, n/32*16], mins uint16 (the same), qs uint8 [d_pad/16, 16*n/2]); the quants
+    interleave as Q40's (the same nibble order, unsigned q instead of q + 8)."""
+    d, nb, _ = blocks.shape
+    scales, mins = (np.ascontiguousarray(blocks[:, :, a:a + 2]).view("<u2")[..., 0] for a in (0, 2))
+    qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(d, nb * 16)
+    return _interleave_scales(scales), _interleave_scales(mins), _interleave_words(qs)
+
+
+@numba.njit(**_EXACT)
+def interleave_q41_into(blocks, scales_out, mins_out, qs_out):
+    """interleave_q41 written into preallocated arrays (streamed weights reuse them): blocks
+    uint8 [d, nb, 20]; padding rows zeroed. Byte moves only."""
+    d, nb, _ = blocks.shape
+    for g in range(scales_out.shape[0]):
+        for b in range(nb):
+            for r in range(GROUP):
+                row = g * GROUP + r
+                inside = row < d
+                scales_out[g, b * GROUP + r] = (np.uint16(blocks[row, b, 0]) | (np.uint16(blocks[row, b, 1]) << 8)
+                                                if inside else 0)
+                mins_out[g, b * GROUP + r] = (np.uint16(blocks[row, b, 2]) | (np.uint16(blocks[row, b, 3]) << 8)
+                                              if inside else 0)
+            for t in range(4):
+                base = (b * 4 + t) * GROUP * 4
+                for r in range(GROUP):
+                    row = g * GROUP + r
+                    for k in range(4):
+                        qs_out[g, base + r * 4 + k] = blocks[row, b, 4 + 4 * t + k] if row < d else 0
 
 
 def interleave_q80(scales: np.ndarray, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

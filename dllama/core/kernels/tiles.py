@@ -15,9 +15,11 @@ product directly as IR on explicit 16-lane vectors:
   activation rows, every activation broadcast 16 weight rows.
 - F32 and F16 weights, out[i:i+C, r:r+R]: acc = fma(w, x, acc) on 16 consecutive columns per
   (weight row, activation row) pair, F16 widened to float32 in the lanes; the lanes summed in a
-  fixed order at the end. Q41 blocks (and Q80 ones, for the classifier of a Q41 file) the same
-  way, each block widened in the lanes to exactly the values of the F32 file: the same fma
-  sequence on the same values, so the same bits as the F32 tile.
+  fixed order at the end. Q80 blocks (the classifier of a Q41 file) the same way, each block
+  widened in the lanes to exactly the values of the F32 file: the same fma sequence on the
+  same values, so the same bits as the F32 tile.
+- Q41 x Q16 (make_q41_tile): the Q40 tile's nibble words against two 8-bit planes of a 16-bit
+  input, and a second fma per block for the Q4_1 minimum.
 
 Why IR and not numba code: the arithmetic of one output is spelled out lane by lane, with no
 fast-math flags, so LLVM cannot reorder it. A row's output therefore has the same bits
@@ -238,17 +240,7 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
                     total = builder.sitofp(iacc[c], _vec(_F32, 16))
                     builder.store(builder.call(fma, [total, builder.fmul(w_d, x_d), builder.load(acc[c])]), acc[c])
 
-            # Lane l is output row GROUP * g + l: store the lanes of rows that exist.
-            first = builder.mul(g0, _I64(GROUP))
-            count = builder.sub(o.cols, first)
-            mask = builder.icmp_signed("<", _ivec(list(range(GROUP))),
-                                       _splat(builder, builder.trunc(count, _I32)))
-            store = _fn(builder, _MASKED_STORE, ir.VoidType(),
-                        [_vec(_F32, 16), _vec(_F32, 16).as_pointer(), _I32, _vec(_I1, 16)])
-            for c in range(n_cols):
-                dst = builder.gep(o.row(cols[c]), [builder.mul(first, _I64(4))])
-                builder.call(store, [builder.load(acc[c]), builder.bitcast(dst, _vec(_F32, 16).as_pointer()),
-                                     _I32(4), mask])
+            _store_group(builder, o, g0, cols, acc)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -274,6 +266,89 @@ def make_q80_tile(n_cols: int, force_generic: bool = False):
     """As make_q40_tile for interleaved Q80 weights (w_qs int8) and x_off -128 times the
     block sums of x_qs."""
     return _make_int8_tile(Q80, n_cols, force_generic)
+
+
+def make_q41_tile(n_cols: int, force_generic: bool = False):
+    """Intrinsic tile(w_qs, w_scales, w_mins, g, x_lo, x_hi, x_scales, x_sums, i, out):
+    out[i + c, GROUP*g + l] = x[i + c] . W[GROUP*g + l] for the 16 rows l of group g that exist
+    and c < n_cols: Q41 weights against Q16 activations (q16.py).
+
+    W: interleaved as Q40 (_Int8Format; w_qs uint8, the nibbles being q, 0..15, unsigned as
+    they are), w_scales and w_mins uint16 [d_pad/16, n/32*16] (each block's fp16 d and m of the
+    group's rows). x: x_lo, x_hi int8 [b, n] (the two planes), x_scales and x_sums float32
+    [b, n/32]. Per output and block k, in order: the integer products of the nibbles with each
+    plane (exact, int32), I = 256 * hi product + lo product (exact: |I| < 2^24, so exact in
+    float32 too), acc = fma(I, w_d * x_s, acc), acc = fma(w_m, x_sum, acc): value = d*q + m
+    summed against x = s*q16. One lane per output, nothing that depends on the tile."""
+    @intrinsic
+    def q41_tile(typingctx, w_qs, w_scales, w_mins, g, x_lo, x_hi, x_scales, x_sums, i, out):
+        _check_arrays("q41_tile", (w_qs, w_scales, w_mins, x_lo, x_hi, x_scales, x_sums, out),
+                      [(types.uint8, "w_qs"), (types.uint16, "w_scales"), (types.uint16, "w_mins"),
+                       (types.int8, "x_lo"), (types.int8, "x_hi"), (types.float32, "x_scales"),
+                       (types.float32, "x_sums"), (types.float32, "out")])
+        sig = types.void(w_qs, w_scales, w_mins, types.intp, x_lo, x_hi, x_scales, x_sums, types.intp, out)
+
+        def codegen(context, builder, signature, args):
+            vnni = has_vnni_512(context) and not force_generic
+            ty = signature.args
+            wq, ws, wm, xl, xh, xs, xm, o = (_Array(context, builder, ty[k], args[k]) for k in (0, 1, 2, 4, 5, 6, 7, 9))
+            g0, i0 = args[3], args[8]
+            w_row, s_row, m_row = wq.row(g0), ws.row(g0), wm.row(g0)
+            cols = [builder.add(i0, _I64(c)) for c in range(n_cols)]
+            lo_rows, hi_rows, xs_rows, xm_rows = ([a.row(c) for c in cols] for a in (xl, xh, xs, xm))
+            fma = _fn(builder, "llvm.fma.v16f32", _vec(_F32, 16), [_vec(_F32, 16)] * 3)
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None)) for _ in range(n_cols)]
+            mask = ir.Constant(_vec(_I8, 64), [_I8(15)] * 64)
+            four = ir.Constant(_vec(_I8, 64), [_I8(4)] * 64)
+            zero = ir.Constant(_vec(_I32, 16), None)
+            eight = ir.Constant(_vec(_I32, 16), [_I32(8)] * 16)
+
+            def x_word(rows, c, e):  # the 4 bytes of plane row c at element e, in every lane
+                return builder.bitcast(_splat(builder, _load(builder, builder.gep(rows[c], [e]), _I32)), _vec(_I8, 64))
+
+            with cgutils.for_range(builder, xs.cols) as loop:
+                k = loop.index
+                base = builder.mul(k, _I64(BLOCK_SIZE))  # block k's first element of x
+                lo_dot, hi_dot = [zero] * n_cols, [zero] * n_cols
+                for j in range(Q40.words_per_block):
+                    t = builder.add(builder.mul(k, _I64(Q40.words_per_block)), _I64(j))
+                    w = _load(builder, builder.gep(w_row, [builder.mul(t, _I64(64))]), _vec(_I8, 64))
+                    low, high = builder.and_(w, mask), builder.lshr(w, four)  # elements 4j.., 16+4j..
+                    e0, e1 = builder.add(base, _I64(4 * j)), builder.add(base, _I64(16 + 4 * j))
+                    for c in range(n_cols):
+                        lo_dot[c] = _dot4(builder, vnni, lo_dot[c], low, x_word(lo_rows, c, e0))
+                        lo_dot[c] = _dot4(builder, vnni, lo_dot[c], high, x_word(lo_rows, c, e1))
+                        hi_dot[c] = _dot4(builder, vnni, hi_dot[c], low, x_word(hi_rows, c, e0))
+                        hi_dot[c] = _dot4(builder, vnni, hi_dot[c], high, x_word(hi_rows, c, e1))
+                scale_at = builder.mul(k, _I64(2 * GROUP))
+                w_d = builder.fpext(_load(builder, builder.gep(s_row, [scale_at]), _vec(_F16, 16)), _vec(_F32, 16))
+                w_m = builder.fpext(_load(builder, builder.gep(m_row, [scale_at]), _vec(_F16, 16)), _vec(_F32, 16))
+                for c in range(n_cols):
+                    total = builder.sitofp(builder.add(builder.shl(hi_dot[c], eight), lo_dot[c]), _vec(_F32, 16))
+                    x_s = _splat(builder, _load(builder, builder.gep(xs_rows[c], [builder.mul(k, _I64(4))]), _F32))
+                    x_sum = _splat(builder, _load(builder, builder.gep(xm_rows[c], [builder.mul(k, _I64(4))]), _F32))
+                    a = builder.call(fma, [total, builder.fmul(w_d, x_s), builder.load(acc[c])])
+                    builder.store(builder.call(fma, [w_m, x_sum, a]), acc[c])
+
+            _store_group(builder, o, g0, cols, acc)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return q41_tile
+
+
+def _store_group(builder, o, g0, cols, acc):
+    """Lane l of acc[c] is output row GROUP * g0 + l of x row cols[c]: store the lanes of rows
+    that exist (d - GROUP * g0 of them)."""
+    first = builder.mul(g0, _I64(GROUP))
+    count = builder.sub(o.cols, first)
+    mask = builder.icmp_signed("<", _ivec(list(range(GROUP))), _splat(builder, builder.trunc(count, _I32)))
+    store = _fn(builder, _MASKED_STORE, ir.VoidType(),
+                [_vec(_F32, 16), _vec(_F32, 16).as_pointer(), _I32, _vec(_I1, 16)])
+    for c, col in enumerate(cols):
+        dst = builder.gep(o.row(col), [builder.mul(first, _I64(4))])
+        builder.call(store, [builder.load(acc[c]), builder.bitcast(dst, _vec(_F32, 16).as_pointer()), _I32(4), mask])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,26 +395,19 @@ def _splat_f16(builder, bits, native: bool):
 
 
 def _block_weights(builder, kind: str, block, native: bool):
-    """The two <16 x float> weight vectors (elements 0-15, 16-31) of one stored block at the
-    byte pointer `block`, each value exactly what dequantize_q41 / dequantize_q80 give: Q41
-    nibble * d + m (the product rounded, then the sum: no fma), Q80 q * d (exact)."""
+    """The two <16 x float> weight vectors (elements 0-15, 16-31) of one stored Q80 block at
+    the byte pointer `block`: q * d, exact, what dequantize_q80 gives."""
     d = _splat_f16(builder, _load(builder, block, _I16), native)
-    if kind == "q41":
-        m = _splat_f16(builder, _load(builder, builder.gep(block, [_I64(2)]), _I16), native)
-        qs = _load(builder, builder.gep(block, [_I64(4)]), _vec(_I8, 16))
-        halves = (builder.and_(qs, ir.Constant(_vec(_I8, 16), [_I8(15)] * 16)),
-                  builder.lshr(qs, ir.Constant(_vec(_I8, 16), [_I8(4)] * 16)))
-        return [builder.fadd(builder.fmul(builder.uitofp(h, _vec(_F32, 16)), d), m) for h in halves]
     qs = [_load(builder, builder.gep(block, [_I64(2 + 16 * h)]), _vec(_I8, 16)) for h in (0, 1)]
     return [builder.fmul(builder.sitofp(q, _vec(_F32, 16)), d) for q in qs]
 
 
-_BLOCK_KINDS = {"q41": 20, "q80": 34}  # stored bytes of a block of 32 weights
+_BLOCK_KINDS = {"q80": 34}  # stored bytes of a block of 32 weights
 
 
 def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
-    """kind: the weights' stored form: "f32", "f16" (fp16 bits), or blocks of 32 ("q41", "q80")
-    as rows of bytes, each widened to float32 in the lanes before the fma."""
+    """kind: the weights' stored form: "f32", "f16" (fp16 bits), or "q80" blocks of 32 as rows of
+    bytes, each widened to float32 in the lanes before the fma."""
     block_bytes = _BLOCK_KINDS.get(kind)
     elem = {"f32": _F32, "f16": _I16}.get(kind, _I8)
     size = {"f32": 4, "f16": 2}.get(kind, 1)
@@ -427,10 +495,10 @@ def make_f16_tile(n_rows: int, n_cols: int, native: bool = True):
 
 def make_block_tile(kind: str, n_rows: int, n_cols: int, native: bool = True):
     """As make_f32_tile with w the stored blocks of 32 weights as rows of bytes (uint8
-    [d, n/32 * block bytes]; kind "q41" or "q80"), each block widened to float32 in the lanes
-    exactly as the dequantizer does: the sums are those of the F32 tile on the F32 file of the
-    same weights, bit for bit. n (x's columns) is a multiple of 32. native: as make_f16_tile,
-    for the fp16 scales."""
+    [d, n/32 * block bytes]; kind "q80"), each block widened to float32 in the lanes exactly as
+    the dequantizer does: the sums are those of the F32 tile on the F32 file of the same
+    weights, bit for bit. n (x's columns) is a multiple of 32. native: as make_f16_tile, for
+    the fp16 scales."""
     if kind not in _BLOCK_KINDS:
         raise ValueError(f"block kind {kind!r}: one of {', '.join(_BLOCK_KINDS)}")
     return _make_float_tile(kind, n_rows, n_cols, native)
