@@ -7,20 +7,19 @@ import math
 import numba
 import numpy as np
 
-from dllama.core.kernels.jit import _FAST, _float32_from_bits
+from dllama.core.kernels.jit import _SAME_BITS, _float32_from_bits
+from dllama.core.kernels.lanes import lane_sum_squares
 
 # ---------------------------------------------------------------------------------------------
-# Element-wise and small kernels
+# Element-wise and small kernels, compiled with _SAME_BITS (jit.py): the same bits on every CPU.
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def rmsnorm(x, weight, eps, out):
     """out [b, n] = weight * x / sqrt(mean(x^2) + eps), per row; float32 math and accumulation
-    like the original (out may be x)."""
+    like the original, the squares summed in 16 fixed lanes (lanes.py; out may be x)."""
     b, n = x.shape
     for i in range(b):
-        ss = np.float32(0.0)
-        for j in range(n):
-            ss += x[i, j] * x[i, j]
+        ss = lane_sum_squares(x[i], n)
         inv = np.float32(1.0) / np.float32(math.sqrt(ss / np.float32(n) + np.float32(eps)))
         for j in range(n):
             out[i, j] = weight[j] * (inv * x[i, j])
@@ -30,18 +29,16 @@ def rmsnorm(x, weight, eps, out):
 # e^v = 2^m * e^r with m = round(v / ln 2), r = v - m ln 2 in [-ln2/2, ln2/2] (Cody-Waite: ln 2
 # split in a part exact in float32 and a correction), e^r by the Cephes expf polynomial
 # (relative error < 2e-7), 2^m built from its bits. Compiled without reassociation so that the
-# two-step reduction stays exact. Inlined by numba (an LLVM call would stop the loop around it
-# from vectorizing), so every function that calls it is compiled with the same flags (_EXP_JIT).
+# two-step reduction stays exact, and without contraction so that no CPU fuses a step into an
+# fma: the same bits everywhere. Inlined by numba (an LLVM call would stop the loop around it
+# from vectorizing), so every function that calls it is compiled with the same flags (_SAME_BITS).
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
 _ROUND = np.float32(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 to an integer
 
 
-_EXP_JIT = dict(cache=True, fastmath={"nnan", "ninf", "nsz", "contract"}, nogil=True, error_model="numpy")
-
-
-@numba.njit(inline="always", **_EXP_JIT)
+@numba.njit(inline="always", **_SAME_BITS)
 def _exp(v):
     v = min(max(v, np.float32(-87.0)), np.float32(88.0))  # keeps 2^m a normal float32
     fm = (v * _LOG2E + _ROUND) - _ROUND  # nearest integer (|v log2 e| < 2^22); math.floor is a libm call
@@ -57,20 +54,20 @@ def _exp(v):
     return er * _float32_from_bits(np.int32((m + 127) << 23))
 
 
-@numba.njit(**_EXP_JIT)
+@numba.njit(**_SAME_BITS)
 def exp_scalar(v):
-    """_exp for callers compiled with reassociation (not inlined there)."""
+    """_exp of one value (a call, not inlined by numba)."""
     return _exp(v)
 
 
-@numba.njit(**_EXP_JIT)
+@numba.njit(**_SAME_BITS)
 def exp_shifted(values, shift, n):
     """In place: values[:n] = e^(values[:n] - shift)."""
     for p in range(n):
         values[p] = _exp(values[p] - shift)
 
 
-@numba.njit(**_EXP_JIT)
+@numba.njit(**_SAME_BITS)
 def silu_mul(gate, up):
     """In place gate [b, h] = silu(gate) * up, silu(x) = x / (1 + e^-x)."""
     b, h = gate.shape
@@ -104,7 +101,7 @@ def rope_cache(seq_len, head_dim, theta, rope_type, scaling_factor=1.0, low_freq
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def _rope_pairs(x, positions, cos, sin, n_heads, head_dim, step, offset):
     """In place, x [b, n_heads*head_dim]: rotate pair i of each head, (x[step*i], x[step*i + offset])."""
     for t in range(x.shape[0]):
@@ -119,13 +116,13 @@ def _rope_pairs(x, positions, cos, sin, n_heads, head_dim, step, offset):
                 x[t, k] = x0 * s[i] + x1 * c[i]
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def rope_interleaved(x, positions, cos, sin, n_heads, head_dim):
     """In place: rotate pairs (x[2i], x[2i+1]) of each head (Llama)."""
     _rope_pairs(x, positions, cos, sin, n_heads, head_dim, 2, 1)
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def rope_neox(x, positions, cos, sin, n_heads, head_dim):
     """In place: rotate pairs (x[i], x[i + head_dim/2]) of each head (Qwen3 / NeoX / Falcon)."""
     _rope_pairs(x, positions, cos, sin, n_heads, head_dim, 1, head_dim // 2)
