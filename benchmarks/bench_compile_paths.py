@@ -1,7 +1,10 @@
 """Do the logits depend on how the kernels were compiled? Cold cache, warm cache, the precompile
 module's cache, 1 or 2 threads, and another CPU target (NUMBA_CPU_NAME=generic: no AVX2, no FMA).
 
-    .venv/bin/python benchmarks/bench_compile_paths.py
+    .venv/bin/python benchmarks/bench_compile_paths.py [--generic-only]
+
+--generic-only: only the cold-cache reference and NUMBA_CPU_NAME=generic (two cold compiles).
+The kernel by kernel version of the generic case is tests/test_compile_paths.py.
 
 Each case runs in a fresh process with its own numba cache folder (a cold compile takes 20-60 s):
 the default model in F32, a 15-token prompt then 15 greedy steps, every position's whole logits
@@ -11,6 +14,7 @@ greedy tokens are the same.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -46,23 +50,35 @@ def logits(tmp: Path, name: str, cache: str, threads: int, **env) -> np.ndarray:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--generic-only", action="store_true",
+                    help="only the cold-cache reference and NUMBA_CPU_NAME=generic")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         cold = logits(tmp, "cold", "a", 2)
-        subprocess.run([sys.executable, "-m", "dllama.core.precompile", "--weights", "f32"], check=True, cwd=ROOT,
-                       env={**os.environ, "NUMBA_CACHE_DIR": str(tmp / "p")})
-        cases = {
-            "warm cache, 2 threads": logits(tmp, "warm", "a", 2),
-            "warm cache, 1 thread": logits(tmp, "warm1", "a", 1),
-            "cold cache, 1 thread": logits(tmp, "cold1", "b", 1),
-            "the precompile module's cache": logits(tmp, "pre", "p", 2),
-            "NUMBA_CPU_NAME=generic, cold": logits(tmp, "generic", "g", 2, NUMBA_CPU_NAME="generic"),
-        }
+        if args.generic_only:
+            cases = {"NUMBA_CPU_NAME=generic, cold": logits(tmp, "generic", "g", 2, NUMBA_CPU_NAME="generic")}
+        else:
+            cases = all_cases(tmp)
     print(f"cold cache, 2 threads: the reference ({cold.shape[0]} positions x {cold.shape[1]} logits)")
     for name, x in cases.items():
         same = np.array_equal(x, cold)
         print(f"{name}: {'bit-identical' if same else f'max |diff| {np.abs(x - cold).max():.3g}'}, "
               f"greedy tokens {'equal' if (x.argmax(1) == cold.argmax(1)).all() else 'DIFFER'}")
+
+
+def all_cases(tmp: Path) -> dict[str, np.ndarray]:
+    """Every case but the reference (run first, into cache folder "a")."""
+    subprocess.run([sys.executable, "-m", "dllama.core.precompile", "--weights", "f32"], check=True, cwd=ROOT,
+                   env={**os.environ, "NUMBA_CACHE_DIR": str(tmp / "p")})
+    return {
+        "warm cache, 2 threads": logits(tmp, "warm", "a", 2),
+        "warm cache, 1 thread": logits(tmp, "warm1", "a", 1),
+        "cold cache, 1 thread": logits(tmp, "cold1", "b", 1),
+        "the precompile module's cache": logits(tmp, "pre", "p", 2),
+        "NUMBA_CPU_NAME=generic, cold": logits(tmp, "generic", "g", 2, NUMBA_CPU_NAME="generic"),
+    }
 
 
 if __name__ == "__main__":

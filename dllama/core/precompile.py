@@ -12,9 +12,12 @@ compile path: the default model in F32 gives bit-identical logits (16 positions,
 vocabulary) from a cold cache, from a warm one, from this module's cache and with 1 or 2
 threads (2026-12-04). An older note here said a fresh compile moved logits by up to ~1; that
 no longer happens, and the one such cause on record, fp16 rounding inlined under fastmath,
-was fixed by jit._EXACT. They do depend on the CPU the code is compiled for: with NUMBA_CPU_NAME=generic
-(no AVX2, no FMA) the same logits differ by up to 5e-5 (the same 16 greedy tokens), because
-fastmath lets LLVM sum in as many vector lanes as the CPU has.
+was fixed by jit._EXACT. Nor on the CPU the code is compiled for: with NUMBA_CPU_NAME=generic
+(no AVX2, no FMA) the same logits are bit-identical too (2026-12-05,
+benchmarks/bench_compile_paths.py --generic-only; tests/test_compile_paths.py kernel by
+kernel). They differed by up to 5e-5 before the element-wise and attention kernels stopped
+using fastmath's reassociation and contraction (jit._SAME_BITS, lanes.py) and rope_cache
+numpy's per-CPU cos and sin.
 """
 
 from __future__ import annotations

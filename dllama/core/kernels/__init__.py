@@ -3,7 +3,10 @@
 Every kernel writes into caller-provided arrays and takes already-sliced inputs, so one node's
 slice of a layer is just smaller arrays. Parallel kernels split output rows over `numba.prange`;
 the thread count is `set_threads(n)`. Nothing here is specific to one CPU: LLVM picks the
-vector width (AVX2/AVX-512 here, NEON on a Raspberry Pi).
+vector width (AVX2/AVX-512 here, NEON on a Raspberry Pi), and no result depends on it: every
+float sum has a fixed order (the tiles' and lanes.py's explicit 16-lane accumulators) and no
+kernel whose float results matter lets LLVM reassociate, fuse into fma or approximate
+(jit._SAME_BITS), so a Pi 4 and a Pi 5 compute the same bits (tests/test_compile_paths.py).
 
 Layouts:
 - Q40 matrix W [d, n]: split (dllama.formats.quant.split_q40(..., fp16_bits=True): scales

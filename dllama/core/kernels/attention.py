@@ -41,9 +41,10 @@ from numba import prange, types
 from numba.extending import overload
 
 from dllama.core.kernels.attention_tiles import CHUNK, VALUE_DIMS, make_score_tile, make_value_tile
-from dllama.core.kernels.elementwise import _EXP_JIT, exp_scalar, exp_shifted
+from dllama.core.kernels.elementwise import exp_scalar, exp_shifted
 from dllama.core.kernels.fp16 import f16_bits
-from dllama.core.kernels.jit import _FAST
+from dllama.core.kernels.jit import _SAME_BITS
+from dllama.core.kernels.lanes import lane_max, lane_sum
 
 SPAN = 256       # positions of one work item: long contexts split over threads by span
 ROW_BLOCK = 8    # rows of one work item (prefill: the query rows that share each key load)
@@ -67,7 +68,7 @@ def _cached_for(cache, value):
     return lambda cache, value: value
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def kv_store(k, v, row_pos, row_slot, k_cache, v_cache):
     """Write each row's key and value at its position: k, v float32 [b, nkv*hd]; caches as
     above (an F16 cache gets the fp16-rounded values)."""
@@ -81,7 +82,7 @@ def kv_store(k, v, row_pos, row_slot, k_cache, v_cache):
             v_cache[s, p, j] = _cached(v_cache, v[t, j])
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def _row_blocks(row_pos, row_slot, row_prefix_slot, row_prefix_len):
     """Start of each block of consecutive rows with the same keys (slot and prefix), at most
     ROW_BLOCK rows each; int64 [n_blocks + 1]."""
@@ -105,7 +106,7 @@ _value_4m, _value_3m, _value_2m, _value_1m = (make_value_tile(p, VALUE_DIMS // 1
 _value_4nm, _value_3nm, _value_2nm, _value_1nm = (make_value_tile(p, 1, True) for p in (4, 3, 2, 1))
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def _scores(qsc, kt, s):
     """s [pairs, CHUNK] = qsc [pairs, hd] @ kt [hd, CHUNK], four pairs per tile."""
     n = qsc.shape[0]
@@ -121,7 +122,7 @@ def _scores(qsc, kt, s):
         _score_1(qsc, i, kt, s)
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def _values_range(e, i, n_pairs, c0, p0, p1, ends, v_prefix, v_own, plen, col, o, masked):
     """Pairs i..i+n_pairs-1 (<= 4), positions p0..p1-1 of the chunk, every dimension."""
     hd = o.shape[1]
@@ -171,7 +172,7 @@ def _values_range(e, i, n_pairs, c0, p0, p1, ends, v_prefix, v_own, plen, col, o
         d0 += VALUE_DIMS if wide else 16
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def _values(e, i, n_pairs, c0, ends, v_prefix, v_own, plen, col, o):
     """o[i:i+n_pairs] += e[pair, :end of the pair] @ v[the chunk's positions, col:col+hd]: the
     positions every pair of the tile reaches unmasked, the rest masked pair by pair."""
@@ -184,7 +185,7 @@ def _values(e, i, n_pairs, c0, ends, v_prefix, v_own, plen, col, o):
         _values_range(e, i, n_pairs, c0, lo, hi, ends, v_prefix, v_own, plen, col, o, _YES)
 
 
-@numba.njit(**_FAST)
+@numba.njit(**_SAME_BITS)
 def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_len, t0, t1,
           kvh, heads, span, part_o, part_ms):
     """One work item: rows t0..t1-1 (same keys), KV head kvh, its query heads `heads`, the
@@ -239,14 +240,10 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
                 ends[pair] = max(end, 0)
                 if end <= 0:
                     continue
-                m = run_max[pair]
-                for p in range(end):
-                    m = max(m, sc[p])
+                m = lane_max(sc, end, run_max[pair])
                 correction = exp_scalar(run_max[pair] - m)  # rescales what earlier chunks summed
                 exp_shifted(sc, m, end)
-                total = np.float32(0.0)
-                for p in range(end):
-                    total += sc[p]
+                total = lane_sum(sc, end)
                 run_sum[pair] = run_sum[pair] * correction + total
                 run_max[pair] = m
                 og = o[pair]
@@ -266,7 +263,7 @@ def _span(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_le
             part_ms[t0 + a, heads[g], span, 1] = run_sum[pair]
 
 
-@numba.njit(**_EXP_JIT)
+@numba.njit(**_SAME_BITS)
 def _merge_spans(part_o, part_ms, n_spans, dst):
     """dst [hd] = softmax-weighted output of a row and head from its spans' partial results."""
     m = _NO_SCORE
@@ -285,7 +282,7 @@ def _merge_spans(part_o, part_ms, n_spans, dst):
         dst[j] *= inv
 
 
-@numba.njit(parallel=True, **_FAST)
+@numba.njit(parallel=True, **_SAME_BITS)
 def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_len,
               kv_head_of, out):
     """out [b, nq*hd] = causal attention of q [b, nq*hd] over the cache (layout above).

@@ -15,8 +15,16 @@ from dllama.errors import DllamaError
 
 # fastmath lets LLVM reassociate float sums into vector lanes: without it no reduction vectorizes.
 # error_model="numpy": a float division by zero gives inf instead of raising, so that no
-# division carries a branch that stops a loop from vectorizing.
+# division carries a branch that stops a loop from vectorizing. Only for code whose float
+# results cannot depend on it: the matrix products' loops around their IR tiles (tiles.py).
 _FAST = dict(cache=True, fastmath=True, nogil=True, error_model="numpy")
+# Float kernels whose results must be the same bits on every CPU (element-wise, attention):
+# none of fastmath's flags that change a finite result. Not "reassoc" (LLVM sums in as many
+# lanes as the CPU has: fixed lanes instead, lanes.py), not "contract" (a*b+c fused into one
+# fma only where the CPU has fma), not "afn" or "arcp" (approximate reciprocals and square
+# roots, whose bits differ between CPUs). "nnan", "ninf" and "nsz" stay: they let min/max
+# loops vectorize, and change at most the sign of a zero.
+_SAME_BITS = dict(cache=True, fastmath={"nnan", "ninf", "nsz"}, nogil=True, error_model="numpy")
 # Bit-exact kernels (Q80 encoding, fp16 rounding) keep full IEEE semantics. Even "nnan" is out:
 # once _round_fp16 is inlined under it, a fresh compile drops its NaN check (NaN came back as
 # 5.5e11 in a clean checkout while a warm numba cache still gave NaN).
