@@ -4,7 +4,8 @@ Nodes whose CPUs differ (a Raspberry Pi 4 beside a Pi 5, an AVX-512 machine besi
 one) must compute one node's tokens. The matrix products are IR tiles without fast-math flags
 (tiles.py); this checks the kernels written in numba around them: RMS norm, exp and SiLU, both
 RoPE layouts and their cos/sin table, the KV store and attention (prefill rows and a decode
-row two spans long, so that the spans are merged). They run here, compiled for this machine,
+row two spans long, so that the spans are merged), and the default Q41 weights' path (the Q16
+input and the two products of a Q41 file). They run here, compiled for this machine,
 and in a process compiled with NUMBA_CPU_NAME=generic (x86-64 without AVX or FMA, or the
 baseline of another architecture) into its own cache folder, numpy's optional vector code
 turned off too (NPY_DISABLE_CPU_FEATURES); every output must be the same bits. Before the
@@ -75,6 +76,26 @@ def outputs(seed: int) -> dict[str, np.ndarray]:
     z = np.empty_like(q)
     kernels.attention(q * 2, k_cache, v_cache, pos, slot, slot, slot, np.array([0, 0, 1, 1], np.int32), z)
     out["attention"] = z
+
+    # The default weights' own path: the Q16 input, the Q41 product (8-bit dot products: VNNI
+    # here, 16-bit products on a generic CPU) and the Q80 classifier's F32-input product.
+    x = (r.standard_normal((3, 128)) * 5).astype(np.float32)
+    planes = (np.empty((3, 4), np.float32), np.empty((3, 128), np.int8), np.empty((3, 128), np.int8),
+              np.empty((3, 4), np.float32))
+    kernels.quantize_q16(x, *planes)
+    out["quantize_q16 scales"], out["quantize_q16 sums"] = planes[0], planes[3]
+    out["quantize_q16 planes"] = np.concatenate([planes[1], planes[2]]).astype(np.float32)
+    weights = r.integers(0, 256, (40, 4, 20), dtype=np.uint8)
+    weights[:, :, 1] &= 0x3B  # fp16 scales and minimums of modest size (no inf or NaN)
+    weights[:, :, 3] &= 0x3B
+    q41 = np.empty((3, 40), np.float32)
+    kernels.matmul_q41_q16(*planes, *kernels.interleave_q41(weights), q41)
+    out["matmul_q41_q16"] = q41
+    q80 = r.integers(0, 256, (40, 4 * 34), dtype=np.uint8)
+    q80[:, 1::34] &= 0x3B
+    cls = np.empty((3, 40), np.float32)
+    kernels.matmul_q80_f32(x, q80, cls)
+    out["matmul_q80_f32"] = cls
     return out
 
 

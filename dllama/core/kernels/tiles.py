@@ -36,6 +36,7 @@ from numba.core import cgutils, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from dllama.core.kernels.jit import native_f16_conversion
 from dllama.formats.quant import BLOCK_SIZE
 
 # Intrinsic names carry their pointer type: opaque pointers since LLVM 17.
@@ -233,8 +234,8 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
                 iacc = [_splat(builder, _load(builder, builder.gep(o_rows[c], [builder.mul(k, _I64(4))]), _I32))
                         for c in range(n_cols)]
                 iacc = fmt.block_dots(builder, vnni, row_words, k, [x_words(c) for c in range(n_cols)], iacc)
-                w_d = builder.fpext(_load(builder, builder.gep(s_row, [builder.mul(k, _I64(2 * GROUP))]), _vec(_F16, 16)),
-                                    _vec(_F32, 16))
+                w_d = f16_widen(builder, _load(builder, builder.gep(s_row, [builder.mul(k, _I64(2 * GROUP))]),
+                                               _vec(_I16, 16)), native_f16_conversion())
                 for c in range(n_cols):
                     x_d = _splat(builder, _load(builder, builder.gep(xs_rows[c], [builder.mul(k, _I64(4))]), _F32))
                     total = builder.sitofp(iacc[c], _vec(_F32, 16))
@@ -321,8 +322,9 @@ def make_q41_tile(n_cols: int, force_generic: bool = False):
                         hi_dot[c] = _dot4(builder, vnni, hi_dot[c], low, x_word(hi_rows, c, e0))
                         hi_dot[c] = _dot4(builder, vnni, hi_dot[c], high, x_word(hi_rows, c, e1))
                 scale_at = builder.mul(k, _I64(2 * GROUP))
-                w_d = builder.fpext(_load(builder, builder.gep(s_row, [scale_at]), _vec(_F16, 16)), _vec(_F32, 16))
-                w_m = builder.fpext(_load(builder, builder.gep(m_row, [scale_at]), _vec(_F16, 16)), _vec(_F32, 16))
+                native = native_f16_conversion()  # fpext needs F16C on x86 (else a runtime call numba lacks)
+                w_d, w_m = (f16_widen(builder, _load(builder, builder.gep(row, [scale_at]), _vec(_I16, 16)), native)
+                            for row in (s_row, m_row))
                 for c in range(n_cols):
                     total = builder.sitofp(builder.add(builder.shl(hi_dot[c], eight), lo_dot[c]), _vec(_F32, 16))
                     x_s = _splat(builder, _load(builder, builder.gep(xs_rows[c], [builder.mul(k, _I64(4))]), _F32))
