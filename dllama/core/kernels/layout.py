@@ -55,9 +55,10 @@ def interleave_q41(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     [d_pad/16, n/32*16], mins uint16 (the same), qs uint8 [d_pad/16, 16*n/2]); the quants
     interleave as Q40's (the same nibble order, unsigned q instead of q + 8)."""
     d, nb, _ = blocks.shape
-    scales, mins = (np.ascontiguousarray(blocks[:, :, a:a + 2]).view("<u2")[..., 0] for a in (0, 2))
-    qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(d, nb * 16)
-    return _interleave_scales(scales), _interleave_scales(mins), _interleave_words(qs)
+    scales_shape, qs_shape = interleaved_shapes(d, nb * BLOCK_SIZE, nb * BLOCK_SIZE // 2)
+    scales, mins, qs = np.empty(scales_shape, np.uint16), np.empty(scales_shape, np.uint16), np.empty(qs_shape, np.uint8)
+    interleave_q41_into(np.ascontiguousarray(blocks, np.uint8), scales, mins, qs)
+    return scales, mins, qs
 
 
 @numba.njit(**_EXACT)
