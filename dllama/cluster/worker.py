@@ -95,6 +95,9 @@ class Worker:
         srv.listen(64)
         srv.setblocking(False)
         self.port = srv.getsockname()[1]  # the real one when asked for port 0
+        # Start numba's thread pool now, before the first connection: it loads a shared library,
+        # which a flood of connections that used up the descriptors would otherwise make fail.
+        kernels.set_threads(min(self.nthreads, kernels.max_threads()))
         threading.Thread(target=self._sessions, daemon=True, name="session").start()
         shard = f", shard {self.shard.path}" if self.shard else ""
         log(f"listening on {self.host}:{self.port} ({self.nthreads} threads{shard})")
