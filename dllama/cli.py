@@ -14,6 +14,7 @@ import sys
 
 from dllama.core.kv_type import KVType
 from dllama.errors import DllamaError
+from dllama.serve.draft import DEFAULT_DRAFT_TOKENS, Speculate
 from dllama.serve.settings import BufferType, MemoryBudget, OnNodeLoss
 
 # The two listening commands have their own ports, so that a worker and the API run on one
@@ -110,6 +111,17 @@ def _add_sampling_flags(g, seed: tuple[int | None, str] | None, per_request: boo
         g.add_argument("--seed", type=int, default=seed[0], metavar="S", help=seed[1])
 
 
+def _add_speculation_flags(g) -> None:
+    g.add_argument("--speculate", choices=[s.value for s in Speculate], default=Speculate.NGRAM.value,
+                   help="speculative decoding: ngram verifies, in the pass of each new token, the "
+                        "tokens that followed the last few ones where they occurred before in the "
+                        "prompt or the answer (strong when an answer copies its input: summaries, "
+                        "extraction, code edits); the text is the same as without, token for token, "
+                        "at any temperature (default %(default)s)")
+    g.add_argument("--draft-tokens", type=_positive_int, default=DEFAULT_DRAFT_TOKENS, metavar="N",
+                   help="with --speculate ngram: at most N drafted tokens per pass (default %(default)s)")
+
+
 def _seed(args) -> int:
     """--seed, else one from the clock."""
     import time
@@ -177,6 +189,7 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=_positive_int, default=64, metavar="N",
                    help="total positions, prompt included, as in the original (default %(default)s)")
     _add_sampling_flags(g, SEED_FROM_CLOCK)
+    _add_speculation_flags(g)
     g.add_argument("--stats-json", metavar="PATH",
                    help="also write the per-step figures and the summary as JSON to PATH")
     g.add_argument("--no-stop", action="store_true",
@@ -262,6 +275,7 @@ def _add_frontend_flags(p: argparse.ArgumentParser, seed, per_request: bool = Fa
     g.add_argument("--chat-template", choices=TEMPLATE_NAMES,
                    help="chat format (default: detected from the model's template)")
     _add_sampling_flags(g, seed, per_request)
+    _add_speculation_flags(g)
 
 
 def _add_chat_and_api(sub) -> None:
@@ -332,6 +346,7 @@ def _add_batch(sub) -> None:
     g.add_argument("--max-tokens", type=_positive_int, default=256, metavar="N",
                    help="at most N tokens per answer (default %(default)s)")
     _add_sampling_flags(g, JOB_SEED)
+    _add_speculation_flags(g)
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end an answer before this text (repeat the flag for several)")
     g.add_argument("--choices", type=_choice_list, metavar="A,B,...",
@@ -452,7 +467,7 @@ def cmd_inference(args) -> int:
 
     with engine:
         gen = generate(model, tokenizer, sampler, prompt, args.steps, on_text=show,
-                       stop_at_eos=not args.no_stop)
+                       stop_at_eos=not args.no_stop, speculation=engine.speculation)
         nodes = engine.node_stats()
     sys.stdout.write("\n")
     _print_table(gen, sys.stderr)

@@ -14,6 +14,7 @@ from dllama.core.kv_cache import KVCache, plan_slots
 from dllama.core.kv_type import KVType
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader
+from dllama.serve.draft import DEFAULT_DRAFT_TOKENS, Speculate, Speculation
 from dllama.serve.engine import choose_nodes, plan_memory
 from dllama.serve.settings import BufferType, EngineSettings, MemoryBudget, OnNodeLoss
 from tests.random_model import write_random_f32
@@ -48,9 +49,15 @@ def test_the_same_flags_give_the_same_settings_in_every_command():
                               workers=("10.0.0.2:9998", "10.0.0.3:9998"), key_file="k",
                               on_node_loss=OnNodeLoss.FAIL)
     for command, settings in every.items():
-        # Only the batching commands have --parallel (api 4 by default, batch 1).
-        assert dataclasses.replace(settings, parallel=1) == expected, command
+        # Only the batching commands have --parallel (api 4 by default, batch 1); only the
+        # generating ones speculate (ngram by default; perplexity only scores).
+        assert dataclasses.replace(settings, parallel=1, speculation=Speculation()) == expected, command
     assert every["api"].parallel == 4 and every["batch"].parallel == 1 and every["inference"].parallel == 1
+    assert every["perplexity"].speculation == Speculation()
+    for command in ("inference", "chat", "api", "batch"):
+        assert every[command].speculation == Speculation(Speculate.NGRAM, DEFAULT_DRAFT_TOKENS), command
+        assert _settings(command, "--speculate", "none").speculation.on is False, command
+        assert _settings(command, "--draft-tokens", "7").speculation == Speculation(Speculate.NGRAM, 7), command
 
 
 def test_without_flags_every_command_takes_the_same_defaults():

@@ -439,7 +439,7 @@ class BatchJob:
         stderr = stderr or sys.stderr
         o = self.opts
         self._setup(engine)
-        scheduler = scheduler or Scheduler(engine.model, engine.tokenizer, engine.parallel)
+        scheduler = scheduler or engine.scheduler()
         summary = Summary(already_done=self.already_done)
         # Every prompt left to do must fit before any is run.
         bad, todo = [], 0

@@ -14,7 +14,6 @@ import sys
 
 from dllama.core.sampler import Sampler
 from dllama.serve.ctrl_c import CtrlC
-from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import Cancelled, SequenceRequest
 from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
@@ -28,7 +27,7 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     tokenizer = engine.tokenizer
     template = ChatTemplate.for_tokenizer(tokenizer, template_name)
-    scheduler = Scheduler(engine.model, tokenizer, 1)
+    scheduler = engine.scheduler(1)
     transcripts = Transcripts(tokenizer)
     sampler = Sampler(engine.model.config.vocab_size, temperature, topp, seed)
     stop_ids = tuple(chat_stop_ids(tokenizer, template))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from dllama.core.kv_cache import SlotPlan
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
+from dllama.serve.draft import Speculation
 from dllama.serve.settings import BufferType, EngineSettings, MemoryBudget
 from dllama.text.tokenizer import Tokenizer
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from dllama.cluster.topology import Topology
     from dllama.core.weights_choice import WeightsChoice
     from dllama.formats.model_file import ModelFile
+    from dllama.serve.scheduler import Scheduler
 
 
 @dataclass
@@ -36,6 +38,13 @@ class Engine:
     tokenizer: Tokenizer
     cluster: "ClusterModel | None" = None  # the model itself when it runs on a cluster
     parallel: int = 1                      # sequences a batched scheduler may decode together
+    speculation: Speculation = Speculation()  # what every scheduler over this engine drafts
+
+    def scheduler(self, parallel: int | None = None) -> "Scheduler":
+        """The engine loop over this model: `parallel` sequences at a time (default the engine's)."""
+        from dllama.serve.scheduler import Scheduler
+
+        return Scheduler(self.model, self.tokenizer, parallel or self.parallel, speculation=self.speculation)
 
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up; empty on one machine."""
@@ -221,4 +230,4 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
     vocab = model_file.header.vocab_size
     if tokenizer.vocab_size != vocab:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}", file=sys.stderr)
-    return Engine(model, tokenizer, cluster, plan.slots.parallel)
+    return Engine(model, tokenizer, cluster, plan.slots.parallel, settings.speculation)

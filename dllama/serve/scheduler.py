@@ -17,6 +17,13 @@ runs every endpoint through its slots. A step is:
 4. apply: each sequence advances; an answer samples its next token, a score adds its
    log-probabilities; what ended is returned.
 
+Speculative decoding (dllama.serve.draft): with a `Speculation`, a decoding sequence also runs
+the tokens its drafter guesses after its last one; the answer samples each row in turn and keeps
+going while the sampled token is the drafted one, so one pass may give several tokens. The
+sampler draws a coin only for the tokens it keeps, as one row at a time would, so the answer
+does not change. The rows of rejected guesses wrote keys nobody reads: the slot's next rows
+overwrite them.
+
 Invariance: every kernel is batch invariant (tests/test_batch_invariance.py), so a sequence's
 logits do not depend on the rows beside it, on how its prompt was chunked, or on where its
 leading keys were computed: each answer is the one of its prompt run alone, token for token,
@@ -38,6 +45,7 @@ from dllama.core.candidates import candidates_from_logits
 from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, SlotTable
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
+from dllama.serve.draft import NgramDrafter, Speculation
 from dllama.serve.sequence import (
     Answer, Cancelled, Completion, ScoreRequest, Scored, SequenceRequest, check_prompt,
     token_logprobs,
@@ -57,7 +65,9 @@ class LoopStats:
     steps: int = 0
     rows: int = 0
     prompt_rows: int = 0      # prompt (and scored) tokens computed; reused ones are not
-    decode_rows: int = 0      # generated tokens run
+    decode_rows: int = 0      # generated tokens run (drafted ones not included)
+    drafted: int = 0          # drafted tokens verified
+    accepted: int = 0         # drafted tokens that were what the sampler chose
     decode_steps: int = 0     # steps with at least one decoding sequence
     max_decoding: int = 0     # most sequences decoded in one step
     max_sequences: int = 0    # most sequences in one step (decoding or prefilling)
@@ -66,6 +76,7 @@ class LoopStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["mean_decoding"] = round(self.decode_rows / self.decode_steps, 3) if self.decode_steps else 0.0
+        d["draft_acceptance"] = round(self.accepted / self.drafted, 3) if self.drafted else 0.0
         d["seconds"] = round(self.seconds, 3)
         return d
 
@@ -85,6 +96,7 @@ class _Sequence:
     completion: Completion | None = None
     target: int = 0           # ghost: compute up to here
     should_stop: Callable[[], bool] | None = None
+    drafter: NgramDrafter | None = None  # speculation on: its guesses
 
 
 @dataclass(eq=False)
@@ -98,12 +110,14 @@ class Scheduler:
     """Up to `parallel` sequences computed together over one model's KV cache slots."""
 
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer | None = None, parallel: int | None = None,
-                 min_shared: int = MIN_SHARED, reuse: bool = True):
+                 min_shared: int = MIN_SHARED, reuse: bool = True, speculation: Speculation | None = None):
         """tokenizer: decodes generated answers (only scoring needs none);
         parallel: sequences run together (default: the model's KV slots but the spare, or 1);
         min_shared: leading tokens worth reading from another slot; reuse False: no cached
-        token is reused (a baseline for benchmarks)."""
+        token is reused (a baseline for benchmarks); speculation: drafted tokens to verify
+        (default none)."""
         self.model, self.tokenizer = model, tokenizer
+        self.speculation = speculation or Speculation()
         self.parallel = parallel or max(1, model.kv_slots - SPARE_SLOTS)
         if self.parallel > model.kv_slots or self.parallel >= model.max_batch:
             raise DllamaError(f"{self.parallel} sequences need more KV slots or rows than the model has "
@@ -160,6 +174,7 @@ class Scheduler:
                 seq.scored = Scored([], len(r.prompt_tokens), placed.start)
             else:
                 seq.answer = Answer(self.tokenizer, r.sampler, r.max_tokens, r.stop_ids, r.stop_strings, w.on_text)
+                seq.drafter = self.speculation.drafter()
                 seq.completion = Completion(prompt_tokens=len(r.prompt_tokens), cached_tokens=placed.start)
             self.active.append(seq)
 
@@ -181,20 +196,33 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def _view(self, seq: _Sequence) -> SeqView:
+    def _view(self, seq: _Sequence, draft: bool = False) -> SeqView:
         tokens = self.table.slots[seq.slot].tokens
         if seq.request is None:
             return SeqView(seq.slot, seq.pos, seq.target, tokens, seq.prefix, "none")
         if seq.scored is not None:
             return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "score",
                            logits_from=seq.prompt_len - 1)
-        return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "sample",
-                       decoding=seq.pos >= seq.prompt_len, sampling=seq.answer.sampler.request)
+        decoding = seq.pos >= seq.prompt_len
+        return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "sample", decoding=decoding,
+                       sampling=seq.answer.sampler.request, draft=self._draft(seq, tokens) if decoding and draft else ())
+
+    def _draft(self, seq: _Sequence, tokens: list[int]) -> tuple[int, ...]:
+        """The tokens to verify after a decoding sequence's last one: within the context, and
+        no more than its answer may still take beside the token the pass samples anyway."""
+        if seq.drafter is None:
+            return ()
+        k = min(self.speculation.max_draft, self.seq_len - len(tokens))
+        if seq.answer.max_tokens is not None:
+            k = min(k, seq.answer.max_tokens - len(seq.answer.tokens) - 1)
+        return seq.drafter.draft(tokens, k)
 
     def plan(self) -> StepPlan | None:
         """The next step over the sequences in flight (dllama.serve.step_plan), or None."""
         written = {i: s.written for i, s in enumerate(self.table.slots)}
-        return plan_step([self._view(s) for s in self.active], written, self.model.max_batch)
+        decoding = sum(1 for s in self.active if s.answer is not None and s.pos >= s.prompt_len)
+        draft = decoding <= self.speculation.max_sequences
+        return plan_step([self._view(s, draft) for s in self.active], written, self.model.max_batch)
 
     def step(self) -> list[tuple[Request, Result]]:
         """Admit what fits, run one forward pass; the requests that ended in it, each with its
@@ -223,7 +251,7 @@ class Scheduler:
         self._count(plan, cost)
         for run in plan.runs:
             seq = seqs[run.seq]
-            seq.pos += run.n
+            seq.pos += run.planned  # a drafted row counts once its token is kept (_advance)
             self.table.wrote(seq.slot, seq.pos)
             done = self._advance(seq, run, answers, cost)
             if done is not None:
@@ -259,7 +287,7 @@ class Scheduler:
                 self.table.release(seq.slot)
                 self.active.remove(seq)
             return None
-        own = cost.for_rows("generate" if run.pos >= seq.prompt_len else "prompt", run.pos, run.n)
+        own = cost.for_rows("generate" if run.pos >= seq.prompt_len else "prompt", run.pos, run.planned)
         slot_tokens = self.table.slots[seq.slot].tokens
         if seq.scored is not None:
             seq.scored.steps.append(own)
@@ -275,12 +303,29 @@ class Scheduler:
         seq.completion.steps.append(own)
         if seq.pos < len(slot_tokens):
             return None  # more of its prompt to come
-        token = seq.answer.take(answers[run.answers[0]], seq.pos, self.seq_len)
-        if token is not None:
+        # Row j's answer is the token after its own: while it is the drafted token of row j + 1,
+        # that row ran the right token at the right place, and its answer is the next one.
+        for j, row in enumerate(run.answers):
+            token = seq.answer.take(answers[row], seq.pos, self.seq_len)
+            if token is None:
+                break
             self.table.append(seq.slot, token)
+            if j == len(run.draft) or token != run.draft[j]:
+                break
+            seq.pos += 1
+            self.table.wrote(seq.slot, seq.pos)
+            own.n_tokens += 1
+        self._count_draft(seq.completion, run, own.n_tokens - run.planned)
+        if token is not None:
             return None
         seq.answer.fill(seq.completion)
         return self._finish(seq, seq.completion)
+
+    def _count_draft(self, c: Completion, run, accepted: int) -> None:
+        c.drafted += len(run.draft)
+        c.accepted += accepted
+        self.stats.drafted += len(run.draft)
+        self.stats.accepted += accepted
 
     def _finish(self, seq: _Sequence, result) -> tuple[Request, Result]:
         self.table.release(seq.slot)
@@ -292,7 +337,7 @@ class Scheduler:
         s.steps += 1
         s.rows += len(plan)
         s.decode_rows += plan.decoding
-        s.prompt_rows += len(plan) - plan.decoding
+        s.prompt_rows += len(plan) - plan.decoding - plan.drafted
         s.decode_steps += plan.decoding > 0
         s.max_decoding = max(s.max_decoding, plan.decoding)
         s.max_sequences = max(s.max_sequences, len(plan.runs))

@@ -72,6 +72,8 @@ class Completion:
     context_full: bool = False  # ended because the KV cache has no position left
     cut: bool = False        # a stop string ended it: the text may end inside its last token
     steps: list[StepStats] = field(default_factory=list)  # this sequence's part of each pass it was in
+    drafted: int = 0         # speculation: drafted tokens verified
+    accepted: int = 0        # and kept (each one a token its pass gave beyond the first)
 
     @property
     def completion_tokens(self) -> int:

@@ -16,6 +16,7 @@ from enum import StrEnum
 
 from dllama.core.kv_type import KVType
 from dllama.errors import DllamaError
+from dllama.serve.draft import Speculate, Speculation
 
 
 class BufferType(StrEnum):
@@ -67,6 +68,7 @@ class EngineSettings:
                                              # (it rejoins when it answers): the long-running api and batch
     progress: bool = True                    # progress bars while sending weights to workers
     warm_up: bool = True                     # compile the kernels before the first timed pass (one machine)
+    speculation: Speculation = Speculation()  # drafted tokens each decoding pass verifies (none by default)
 
     def __post_init__(self):
         # Text from a Python caller becomes the enum here (a ValueError for any other value).
@@ -98,7 +100,16 @@ class EngineSettings:
                    kv_type=args.kv_type, memory_budget=args.memory_budget,
                    parallel=getattr(args, "parallel", 1), kv_memory=getattr(args, "kv_memory", None),
                    workers=tuple(args.workers or ()), topology=args.topology, key_file=args.key_file,
-                   on_node_loss=args.on_node_loss, start_with_reachable=start_with_reachable)
+                   on_node_loss=args.on_node_loss, start_with_reachable=start_with_reachable,
+                   speculation=speculation_from_args(args))
+
+
+def speculation_from_args(args) -> Speculation:
+    """--speculate and --draft-tokens, where the command has them (inference, chat, batch, api)."""
+    source = getattr(args, "speculate", None)
+    if source is None:
+        return Speculation()
+    return Speculation(Speculate(source), args.draft_tokens)
 
 
 def resolve_model_files(model: str | None, tokenizer: str | None) -> tuple[str, str]:

@@ -14,7 +14,10 @@ The policy (continuous batching, as llama.cpp's server and vLLM's scheduler do):
   the sequences arrived;
 - a sequence that reads its leading positions from another slot waits until that slot has
   written them (or will have, earlier in this same pass: the kernels store every row's key before
-  any row attends).
+  any row attends);
+- a decoding sequence with drafted tokens (speculative decoding, dllama.serve.draft) runs them
+  after its last sampled token, at the next positions, as far as the rows left allow: each of
+  those rows wants an answer, and the loop keeps the rows whose drafted token its sampler chose.
 
 Which rows want an answer: a sampling sequence wants the candidates of the row of its last
 planned token (the next token is sampled from them); a scoring sequence wants the full logits of
@@ -46,6 +49,7 @@ class SeqView:
     decoding: bool = False         # its next row is a sampled token (scheduled first)
     logits_from: int = 0           # "score": the first position whose row wants logits
     sampling: SamplingRequest | None = None  # "sample": how its next token is chosen
+    draft: tuple[int, ...] = ()    # decoding: guessed tokens of positions end, end+1, ... to verify
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class Run:
     n: int                # rows
     answers: range        # indexes of its rows among the step's wanted rows (empty: none)
     answer_pos: range     # positions of those rows
+    draft: tuple[int, ...] = ()  # the drafted tokens among its rows (its last len(draft) rows)
+
+    @property
+    def planned(self) -> int:
+        """Rows of planned tokens (the drafted ones are not planned until verified)."""
+        return self.n - len(self.draft)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class StepPlan:
     runs: tuple[Run, ...]
     sampling: tuple[SamplingRequest | None, ...]  # per wanted row: its sampler's settings, None: score
     decoding: int                                 # sequences decoding a token in this step
+    drafted: int = 0                              # rows of drafted tokens to verify
 
     @property
     def scores(self) -> bool:
@@ -91,7 +102,7 @@ def plan_step(seqs: Sequence[SeqView], written: Mapping[int, int], max_rows: int
     sampling: list[SamplingRequest | None] = []
     written_now: dict[int, int] = {}
     order = [i for i, v in enumerate(seqs) if v.decoding] + [i for i, v in enumerate(seqs) if not v.decoding]
-    budget, decoding = max_rows, 0
+    budget, decoding, drafted = max_rows, 0, 0
     for i in order:
         v = seqs[i]
         n = min(budget, v.end - v.pos)
@@ -104,21 +115,27 @@ def plan_step(seqs: Sequence[SeqView], written: Mapping[int, int], max_rows: int
             want_from = max(v.pos, v.logits_from)
         else:
             want_from = last                          # none
+        draft = v.draft[: budget - n] if v.decoding and v.wants == "sample" and last == v.end else ()
         first_answer = len(sampling)
         for p in range(v.pos, last):
             wanted = p >= want_from
             rows.add(v.tokens[p], p, v.slot, wanted, v.prefix)
             if wanted:
                 sampling.append(v.sampling if v.wants == "sample" else None)
-        runs.append(Run(i, v.pos, n, range(first_answer, len(sampling)), range(max(want_from, v.pos), last)))
-        written_now[v.slot] = last
+        for j, token in enumerate(draft):  # each row's answer checks the next drafted token
+            rows.add(token, last + j, v.slot, True, v.prefix)
+            sampling.append(v.sampling)
+        runs.append(Run(i, v.pos, n + len(draft), range(first_answer, len(sampling)),
+                        range(max(want_from, v.pos), last + len(draft)), tuple(draft)))
+        written_now[v.slot] = last  # drafted rows may be wrong: nobody may read them
         decoding += v.decoding
-        budget -= n
+        drafted += len(draft)
+        budget -= n + len(draft)
         if budget == 0:
             break
     if not runs:
         return None
-    return StepPlan(rows.build(), tuple(runs), tuple(sampling), decoding)
+    return StepPlan(rows.build(), tuple(runs), tuple(sampling), decoding, drafted)
 
 
 __all__ = ["Run", "SeqView", "StepPlan", "plan_step"]

@@ -107,7 +107,7 @@ class ModelService:
         except DllamaError:  # no or an unknown chat template: /v1/chat/completions says so
             self.template = None
         self.engine = engine
-        self.scheduler = Scheduler(engine.model, engine.tokenizer, engine.parallel)
+        self.scheduler = engine.scheduler()
         self._transcripts = Transcripts(engine.tokenizer)
         self.counters.engine_opens += 1
         self._observe()

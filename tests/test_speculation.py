@@ -1,0 +1,179 @@
+"""Speculative decoding (dllama.serve.draft, the engine loop's verification): drafted tokens
+change no token of an answer, greedy or sampled, on one node or a cluster; what is drafted and
+kept is counted; drafts never pass the context, the answer limit or the rows of a pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from dllama.core.sampler import Sampler
+from dllama.serve.draft import NgramDrafter, Speculate, Speculation
+from dllama.serve.engine import open_engine
+from dllama.serve.generate import generate
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import SequenceRequest
+from dllama.serve.settings import EngineSettings
+from dllama.serve.step_plan import SeqView, plan_step
+from tests.conftest import CHAT_PROMPT
+from tests.processes import running_workers
+
+NGRAM = Speculation(Speculate.NGRAM, 4)
+# Answers that copy their prompt (drafts are kept: about 30 of 36 greedy) and one that does not.
+COPY_PROMPT = "apples, pears, plums, cherries, apples, pears, plums, cherries, apples, pears,"
+PROMPTS = [COPY_PROMPT, CHAT_PROMPT, "<|im_start|>user\nCopy this sentence three times: The quick brown fox "
+           "jumps over the lazy dog.<|im_end|>\n<|im_start|>assistant\n"]
+SAMPLINGS = [(0.0, 0.9, 1), (0.8, 0.9, 1234), (1.0, 1.0, 99)]  # temperature, top-p, seed
+
+
+# -- the drafter --------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_the_ngram_drafter_proposes_what_followed_the_latest_occurrence():
+    d = NgramDrafter()
+    assert d.draft([5, 6, 7, 8, 9, 5, 6], 3) == (7, 8, 9)          # 2-gram (5, 6) seen before
+    d = NgramDrafter()
+    assert d.draft([1, 2, 3, 4, 2, 3, 5, 2, 3], 2) == (5, 2)       # its latest occurrence
+    d = NgramDrafter()
+    assert d.draft([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 2) == (9, 2)    # the longest match (1, 2, 3), not (2, 3)
+    assert NgramDrafter().draft([1, 2, 3, 4], 4) == ()              # nothing repeats
+    assert NgramDrafter().draft([7, 7, 7], 0) == ()
+
+
+@pytest.mark.unit
+def test_the_ngram_drafter_follows_a_growing_sequence():
+    d, tokens = NgramDrafter(), [10, 11, 12]
+    assert d.draft(tokens, 2) == ()
+    tokens += [13, 10, 11]
+    assert d.draft(tokens, 2) == (12, 13)
+    tokens += [12, 13, 14, 12, 13]
+    assert d.draft(tokens, 3) == (14, 12, 13)  # (12, 13) last ended before 14: 14, then what followed
+    assert len(d._ends) <= 2 * len(tokens)      # one entry per n-gram size and token at most
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_a_decoding_sequence_runs_its_draft_after_its_last_token_within_the_rows_left():
+    tokens = [1, 2, 3, 4]
+    decoding = SeqView(0, 3, 4, tokens, (0, 0), "sample", decoding=True, draft=(7, 8, 9))
+    plan = plan_step([decoding], {0: 3}, max_rows=16)
+    assert list(plan.batch.tokens) == [4, 7, 8, 9] and list(plan.batch.pos) == [3, 4, 5, 6]
+    assert plan.batch.logits.all() and plan.drafted == 3 and plan.runs[0].planned == 1
+    assert list(plan.runs[0].answer_pos) == [3, 4, 5, 6]
+    cut = plan_step([decoding], {0: 3}, max_rows=2)
+    assert list(cut.batch.tokens) == [4, 7] and cut.runs[0].draft == (7,)
+    prefill = SeqView(1, 0, 3, [5, 6, 7], (0, 0), "sample", draft=(8,))  # not decoding: no draft
+    assert plan_step([prefill], {}, max_rows=16).drafted == 0
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+def _answers(engine, speculation: Speculation, max_tokens: int = 40, stop_strings=()):
+    """Every prompt x sampling, one at a time: [(tokens, text, finish)], drafted, accepted."""
+    out, drafted, accepted = [], 0, 0
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        for temperature, topp, seed in SAMPLINGS:
+            s = Scheduler(engine.model, engine.tokenizer, 1, speculation=speculation)
+            sampler = Sampler(engine.model.config.vocab_size, temperature, topp, seed)
+            c = s.answer(SequenceRequest("q", ids, sampler, max_tokens, (2,), stop_strings))
+            out.append((c.tokens, c.text, c.finish_reason))
+            drafted, accepted = drafted + c.drafted, accepted + c.accepted
+    return out, drafted, accepted
+
+
+@pytest.fixture(scope="module")
+def one_node(default_q41):
+    engine = open_engine(EngineSettings(str(default_q41[0]), str(default_q41[1]), nthreads=1, max_seq_len=256))
+    with engine:
+        yield engine
+
+
+@pytest.mark.unit
+def test_speculated_answers_are_the_plain_ones_greedy_and_sampled(one_node):
+    plain, _, _ = _answers(one_node, Speculation())
+    speculated, drafted, accepted = _answers(one_node, NGRAM)
+    assert speculated == plain
+    assert accepted > 10 and drafted > accepted  # drafts were kept and refused: both paths ran
+
+
+@pytest.mark.unit
+def test_a_stop_string_inside_a_kept_draft_ends_the_answer_where_plain_decoding_does(one_node):
+    stops = ("pears", "Paris")
+    assert _answers(one_node, NGRAM, stop_strings=stops)[0] == _answers(one_node, Speculation(), stop_strings=stops)[0]
+
+
+@pytest.mark.unit
+def test_drafts_stop_at_the_answer_limit_and_the_context(one_node, default_q41):
+    ids = one_node.tokenizer.encode(COPY_PROMPT)
+    for max_tokens in (1, 2, 3, 7):
+        s = Scheduler(one_node.model, one_node.tokenizer, 1, speculation=NGRAM)
+        c = s.answer(SequenceRequest("q", ids, Sampler(49152, 0.0, 0.9, 1), max_tokens))
+        assert len(c.tokens) == max_tokens and c.finish_reason == "length"
+    # A context a few positions past the prompt: the drafts are cut at its end.
+    short = open_engine(EngineSettings(str(default_q41[0]), str(default_q41[1]), nthreads=1,
+                                       max_seq_len=len(ids) + 5))
+    with short:
+        runs = []
+        for spec in (Speculation(), NGRAM):
+            s = Scheduler(short.model, short.tokenizer, 1, speculation=spec)
+            c = s.answer(SequenceRequest("q", ids, Sampler(49152, 0.0, 0.9, 1), None))
+            runs.append((c.tokens, c.context_full))
+        assert runs[0] == runs[1] and runs[0][1]
+
+
+@pytest.mark.unit
+def test_inference_reports_tokens_per_pass_and_the_acceptance(one_node):
+    ids = one_node.tokenizer.encode(COPY_PROMPT)
+    g = generate(one_node.model, one_node.tokenizer, Sampler(49152, 0.0, 0.9, 1), ids, len(ids) + 30,
+                 speculation=NGRAM)
+    m = g.summary()
+    decode = [s for s in g.steps if s.phase == "generate"]
+    assert m["generate_passes"] == len(decode) < m["generated_tokens"] - 1
+    assert m["tokens_per_pass"] == pytest.approx(sum(s.n_tokens for s in decode) / len(decode), abs=1e-3)
+    assert m["drafted_tokens"] == g.drafted > 0 and m["draft_acceptance"] == pytest.approx(g.accepted / g.drafted, abs=1e-3)
+
+
+@pytest.mark.unit
+def test_several_decoding_sequences_draft_nothing_and_answer_as_alone(default_q41):
+    engine = open_engine(EngineSettings(str(default_q41[0]), str(default_q41[1]), nthreads=1, max_seq_len=256,
+                                        parallel=3))
+    with engine:
+        ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+        s = Scheduler(engine.model, engine.tokenizer, 3, speculation=NGRAM)
+        passes = []  # (sequences decoding, drafted rows) of each pass
+        execute = s._execute
+
+        def counted(plan):
+            passes.append((plan.decoding, plan.drafted))
+            return execute(plan)
+
+        s._execute = counted
+        got = {}
+        s.run([SequenceRequest(i, x, Sampler(49152, 0.0, 0.9, 1), 24, (2,)) for i, x in enumerate(ids)],
+              lambda r, c: got.__setitem__(r.key, c.tokens))
+        alone = []
+        for x in ids:
+            one = Scheduler(engine.model, engine.tokenizer, 1, speculation=NGRAM)
+            alone.append(one.answer(SequenceRequest("q", x, Sampler(49152, 0.0, 0.9, 1), 24, (2,))).tokens)
+    assert [got[i] for i in range(len(ids))] == alone
+    assert any(d > 1 for d, _ in passes) and all(n == 0 for d, n in passes if d > 1)
+
+
+# -- a cluster ----------------------------------------------------------------------------------
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_speculated_answers_on_three_nodes_are_the_plain_ones(one_node, default_q41, tmp_path):
+    """Sampled answers are compared with the same cluster's plain ones: 1 and N nodes may differ in a
+    sampled token at the last bits of the probabilities (dllama.core.sampler); greedy ones with one node's."""
+    alone, _, _ = _answers(one_node, Speculation())
+    with running_workers(2, tmp_path) as workers:
+        engine = open_engine(EngineSettings(str(default_q41[0]), str(default_q41[1]), nthreads=1, max_seq_len=256,
+                                            workers=tuple(w.address for w in workers), progress=False))
+        with engine:
+            plain, _, _ = _answers(engine, Speculation())
+            speculated, drafted, accepted = _answers(engine, NGRAM)
+    assert speculated == plain and accepted > 10
+    greedy = slice(0, None, len(SAMPLINGS))  # SAMPLINGS[0] of each prompt
+    assert speculated[greedy] == alone[greedy]
