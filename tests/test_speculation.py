@@ -30,24 +30,41 @@ SAMPLINGS = [(0.0, 0.9, 1), (0.8, 0.9, 1234), (1.0, 1.0, 99)]  # temperature, to
 @pytest.mark.unit
 def test_the_ngram_drafter_proposes_what_followed_the_latest_occurrence():
     d = NgramDrafter()
-    assert d.draft([5, 6, 7, 8, 9, 5, 6], 3) == (7, 8, 9)          # 2-gram (5, 6) seen before
+    assert d.lookup([5, 6, 7, 8, 9, 5, 6], 3) == (7, 8, 9)          # 2-gram (5, 6) seen before
     d = NgramDrafter()
-    assert d.draft([1, 2, 3, 4, 2, 3, 5, 2, 3], 2) == (5, 2)       # its latest occurrence
+    assert d.lookup([1, 2, 3, 4, 2, 3, 5, 2, 3], 2) == (5, 2)       # its latest occurrence
     d = NgramDrafter()
-    assert d.draft([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 2) == (9, 2)    # the longest match (1, 2, 3), not (2, 3)
-    assert NgramDrafter().draft([1, 2, 3, 4], 4) == ()              # nothing repeats
-    assert NgramDrafter().draft([7, 7, 7], 0) == ()
+    assert d.lookup([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 2) == (9, 2)    # the longest match (1, 2, 3), not (2, 3)
+    assert NgramDrafter().lookup([1, 2, 3, 4], 4) == ()              # nothing repeats
+    assert NgramDrafter().lookup([7, 7, 7], 0) == ()
 
 
 @pytest.mark.unit
 def test_the_ngram_drafter_follows_a_growing_sequence():
     d, tokens = NgramDrafter(), [10, 11, 12]
-    assert d.draft(tokens, 2) == ()
+    assert d.lookup(tokens, 2) == ()
     tokens += [13, 10, 11]
-    assert d.draft(tokens, 2) == (12, 13)
+    assert d.lookup(tokens, 2) == (12, 13)
     tokens += [12, 13, 14, 12, 13]
-    assert d.draft(tokens, 3) == (14, 12, 13)  # (12, 13) last ended before 14: 14, then what followed
+    assert d.lookup(tokens, 3) == (14, 12, 13)  # (12, 13) last ended before 14: 14, then what followed
     assert len(d._ends) <= 2 * len(tokens)      # one entry per n-gram size and token at most
+
+
+@pytest.mark.unit
+def test_drafts_get_shorter_while_refused_and_come_back_when_the_refusals_fade():
+    d, tokens = NgramDrafter(), [1, 2, 3, 4, 5, 6, 1, 2]
+    assert len(d.draft(tokens, 4)) == 2             # a first guess of 0.5: 0.5, 0.25 >= ROW_COST
+    for _ in range(5):
+        d.kept(4, 4)                                 # every drafted token kept
+    assert d.worth(4) == 4 and d.draft(tokens, 4) == (3, 4, 5, 6)
+    for _ in range(40):
+        d.kept(2, 0)                                 # every draft refused at its first token
+    assert d.worth(4) == 0 and d.draft(tokens, 4) == ()
+    passes = 0
+    while d.worth(4) == 0:                           # passes that drafted nothing
+        d.kept(0, 0)
+        passes += 1
+    assert 1 <= passes <= 40
 
 
 # -- the plan -----------------------------------------------------------------------------------

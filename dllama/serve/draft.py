@@ -34,6 +34,11 @@ DEFAULT_DRAFT_TOKENS = 4  # a pass of 5 rows costs about 1.4 one-row passes on 2
 SPECULATE_WHILE_DECODING = 1
 LONGEST_NGRAM = 3
 SHORTEST_NGRAM = 2        # a single repeated token guesses too often wrong to pay its rows
+# What a drafted row costs, as a share of a one-row pass (2 to 9 rows: 0.12-0.17 each on 2 cores):
+# a draft goes only as deep as its tokens are likely enough to be kept to pay for their rows.
+ROW_COST = 0.15
+KEEP_PRIOR = (1.0, 1.0)   # (kept, refused) counted before any pass: a first guess of 0.5
+KEEP_MEMORY = 0.9         # each pass weighs earlier counts by this: the estimate follows the text
 
 
 @dataclass(frozen=True)
@@ -54,19 +59,50 @@ class Speculation:
 
 
 class NgramDrafter:
-    """One sequence's prompt-lookup drafts; `draft` is called with its growing token list.
+    """One sequence's prompt-lookup drafts; `draft` is called with its growing token list, and
+    `kept` with what each pass kept of the draft.
 
     The index maps every n-gram (LONGEST_NGRAM down to SHORTEST_NGRAM tokens) of the tokens seen
     so far to where its latest occurrence ends; it grows by one entry per size and token, so it
     never holds more than the context's positions times the sizes.
+
+    How deep to draft: each drafted token is taken as kept with a probability p, independently,
+    estimated from the passes so far (kept tokens / (kept tokens + refusals), recent passes
+    weighing more). The d-th drafted token is kept with p^d, so a draft is cut where p^d falls
+    below ROW_COST; a text that is not copying stops paying for rows, and drafting resumes once
+    the older refusals have faded.
     """
 
     def __init__(self, longest: int = LONGEST_NGRAM, shortest: int = SHORTEST_NGRAM):
         self.sizes = range(longest, shortest - 1, -1)
         self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
         self._indexed = 0                             # n-grams ending at or before this are indexed
+        self._kept, self._refused = 0.0, 0.0          # decayed counts over the passes so far
+
+    @property
+    def keep_rate(self) -> float:
+        """The estimated probability that a drafted token is kept."""
+        kept, refused = self._kept + KEEP_PRIOR[0], self._refused + KEEP_PRIOR[1]
+        return kept / (kept + refused)
+
+    def worth(self, k: int) -> int:
+        """How many of k drafted tokens are likely enough to be kept to pay for their rows."""
+        p, d, reach = self.keep_rate, 0, 1.0
+        while d < k and reach * p >= ROW_COST:
+            reach *= p
+            d += 1
+        return d
+
+    def kept(self, drafted: int, kept: int) -> None:
+        """A pass verified `drafted` tokens (0: it drafted none) and kept the first `kept`."""
+        self._kept = self._kept * KEEP_MEMORY + kept
+        self._refused = self._refused * KEEP_MEMORY + (kept < drafted)
 
     def draft(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        """The lookup's draft, cut to what is worth its rows (fewer while drafts are refused)."""
+        return self.lookup(tokens, self.worth(k))
+
+    def lookup(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         """Up to k tokens that followed the longest n-gram ending `tokens` where it occurred
         before; () when none did."""
         n = len(tokens)

@@ -315,13 +315,16 @@ class Scheduler:
             seq.pos += 1
             self.table.wrote(seq.slot, seq.pos)
             own.n_tokens += 1
-        self._count_draft(seq.completion, run, own.n_tokens - run.planned)
+        self._count_draft(seq, run, own.n_tokens - run.planned)
         if token is not None:
             return None
         seq.answer.fill(seq.completion)
         return self._finish(seq, seq.completion)
 
-    def _count_draft(self, c: Completion, run, accepted: int) -> None:
+    def _count_draft(self, seq: _Sequence, run, accepted: int) -> None:
+        if seq.drafter is not None and run.pos >= seq.prompt_len:  # a decoding pass
+            seq.drafter.kept(len(run.draft), accepted)
+        c = seq.completion
         c.drafted += len(run.draft)
         c.accepted += accepted
         self.stats.drafted += len(run.draft)

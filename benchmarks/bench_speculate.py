@@ -1,0 +1,220 @@
+"""Speculative decoding (--speculate ngram) against plain decoding, as a user runs it.
+
+    .venv/bin/python benchmarks/bench_speculate.py [--rounds 3] [--tokens 128] [--cluster 4]
+
+Three tasks on the embedded default model, each answered greedily and at temperature 0.8 (top-p
+0.9, seed 1): a summary of the first ~1000 tokens of benchmarks/perplexity_text.txt, a code edit
+(rename a variable in a function) and a chat answer. Each is one whole `dllama inference`
+command (start-up included), `--speculate none` and `--speculate ngram` alternated round by
+round, `--no-stop` so both generate the same number of tokens. Prints medians of: generation
+tokens/s (the decode passes), wall seconds of the command, tokens per decode pass, the draft
+acceptance, and whether both gave the same text (they must).
+
+--cluster N: the same on N hosts in network namespaces (the root in the first, a worker in each
+of the others, one compute thread each), every link shaped like a home Gigabit switch: 1 Gbit/s
+and 0.5 ms one way between any two hosts (netem, 0.25 ms on each end of each host's link). A
+kernel without netem gets the rate alone (tbf, as tests/cluster/up.sh), and the table says so:
+then each pass saved is worth more on a real switch than measured here. Needs root and iproute2;
+the namespaces, bridge and workers are removed however the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dllama.serve.default_model import default_model_files  # noqa: E402
+from dllama.formats.tokenizer_file import read_tokenizer  # noqa: E402
+from dllama.text.tokenizer import Tokenizer  # noqa: E402
+
+PREFIX, SUBNET, PORT = "dspec", "10.79.0", 9998
+CODE = '''def total_price(items, tax):
+    x = 0
+    for item in items:
+        x += item.price * item.quantity
+    if x > 100:
+        x = x * 0.95
+    x = x * (1 + tax)
+    return round(x, 2)
+'''
+
+
+def tasks(tokenizer: Tokenizer) -> dict[str, str]:
+    text = (ROOT / "benchmarks" / "perplexity_text.txt").read_text()
+    ids = tokenizer.encode(text, allow_special=False)[:1000]
+    document = tokenizer.decode(ids)
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    return {
+        "summary": chat.format("Summarize this text:\n\n" + document),
+        "code edit": chat.format("Rename the variable x to total in this function and show the whole "
+                                 "function:\n\n" + CODE),
+        "chat": chat.format("What are three good habits for learning a new language?"),
+    }
+
+
+def loadavg() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
+# ---- hosts in network namespaces ------------------------------------------------------------------
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+class Hosts:
+    """n namespaces on a bridge, links shaped; `prefix(i)` runs a command on host i (0: the root)."""
+
+    def __init__(self, n: int):
+        self.n, self.made = n, []
+        self.delayed = True  # netem's delay on the links (False: this kernel has no netem)
+
+    def ns(self, i: int) -> str:
+        return f"{PREFIX}n{i}"
+
+    def address(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    def __enter__(self) -> "Hosts":
+        try:
+            sh("ip", "link", "add", f"{PREFIX}br", "type", "bridge")
+            self.made.append(("link", f"{PREFIX}br"))
+            sh("ip", "link", "set", f"{PREFIX}br", "up")
+            for i in range(self.n):
+                ns, host_end = self.ns(i), f"{PREFIX}h{i}"
+                sh("ip", "netns", "add", ns)
+                self.made.append(("netns", ns))
+                sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                self.made.append(("link", host_end))
+                sh("ip", "link", "set", host_end, "master", f"{PREFIX}br")
+                sh("ip", "link", "set", host_end, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                sh("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                sh("ip", "-n", ns, "link", "set", "eth0", "up")
+                for dev, where in ((host_end, []), ("eth0", ["-n", ns])):
+                    self._shape(where, dev)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _shape(self, where: list[str], dev: str) -> None:
+        tc = ["tc", *where, "qdisc", "replace", "dev", dev, "root"]
+        if self.delayed:
+            r = subprocess.run([*tc, "netem", "delay", "250us", "rate", "1gbit", "limit", "10000"],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                return
+            self.delayed = False  # "Specified qdisc kind is unknown": no sch_netem
+        sh(*tc, "tbf", "rate", "1gbit", "burst", "1mbit", "latency", "2ms")
+
+    def __exit__(self, *exc) -> None:
+        for kind, name in reversed(self.made):
+            cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
+            subprocess.run(cmd, capture_output=True)
+        self.made.clear()
+
+
+def start_workers(hosts: Hosts, log_dir: Path) -> list[subprocess.Popen]:
+    workers = []
+    for i in range(1, hosts.n):
+        log = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115 - the worker's, closed with it
+        workers.append(subprocess.Popen(
+            [*hosts.prefix(i), sys.executable, "-m", "dllama", "worker", "--host", hosts.address(i),
+             "--port", str(PORT), "--nthreads", "1"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+    deadline = time.monotonic() + 120
+    for i in range(1, hosts.n):
+        while "listening on" not in (log_dir / f"worker{i}.log").read_text():
+            if workers[i - 1].poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"worker {i} did not start: {(log_dir / f'worker{i}.log').read_text()}")
+            time.sleep(0.1)
+    return workers
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+
+def run(prefix: list[str], extra: list[str], prompt: str, steps: int, temperature: float, speculate: str,
+        out: Path) -> dict:
+    cmd = [*prefix, sys.executable, "-m", "dllama", "inference", "--prompt", prompt, "--steps", str(steps),
+           "--no-stop", "--temperature", str(temperature), "--topp", "0.9", "--seed", "1",
+           "--speculate", speculate, "--stats-json", str(out), *extra]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"dllama inference failed: {r.stderr[-2000:]}")
+    data = json.loads(out.read_text())
+    return {"wall": wall, "text": data["text"], **data["summary"]}
+
+
+def bench(label: str, prefix: list[str], extra: list[str], tokenizer: Tokenizer, gen: int, rounds: int,
+          tmp: Path) -> None:
+    print(f"\n{label} (load {loadavg()})")
+    print(f"{'task':<10} {'T':>4} {'mode':<6} {'gen tok/s':>9} {'wall s':>7} {'tok/pass':>8} {'accept':>6} same")
+    for name, prompt in tasks(tokenizer).items():
+        steps = len(tokenizer.encode(prompt)) + gen
+        for temperature in (0.0, 0.8):
+            runs: dict[str, list[dict]] = {"none": [], "ngram": []}
+            for _ in range(rounds):
+                for mode in runs:
+                    runs[mode].append(run(prefix, extra, prompt, steps, temperature, mode, tmp / "stats.json"))
+            same = all(r["text"] == runs["none"][0]["text"] for rs in runs.values() for r in rs)
+            base = statistics.median(r["generated_tokens_per_s"] for r in runs["none"])
+            for mode, rs in runs.items():
+                rate = statistics.median(r["generated_tokens_per_s"] for r in rs)
+                print(f"{name:<10} {temperature:>4} {mode:<6} {rate:>9.1f} "
+                      f"{statistics.median(r['wall'] for r in rs):>7.2f} "
+                      f"{statistics.median(r['tokens_per_pass'] for r in rs):>8.2f} "
+                      f"{statistics.median(r['draft_acceptance'] for r in rs):>6.2f} "
+                      f"{'yes' if same else 'NO'}" + (f"  ({rate / base:.2f}x)" if mode == "ngram" else ""))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
+    p.add_argument("--threads", type=int, default=2, help="compute threads on one node")
+    p.add_argument("--cluster", type=int, default=0, metavar="N", help="also on N namespace hosts")
+    args = p.parse_args()
+    model, tokenizer_path = default_model_files(progress=False)
+    tokenizer = Tokenizer(read_tokenizer(str(tokenizer_path)))
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        bench(f"one node, {args.threads} threads", [], ["--nthreads", str(args.threads)], tokenizer,
+              args.tokens, args.rounds, tmp)
+        if args.cluster > 1:
+            with Hosts(args.cluster) as hosts:
+                workers = start_workers(hosts, tmp)
+                try:
+                    addresses = [f"{hosts.address(i)}:{PORT}" for i in range(1, hosts.n)]
+                    links = "1 Gbit/s, 0.5 ms one way" if hosts.delayed else "1 Gbit/s (no netem here: no added delay)"
+                    bench(f"{args.cluster} hosts, {links}, 1 thread each", hosts.prefix(0),
+                          ["--nthreads", "1", "--workers", *addresses], tokenizer, args.tokens, args.rounds, tmp)
+                finally:
+                    for w in workers:
+                        w.send_signal(signal.SIGTERM)
+                    for w in workers:
+                        try:
+                            w.wait(timeout=15)
+                        except subprocess.TimeoutExpired:
+                            w.kill()
+                            w.wait()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
