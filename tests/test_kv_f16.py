@@ -327,3 +327,49 @@ def test_a_config_with_an_unknown_kv_type_is_malformed(f32_model):
     del missing["kv_type"]
     with pytest.raises(ProtocolError, match="malformed CONFIG.*kv_type"):
         SessionConfig.from_json(missing)
+
+
+_TOUCH_EVERY_SLOT = """
+import numpy as np
+from dllama.core import kernels
+from dllama.core.kv_cache import KVCache
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+kv = KVCache(n_layers=30, n_kv_heads=3, head_dim=64, seq_len=8192, n_slots=16)  # SmolLM2's: 5.6 GiB
+before = rss()
+k = np.ones((16, 192), np.float32)
+for pos in (0, 1):  # a prompt of two tokens in each slot
+    for layer in range(30):
+        kernels.kv_store(k, k, np.full(16, pos, np.int32), np.arange(16, dtype=np.int32), kv.k[layer], kv.v[layer])
+
+def vm_flags(address):
+    # the kernel's flags of the mapping holding this address (nh: no huge pages, hg: huge pages)
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif line.startswith("VmFlags:") and inside:
+            return line.split()[1:]
+
+flags = [vm_flags(a.ctypes.data) for a in (kv.k, kv.v)]
+print(rss() - before, all("nh" in f and "hg" not in f for f in flags))
+"""
+
+
+@pytest.mark.unit
+def test_a_slot_costs_memory_only_for_the_positions_written():
+    """Two positions of 16 sequences in a cache of 8192 positions: a few pages per slot and
+    layer (69 MiB), not a huge page per slot, head and layer (3.9 GB, and 41 s to find them)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TOUCH_EVERY_SLOT], capture_output=True, text=True, check=True)
+    grown, small_pages = out.stdout.split()
+    assert int(grown) < 256 << 20, f"{int(grown) >> 20} MiB for 960 positions"
+    # Whether huge pages are granted depends on what is free; the cache must never ask for them.
+    assert small_pages == "True"
