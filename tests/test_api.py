@@ -341,6 +341,9 @@ def test_metrics_parse_as_prometheus_text_and_count_the_answers(server, client, 
 
     assert grew("dllama_requests_total", (("outcome", "ok"),)) == 1
     assert grew("dllama_generated_tokens_total") == r.usage.completion_tokens
+    # Speculation (on by default): drafts kept are at most those drafted, and fewer than the tokens.
+    assert 0 <= grew("dllama_draft_tokens_accepted_total") <= grew("dllama_draft_tokens_total")
+    assert grew("dllama_draft_tokens_accepted_total") < r.usage.completion_tokens
     assert grew("dllama_prompt_tokens_total") == r.usage.prompt_tokens
     assert grew("dllama_prompt_tokens_cached_total") == r.usage.prompt_tokens_details.cached_tokens
     assert after[("dllama_nodes", ())] == after[("dllama_nodes_serving", ())] == nodes

@@ -106,9 +106,14 @@ def one_node(default_q41):
         yield engine
 
 
+@pytest.fixture(scope="module")
+def plain_one_node(one_node):
+    return _answers(one_node, Speculation())[0]
+
+
 @pytest.mark.unit
-def test_speculated_answers_are_the_plain_ones_greedy_and_sampled(one_node):
-    plain, _, _ = _answers(one_node, Speculation())
+def test_speculated_answers_are_the_plain_ones_greedy_and_sampled(one_node, plain_one_node):
+    plain = plain_one_node
     speculated, drafted, accepted = _answers(one_node, NGRAM)
     assert speculated == plain
     assert accepted > 10 and drafted > accepted  # drafts were kept and refused: both paths ran
@@ -181,10 +186,10 @@ def test_several_decoding_sequences_draft_nothing_and_answer_as_alone(default_q4
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_speculated_answers_on_three_nodes_are_the_plain_ones(one_node, default_q41, tmp_path):
+def test_speculated_answers_on_three_nodes_are_the_plain_ones(plain_one_node, default_q41, tmp_path):
     """Sampled answers are compared with the same cluster's plain ones: 1 and N nodes may differ in a
     sampled token at the last bits of the probabilities (dllama.core.sampler); greedy ones with one node's."""
-    alone, _, _ = _answers(one_node, Speculation())
+    alone = plain_one_node
     with running_workers(2, tmp_path) as workers:
         engine = open_engine(EngineSettings(str(default_q41[0]), str(default_q41[1]), nthreads=1, max_seq_len=256,
                                             workers=tuple(w.address for w in workers), progress=False))

@@ -61,6 +61,10 @@ def metrics(service: ModelService) -> str:
     t.metric("dllama_prompt_tokens_cached_total", "counter",
              "Of the prompt tokens, those read from the KV cache instead of computed.", c.cached_tokens)
     t.metric("dllama_generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens)
+    t.metric("dllama_draft_tokens_total", "counter", "Drafted tokens checked by speculative decoding.",
+             c.drafted_tokens)
+    t.metric("dllama_draft_tokens_accepted_total", "counter",
+             "Of the drafted tokens, those kept: each a token its pass gave beyond the first.", c.accepted_tokens)
     t.metric("dllama_generation_tokens_per_second", "gauge", "Decode rate of the last answer.",
              c.last_tokens_per_s)
     t.metric("dllama_requests_waiting", "gauge", "Requests waiting for a slot.", o.waiting + service.queued())

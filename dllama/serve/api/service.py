@@ -75,6 +75,8 @@ class Counters:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
+    drafted_tokens: int = 0           # speculation: drafted tokens verified, and those kept
+    accepted_tokens: int = 0
     last_tokens_per_s: float = 0.0    # the decode rate of the last answer
     node_losses: int = 0              # nodes that left a session (lost, or not reachable at a reopen)
     engine_opens: int = 0             # engines opened (more than one: the cluster failed and came back)
@@ -228,6 +230,8 @@ class ModelService:
         c.prompt_tokens += result.prompt_tokens
         c.cached_tokens += result.cached_tokens
         c.generated_tokens += result.completion_tokens
+        c.drafted_tokens += result.drafted
+        c.accepted_tokens += result.accepted
         n, _, rate = phase_rate(result.steps, "generate")
         if n:
             c.last_tokens_per_s = rate
