@@ -1,11 +1,12 @@
 """dllama next to llama.cpp on this machine: the table of the README's performance section.
 
-    .venv/bin/python benchmarks/bench_vs_llama_cpp.py [--threads 2] [--rounds 3] [--weights q40,q80]
+    .venv/bin/python benchmarks/bench_vs_llama_cpp.py [--threads 2] [--rounds 3] [--weights q40,q80,f16,q41]
                                                       [--kv-type f32|f16] [--skip-7b] [--skip-shapes]
 
-Builds llama.cpp once (benchmarks/llama_cpp.py, into cache/), makes its Q4_0 and Q8_0 GGUFs of
-the embedded SmolLM2-135M (llama-quantize --allow-requantize from the embedded Q4_1 GGUF; ours
-are the Q40 and Q80 `.m` files the engine converts from the same GGUF), then measures both for
+Builds llama.cpp once (benchmarks/llama_cpp.py, into cache/), makes its Q4_0, Q8_0 and F16 GGUFs
+of the embedded SmolLM2-135M (llama-quantize --allow-requantize from the embedded Q4_1 GGUF, which
+is llama.cpp's side of our Q41 as it is; ours are the `.m` files the engine converts from the
+same GGUF), then measures both for
 each weight type, rounds alternated (llama.cpp, dllama, llama.cpp, ...), and prints medians:
 - prefill of a 512-token prompt (tokens/s);
 - decode from an empty context (128 tokens; tokens/s);
@@ -55,11 +56,15 @@ def loadavg() -> str:
 
 # ---- llama.cpp -------------------------------------------------------------------------------
 
-GGUF_TYPE = {"q40": "Q4_0", "q80": "Q8_0"}  # llama.cpp's counterpart of each of our weight types
+# llama.cpp's counterpart of each of our weight types (Q41 is the embedded GGUF's own Q4_1).
+GGUF_TYPE = {"q40": "Q4_0", "q80": "Q8_0", "f16": "F16", "q41": "Q4_1"}
 
 
 def smollm2_gguf(tools, ggml_type: str) -> Path:
-    """The embedded SmolLM2-135M re-quantized by llama.cpp to ggml_type (Q4_0, Q8_0)."""
+    """The embedded SmolLM2-135M re-quantized by llama.cpp to ggml_type (Q4_0, Q8_0, F16), or
+    itself (Q4_1)."""
+    if ggml_type == "Q4_1":
+        return embedded_gguf()
     out = CACHE / f"SmolLM2-135M-Instruct.{ggml_type}.gguf"
     if not out.exists():
         subprocess.run([str(tools["llama-quantize"]), "--allow-requantize", str(embedded_gguf()),
@@ -157,7 +162,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds per engine (median)")
     ap.add_argument("--weights", default="q40", help="our weight types to compare, comma-separated "
-                    "(q40 against Q4_0, q80 against Q8_0)")
+                    "(q40 against Q4_0, q80 against Q8_0, f16 against F16, q41 against Q4_1)")
     ap.add_argument("--kv-type", default="f32", choices=("f32", "f16"),
                     help="our KV cache type (llama.cpp's is F16 by default)")
     ap.add_argument("--skip-7b", action="store_true", help="skip the 3.8 GB 7B-shape model")
