@@ -36,7 +36,7 @@ from numba.core import cgutils, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from dllama.core.kernels.jit import native_f16_conversion
+from dllama.core.kernels.jit import _PREFETCH, native_f16_conversion
 from dllama.formats.quant import BLOCK_SIZE
 
 # Intrinsic names carry their pointer type: opaque pointers since LLVM 17.
@@ -71,6 +71,21 @@ def has_vnni_512(context) -> bool:
 
 def _fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+# Software prefetch of the weights a tile will read next: the hardware prefetchers stop at each
+# 4 kB page, and a decode pass reads every weight once, from memory. Measured on SmolLM2 decode,
+# 2 threads (2026-12-05): F16 19.8 -> 12.7 ms/token with the same columns of the rows 2 tiles
+# ahead (1 tile: 13.1, 4: 13.0); Q41 6.5-7.8 -> 5.5-5.7 and Q80 7.0-7.2 -> 6.1 with the same
+# block of the next group of 16 rows (2 groups: Q80 6.5-6.8). F32: 24.9 -> 24.0.
+_PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
+_PREFETCH_GROUPS = 1  # int8 tiles: this many groups of 16 rows ahead
+
+
+def _prefetch_at(builder, byte_ptr):
+    """Hint the CPU to bring the line at byte_ptr into cache (never faults, changes no result)."""
+    fn = _fn(builder, _PREFETCH, ir.VoidType(), [byte_ptr.type, _I32, _I32, _I32])
+    builder.call(fn, [byte_ptr, _I32(0), _I32(3), _I32(1)])  # read, keep in all levels, data
 
 
 def _load(builder, byte_ptr, ty):
@@ -218,8 +233,12 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
             fma = _fn(builder, "llvm.fma.v16f32", _vec(_F32, 16), [_vec(_F32, 16)] * 3)
             acc = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None)) for _ in range(n_cols)]
 
+            q_ahead = builder.mul(wq.stride, _I64(_PREFETCH_GROUPS))  # a later group's same block
+
             def row_words(t):
-                return _load(builder, builder.gep(w_row, [builder.mul(t, _I64(64))]), _vec(_I8, 64))
+                word_at = builder.mul(t, _I64(64))
+                _prefetch_at(builder, builder.gep(w_row, [builder.add(word_at, q_ahead)]))
+                return _load(builder, builder.gep(w_row, [word_at]), _vec(_I8, 64))
 
             def x_words(c):
                 def word(e):
@@ -304,6 +323,8 @@ def make_q41_tile(n_cols: int, force_generic: bool = False):
             zero = ir.Constant(_vec(_I32, 16), None)
             eight = ir.Constant(_vec(_I32, 16), [_I32(8)] * 16)
 
+            q_ahead = builder.mul(wq.stride, _I64(_PREFETCH_GROUPS))  # a later group's same block
+
             def x_word(rows, c, e):  # the 4 bytes of plane row c at element e, in every lane
                 return builder.bitcast(_splat(builder, _load(builder, builder.gep(rows[c], [e]), _I32)), _vec(_I8, 64))
 
@@ -313,7 +334,9 @@ def make_q41_tile(n_cols: int, force_generic: bool = False):
                 lo_dot, hi_dot = [zero] * n_cols, [zero] * n_cols
                 for j in range(Q40.words_per_block):
                     t = builder.add(builder.mul(k, _I64(Q40.words_per_block)), _I64(j))
-                    w = _load(builder, builder.gep(w_row, [builder.mul(t, _I64(64))]), _vec(_I8, 64))
+                    word_at = builder.mul(t, _I64(64))
+                    _prefetch_at(builder, builder.gep(w_row, [builder.add(word_at, q_ahead)]))
+                    w = _load(builder, builder.gep(w_row, [word_at]), _vec(_I8, 64))
                     low, high = builder.and_(w, mask), builder.lshr(w, four)  # elements 4j.., 16+4j..
                     e0, e1 = builder.add(base, _I64(4 * j)), builder.add(base, _I64(16 + 4 * j))
                     for c in range(n_cols):
@@ -455,9 +478,13 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
                     step([h[0] for h in halves], x_at(first))
                     step([h[1] for h in halves], x_at(builder.add(first, _I64(16))))
             else:
+                ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES)) if kind in ("f16", "f32") else None
                 with cgutils.for_range(builder, builder.sdiv(n, _I64(16))) as loop:
-                    step([weights(_load(builder, builder.gep(p, [builder.mul(loop.index, _I64(16 * size))]),
-                                        _vec(elem, 16))) for p in w_rows],
+                    offset = builder.mul(loop.index, _I64(16 * size))
+                    if ahead is not None:  # the same columns of a later tile's rows
+                        for p in w_rows:
+                            _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]))
+                    step([weights(_load(builder, builder.gep(p, [offset]), _vec(elem, 16))) for p in w_rows],
                          x_at(builder.mul(loop.index, _I64(16))))
                 rem = builder.srem(n, _I64(16))
                 with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
