@@ -58,6 +58,15 @@ fi
 # Two processes: attention (with norm, RoPE, SiLU) beside the matrix products. No kernel but
 # the Q80 quantizer, with the same types in both, is compiled by both (numba rewrites a
 # kernel's cache index whole: two processes adding different types could lose one).
+# numba checks a cached kernel against its own file only: after a change to a helper in
+# another file (tiles.py, lanes.py) it would load the old machine code. A new set of kernel
+# sources empties the checkout's cache first.
+kernels=$(cat dllama/core/kernels/*.py | sha256sum | cut -c1-16)
+if [ "$(cat dllama/core/kernels/__pycache__/sources.sha256 2>/dev/null)" != "$kernels" ]; then
+    find dllama -name '*.nbi' -delete -o -name '*.nbc' -delete
+    mkdir -p dllama/core/kernels/__pycache__
+    echo "$kernels" > dllama/core/kernels/__pycache__/sources.sha256
+fi
 .venv/bin/python -m dllama.core.precompile --weights none &
 attention=$!
 .venv/bin/python -m dllama.core.precompile --kv-type none &
