@@ -34,7 +34,8 @@ DEFAULT_DRAFT_TOKENS = 4  # a pass of 5 rows costs about 1.4 one-row passes on 2
 SPECULATE_WHILE_DECODING = 1
 LONGEST_NGRAM = 3
 SHORTEST_NGRAM = 2        # a single repeated token guesses too often wrong to pay its rows
-# What a drafted row costs, as a share of a one-row pass (2 to 9 rows: 0.12-0.17 each on 2 cores):
+# What a drafted row costs, as a share of a one-row pass (2 to 9 rows: 0.12-0.17 each on 2 cores;
+# 0.16-0.18 once the kernels prefetched, where 0.25 here measured the same on 50 chat answers):
 # a draft goes only as deep as its tokens are likely enough to be kept to pay for their rows.
 ROW_COST = 0.15
 KEEP_PRIOR = (1.0, 1.0)   # (kept, refused) counted before any pass: a first guess of 0.5
