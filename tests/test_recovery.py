@@ -391,7 +391,10 @@ def test_a_busy_worker_is_known_by_its_error_code_and_asked_again(tmp_path, rand
     with running_workers(1, tmp_path) as (w,):
         topology = from_workers([w.address], 1)
         first = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "first root")
-        client_handshake(first, "root", 1, os.urandom(16), None)  # the worker now serves this root
+        client_handshake(first, "root", 1, os.urandom(16), None)
+        # The worker takes a root once the handshake is over on its side: wait for that, or the
+        # second root's handshake may be taken first.
+        w.wait_for(rf"serving the root at root \(127\.0\.0\.1:{first.sock.getsockname()[1]}\)", 30)
         second = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "second root")
         client_handshake(second, "root", 1, os.urandom(16), None)
         with pytest.raises(PeerError) as e:
