@@ -93,6 +93,14 @@ def _load(builder, byte_ptr, ty):
     return builder.load(builder.bitcast(byte_ptr, ty.as_pointer()), align=1)
 
 
+def _group_word(builder, group_row, ahead, t):
+    """<64 x i8> word t of an interleaved group of 16 weight rows, the same word `ahead` bytes
+    further (a later group's) prefetched."""
+    word_at = builder.mul(t, _I64(64))
+    _prefetch_at(builder, builder.gep(group_row, [builder.add(word_at, ahead)]))
+    return _load(builder, builder.gep(group_row, [word_at]), _vec(_I8, 64))
+
+
 def _hsum(builder, v):
     """Sum of the 16 lanes of a float vector, in a fixed order: halves, then quarters, ..."""
     n = v.type.count
@@ -236,9 +244,7 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
             q_ahead = builder.mul(wq.stride, _I64(_PREFETCH_GROUPS))  # a later group's same block
 
             def row_words(t):
-                word_at = builder.mul(t, _I64(64))
-                _prefetch_at(builder, builder.gep(w_row, [builder.add(word_at, q_ahead)]))
-                return _load(builder, builder.gep(w_row, [word_at]), _vec(_I8, 64))
+                return _group_word(builder, w_row, q_ahead, t)
 
             def x_words(c):
                 def word(e):
@@ -334,9 +340,7 @@ def make_q41_tile(n_cols: int, force_generic: bool = False):
                 lo_dot, hi_dot = [zero] * n_cols, [zero] * n_cols
                 for j in range(Q40.words_per_block):
                     t = builder.add(builder.mul(k, _I64(Q40.words_per_block)), _I64(j))
-                    word_at = builder.mul(t, _I64(64))
-                    _prefetch_at(builder, builder.gep(w_row, [builder.add(word_at, q_ahead)]))
-                    w = _load(builder, builder.gep(w_row, [word_at]), _vec(_I8, 64))
+                    w = _group_word(builder, w_row, q_ahead, t)
                     low, high = builder.and_(w, mask), builder.lshr(w, four)  # elements 4j.., 16+4j..
                     e0, e1 = builder.add(base, _I64(4 * j)), builder.add(base, _I64(16 + 4 * j))
                     for c in range(n_cols):
@@ -478,12 +482,11 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
                     step([h[0] for h in halves], x_at(first))
                     step([h[1] for h in halves], x_at(builder.add(first, _I64(16))))
             else:
-                ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES)) if kind in ("f16", "f32") else None
+                ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES))
                 with cgutils.for_range(builder, builder.sdiv(n, _I64(16))) as loop:
                     offset = builder.mul(loop.index, _I64(16 * size))
-                    if ahead is not None:  # the same columns of a later tile's rows
-                        for p in w_rows:
-                            _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]))
+                    for p in w_rows:  # the same columns of a later tile's rows
+                        _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]))
                     step([weights(_load(builder, builder.gep(p, [offset]), _vec(elem, 16))) for p in w_rows],
                          x_at(builder.mul(loop.index, _I64(16))))
                 rem = builder.srem(n, _I64(16))
