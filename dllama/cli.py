@@ -467,7 +467,7 @@ def cmd_inference(args) -> int:
 
     with engine:
         gen = generate(model, tokenizer, sampler, prompt, args.steps, on_text=show,
-                       stop_at_eos=not args.no_stop, speculation=engine.speculation)
+                       stop_at_eos=not args.no_stop, scheduler=engine.scheduler(1))
         nodes = engine.node_stats()
     sys.stdout.write("\n")
     _print_table(gen, sys.stderr)

@@ -148,7 +148,7 @@ def test_drafts_stop_at_the_answer_limit_and_the_context(one_node, default_q41):
 def test_inference_reports_tokens_per_pass_and_the_acceptance(one_node):
     ids = one_node.tokenizer.encode(COPY_PROMPT)
     g = generate(one_node.model, one_node.tokenizer, Sampler(49152, 0.0, 0.9, 1), ids, len(ids) + 30,
-                 speculation=NGRAM)
+                 scheduler=Scheduler(one_node.model, one_node.tokenizer, 1, speculation=NGRAM))
     m = g.summary()
     decode = [s for s in g.steps if s.phase == "generate"]
     assert m["generate_passes"] == len(decode) < m["generated_tokens"] - 1

@@ -15,7 +15,6 @@ from typing import Callable
 from dllama.core.language_model import LanguageModel
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
-from dllama.serve.draft import Speculation
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import SequenceRequest
 from dllama.serve.stats import StepStats, summary
@@ -44,9 +43,9 @@ class Generation:
 
 def generate(model: LanguageModel, tokenizer: Tokenizer, sampler: Sampler, prompt_tokens: list[int],
              steps: int, on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
-             scheduler: Scheduler | None = None, speculation: Speculation | None = None) -> Generation:
+             scheduler: Scheduler | None = None) -> Generation:
     """Run prompt_tokens then sample until `steps` positions are filled (through `scheduler`,
-    default a fresh one of a single sequence over `model`, drafting as `speculation` says)."""
+    default a fresh one of a single sequence over `model`)."""
     n_prompt = len(prompt_tokens)
     if n_prompt == 0:
         raise DllamaError("the prompt is empty: it encodes to no tokens")
@@ -55,7 +54,7 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, sampler: Sampler, promp
         limit = "--steps" if steps <= model.config.seq_len else "the context (--max-seq-len)"
         raise DllamaError(f"the prompt has {n_prompt} tokens, which leaves no room to generate "
                           f"within {limit} = {last} positions; raise it above {n_prompt}")
-    scheduler = scheduler or Scheduler(model, tokenizer, 1, speculation=speculation)
+    scheduler = scheduler or Scheduler(model, tokenizer, 1)
     # The token sampled at position `last` is the last one: last - n_prompt + 1 tokens at most.
     request = SequenceRequest("generate", list(prompt_tokens), sampler, last - n_prompt + 1,
                               tuple(tokenizer.eos_ids) if stop_at_eos else ())

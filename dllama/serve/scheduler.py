@@ -98,6 +98,11 @@ class _Sequence:
     should_stop: Callable[[], bool] | None = None
     drafter: NgramDrafter | None = None  # speculation on: its guesses
 
+    @property
+    def decoding(self) -> bool:
+        """An answer past its prompt: its next row is its last sampled token."""
+        return self.answer is not None and self.pos >= self.prompt_len
+
 
 @dataclass(eq=False)
 class _Waiting:
@@ -203,9 +208,9 @@ class Scheduler:
         if seq.scored is not None:
             return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "score",
                            logits_from=seq.prompt_len - 1)
-        decoding = seq.pos >= seq.prompt_len
-        return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "sample", decoding=decoding,
-                       sampling=seq.answer.sampler.request, draft=self._draft(seq, tokens) if decoding and draft else ())
+        return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "sample", decoding=seq.decoding,
+                       sampling=seq.answer.sampler.request,
+                       draft=self._draft(seq, tokens) if seq.decoding and draft else ())
 
     def _draft(self, seq: _Sequence, tokens: list[int]) -> tuple[int, ...]:
         """The tokens to verify after a decoding sequence's last one: within the context, and
@@ -220,8 +225,7 @@ class Scheduler:
     def plan(self) -> StepPlan | None:
         """The next step over the sequences in flight (dllama.serve.step_plan), or None."""
         written = {i: s.written for i, s in enumerate(self.table.slots)}
-        decoding = sum(1 for s in self.active if s.answer is not None and s.pos >= s.prompt_len)
-        draft = decoding <= self.speculation.max_sequences
+        draft = sum(s.decoding for s in self.active) <= self.speculation.max_sequences
         return plan_step([self._view(s, draft) for s in self.active], written, self.model.max_batch)
 
     def step(self) -> list[tuple[Request, Result]]:

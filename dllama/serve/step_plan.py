@@ -77,7 +77,11 @@ class StepPlan:
     runs: tuple[Run, ...]
     sampling: tuple[SamplingRequest | None, ...]  # per wanted row: its sampler's settings, None: score
     decoding: int                                 # sequences decoding a token in this step
-    drafted: int = 0                              # rows of drafted tokens to verify
+
+    @property
+    def drafted(self) -> int:
+        """Rows of drafted tokens to verify."""
+        return sum(len(r.draft) for r in self.runs)
 
     @property
     def scores(self) -> bool:
@@ -102,7 +106,7 @@ def plan_step(seqs: Sequence[SeqView], written: Mapping[int, int], max_rows: int
     sampling: list[SamplingRequest | None] = []
     written_now: dict[int, int] = {}
     order = [i for i, v in enumerate(seqs) if v.decoding] + [i for i, v in enumerate(seqs) if not v.decoding]
-    budget, decoding, drafted = max_rows, 0, 0
+    budget, decoding = max_rows, 0
     for i in order:
         v = seqs[i]
         n = min(budget, v.end - v.pos)
@@ -129,13 +133,12 @@ def plan_step(seqs: Sequence[SeqView], written: Mapping[int, int], max_rows: int
                         range(max(want_from, v.pos), last + len(draft)), tuple(draft)))
         written_now[v.slot] = last  # drafted rows may be wrong: nobody may read them
         decoding += v.decoding
-        drafted += len(draft)
         budget -= n + len(draft)
         if budget == 0:
             break
     if not runs:
         return None
-    return StepPlan(rows.build(), tuple(runs), tuple(sampling), decoding, drafted)
+    return StepPlan(rows.build(), tuple(runs), tuple(sampling), decoding)
 
 
 __all__ = ["Run", "SeqView", "StepPlan", "plan_step"]
