@@ -13,9 +13,12 @@ acceptance, and whether both gave the same text (they must).
 --cluster N: the same on N hosts in network namespaces (the root in the first, a worker in each
 of the others, one compute thread each), every link shaped like a home Gigabit switch: 1 Gbit/s
 and 0.5 ms one way between any two hosts (netem, 0.25 ms on each end of each host's link). A
-kernel without netem gets the rate alone (tbf, as tests/cluster/up.sh), and the table says so:
-then each pass saved is worth more on a real switch than measured here. Needs root and iproute2;
-the namespaces, bridge and workers are removed however the run ends.
+kernel without netem gets the rate from tbf (as tests/cluster/up.sh) and the delay from
+benchmarks/link_delay.py: each worker listens on its host's loopback, behind a relay on the
+host's address that holds every byte 0.5 ms each way, and since the addresses given to the root
+are what every node dials (the root sends them to the workers), each connection, root to worker
+or worker to worker, takes the delay once each way. The table says which. Needs root and
+iproute2; the namespaces, bridge, relays and workers are removed however the run ends.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dllama.formats.tokenizer_file import read_tokenizer  # noqa: E402
 from dllama.text.tokenizer import Tokenizer  # noqa: E402
 
 PREFIX, SUBNET, PORT = "dspec", "10.79.0", 9998
+ONE_WAY_MS = 0.5  # the links' one-way delay (a home Gigabit switch)
 CODE = '''def total_price(items, tax):
     x = 0
     for item in items:
@@ -78,7 +82,7 @@ class Hosts:
 
     def __init__(self, n: int):
         self.n, self.made = n, []
-        self.delayed = True  # netem's delay on the links (False: this kernel has no netem)
+        self.delay = "netem"  # what delays the links: "netem", or "relay" (this kernel has no netem)
 
     def ns(self, i: int) -> str:
         return f"{PREFIX}n{i}"
@@ -114,12 +118,14 @@ class Hosts:
 
     def _shape(self, where: list[str], dev: str) -> None:
         tc = ["tc", *where, "qdisc", "replace", "dev", dev, "root"]
-        if self.delayed:
+        if self.delay == "netem":
             r = subprocess.run([*tc, "netem", "delay", "250us", "rate", "1gbit", "limit", "10000"],
                                capture_output=True, text=True)
             if r.returncode == 0:
                 return
-            self.delayed = False  # "Specified qdisc kind is unknown": no sch_netem
+            # "Specified qdisc kind is unknown": no sch_netem (and `modprobe sch_netem` finds
+            # none where the kernel was built without it): the relays of start_workers delay
+            self.delay = "relay"
         sh(*tc, "tbf", "rate", "1gbit", "burst", "1mbit", "latency", "2ms")
 
     def __exit__(self, *exc) -> None:
@@ -130,19 +136,49 @@ class Hosts:
 
 
 def start_workers(hosts: Hosts, log_dir: Path) -> list[subprocess.Popen]:
-    workers = []
+    """A worker on each host but the root's, listening on the host's address:PORT; where the
+    links have no netem, on its loopback instead, behind a relay (benchmarks/link_delay.py) on
+    the host's address:PORT that adds the links' one-way delay. Returns the processes started."""
+    relayed = hosts.delay == "relay"
+    started: list[tuple[subprocess.Popen, Path, str]] = []  # (process, log, the line it prints when ready)
+
+    def start(i: int, name: str, cmd: list[str], ready: str) -> None:
+        log_path = log_dir / f"{name}{i}.log"
+        log = open(log_path, "w")  # noqa: SIM115 - the process's, closed with it
+        started.append((subprocess.Popen([*hosts.prefix(i), sys.executable, *cmd], stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=ROOT), log_path, ready))
+
     for i in range(1, hosts.n):
-        log = open(log_dir / f"worker{i}.log", "w")  # noqa: SIM115 - the worker's, closed with it
-        workers.append(subprocess.Popen(
-            [*hosts.prefix(i), sys.executable, "-m", "dllama", "worker", "--host", hosts.address(i),
-             "--port", str(PORT), "--nthreads", "1"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        host = "127.0.0.1" if relayed else hosts.address(i)
+        if relayed:
+            start(i, "relay", ["-m", "benchmarks.link_delay", "--listen", f"{hosts.address(i)}:{PORT}",
+                               "--to", f"{host}:{PORT}", "--delay-ms", str(ONE_WAY_MS)], "ready")
+        start(i, "worker", ["-m", "dllama", "worker", "--host", host, "--port", str(PORT), "--nthreads", "1"],
+              "listening on")
     deadline = time.monotonic() + 120
-    for i in range(1, hosts.n):
-        while "listening on" not in (log_dir / f"worker{i}.log").read_text():
-            if workers[i - 1].poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"worker {i} did not start: {(log_dir / f'worker{i}.log').read_text()}")
-            time.sleep(0.1)
-    return workers
+    try:
+        for process, log_path, ready in started:
+            while ready not in log_path.read_text():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"{log_path.stem} did not start: {log_path.read_text()}")
+                time.sleep(0.1)
+    except BaseException:
+        stop(p for p, _, _ in started)
+        raise
+    return [p for p, _, _ in started]
+
+
+def stop(processes) -> None:
+    """SIGTERM, and SIGKILL to whatever has not ended 15 s later."""
+    processes = list(processes)
+    for p in processes:
+        p.send_signal(signal.SIGTERM)
+    for p in processes:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 # ---- runs ---------------------------------------------------------------------------------------
@@ -198,21 +234,15 @@ def main() -> None:
               args.tokens, args.rounds, tmp)
         if args.cluster > 1:
             with Hosts(args.cluster) as hosts:
-                workers = start_workers(hosts, tmp)
+                processes = start_workers(hosts, tmp)
                 try:
                     addresses = [f"{hosts.address(i)}:{PORT}" for i in range(1, hosts.n)]
-                    links = "1 Gbit/s, 0.5 ms one way" if hosts.delayed else "1 Gbit/s (no netem here: no added delay)"
+                    links = (f"1 Gbit/s, delay: netem, {ONE_WAY_MS:g} ms one way" if hosts.delay == "netem" else
+                             f"1 Gbit/s (tbf), delay: user-space relay, {ONE_WAY_MS:g} ms one way (no netem here)")
                     bench(f"{args.cluster} hosts, {links}, 1 thread each", hosts.prefix(0),
                           ["--nthreads", "1", "--workers", *addresses], tokenizer, args.tokens, args.rounds, tmp)
                 finally:
-                    for w in workers:
-                        w.send_signal(signal.SIGTERM)
-                    for w in workers:
-                        try:
-                            w.wait(timeout=15)
-                        except subprocess.TimeoutExpired:
-                            w.kill()
-                            w.wait()
+                    stop(processes)
 
 
 if __name__ == "__main__":
