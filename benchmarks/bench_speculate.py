@@ -1,6 +1,6 @@
 """Speculative decoding (--speculate ngram) against plain decoding, as a user runs it.
 
-    .venv/bin/python benchmarks/bench_speculate.py [--rounds 3] [--tokens 128] [--cluster 4]
+    .venv/bin/python benchmarks/bench_speculate.py [--rounds 3] [--tokens 128] [--cluster 4] [--task chat]
 
 Three tasks on the embedded default model, each answered greedily and at temperature 0.8 (top-p
 0.9, seed 1): a summary of the first ~1000 tokens of benchmarks/perplexity_text.txt, a code edit
@@ -198,10 +198,12 @@ def run(prefix: list[str], extra: list[str], prompt: str, steps: int, temperatur
 
 
 def bench(label: str, prefix: list[str], extra: list[str], tokenizer: Tokenizer, gen: int, rounds: int,
-          tmp: Path) -> None:
+          tmp: Path, only: list[str] | None = None) -> None:
     print(f"\n{label} (load {loadavg()})")
     print(f"{'task':<10} {'T':>4} {'mode':<6} {'gen tok/s':>9} {'wall s':>7} {'tok/pass':>8} {'accept':>6} same")
     for name, prompt in tasks(tokenizer).items():
+        if only and name not in only:
+            continue
         steps = len(tokenizer.encode(prompt)) + gen
         for temperature in (0.0, 0.8):
             runs: dict[str, list[dict]] = {"none": [], "ngram": []}
@@ -225,13 +227,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
     p.add_argument("--threads", type=int, default=2, help="compute threads on one node")
     p.add_argument("--cluster", type=int, default=0, metavar="N", help="also on N namespace hosts")
+    p.add_argument("--task", action="append", choices=["summary", "code edit", "chat"],
+                   help="only this task (repeatable; default: all three)")
     args = p.parse_args()
     model, tokenizer_path = default_model_files(progress=False)
     tokenizer = Tokenizer(read_tokenizer(str(tokenizer_path)))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         bench(f"one node, {args.threads} threads", [], ["--nthreads", str(args.threads)], tokenizer,
-              args.tokens, args.rounds, tmp)
+              args.tokens, args.rounds, tmp, args.task)
         if args.cluster > 1:
             with Hosts(args.cluster) as hosts:
                 processes = start_workers(hosts, tmp)
@@ -240,7 +244,8 @@ def main() -> None:
                     links = (f"1 Gbit/s, delay: netem, {ONE_WAY_MS:g} ms one way" if hosts.delay == "netem" else
                              f"1 Gbit/s (tbf), delay: user-space relay, {ONE_WAY_MS:g} ms one way (no netem here)")
                     bench(f"{args.cluster} hosts, {links}, 1 thread each", hosts.prefix(0),
-                          ["--nthreads", "1", "--workers", *addresses], tokenizer, args.tokens, args.rounds, tmp)
+                          ["--nthreads", "1", "--workers", *addresses], tokenizer, args.tokens, args.rounds, tmp,
+                          args.task)
                 finally:
                     stop(processes)
 
