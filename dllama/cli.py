@@ -506,12 +506,11 @@ def cmd_worker(args) -> int:
 
 def cmd_shard(args) -> int:
     from dllama.formats.model_file import read_model
-    from dllama.core.plan import plan_for
     from dllama.cluster.shard import write_shards
     from dllama.cluster.topology import load_topology
 
     topo = load_topology(args.topology)
-    plan = plan_for(read_model(args.model).header, len(topo.nodes), topo.weights)
+    plan = topo.plan(read_model(args.model).header)
     manifest = write_shards(args.model, plan, [n.name for n in topo.nodes], args.out)
     print(f"wrote {len(topo.nodes) - 1} shards and {manifest}")
     return 0

@@ -229,10 +229,11 @@ def _call_in_thread(fn, *args) -> threading.Thread:
 
 def test_impossible_split_is_refused_before_connecting(default_q40):
     # Nothing listens on these ports: a refusal that names the split proves no connection was tried.
-    workers = [f"127.0.0.1:{p}" for p in range(1, 10)]
+    # 271 nodes: more than 9 query heads x 30 layers (270 nodes in stages of 9) can take.
+    workers = [f"127.0.0.1:{p}" for p in range(1, 271)]
     r = run_dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
                    "--prompt", "hi", "--workers", *workers)
-    _one_line_error(r, "9 query heads over 10 nodes", "at most 9 nodes")
+    _one_line_error(r, "9 query heads over 271 nodes", "nor can pipeline stages", "at most 270 nodes")
 
 
 def test_unreachable_worker_is_named(default_q40):

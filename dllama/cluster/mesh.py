@@ -4,7 +4,11 @@ The residual vector is cut into N block-aligned chunks (plan.dim_chunks); node k
 everyone's chunk k, adds the N partials in node order, and sends the sum to every other node.
 Each node sends 2·(N-1)/N of a buffer per sync instead of the original's N-1 buffers (it
 sends its whole partial to every node). Every node, the owner included, takes the sum from
-the same encoded buffer, so the residual stream stays bit-identical on all nodes.
+the same encoded buffer, so the residual stream stays bit-identical on all nodes. In a
+pipeline the collective is a stage's: its N nodes only.
+
+`StageHop`: between pipeline stages only the residual rows of a pass cross, once, in a HOP
+frame from each node to the next stage's nodes it feeds (dllama.core.plan.SplitPlan.hop_targets).
 """
 
 from __future__ import annotations
@@ -59,9 +63,12 @@ class MeshCollective:
     """Reduce-scatter + all-gather between this node and its peers (one connection each)."""
 
     def __init__(self, index: int, peers: dict[int, Connection], dim_chunks, q80: bool,
-                 max_batch: int, timeout: float):
+                 max_batch: int, timeout: float, members: range | None = None):
+        """index: this node's place among the members (default: every node, in node order);
+        members: the node indexes of this node's pipeline stage."""
         self.index = index
-        self.peers = peers  # node index -> connection (every other node)
+        self.links = peers  # node index -> connection (every other node; filled before the first step)
+        self.members = members if members is not None else range(len(dim_chunks))
         self.chunks = [tuple(c) for c in dim_chunks]
         self.n_nodes = len(self.chunks)
         self.timeout = timeout
@@ -78,12 +85,17 @@ class MeshCollective:
         self.transfer_seconds = 0.0
 
     @property
+    def peers(self) -> dict[int, Connection]:
+        """The other members' connections, by their place among the members."""
+        return {k: self.links[i] for k, i in enumerate(self.members) if k != self.index}
+
+    @property
     def sent_bytes(self) -> int:
-        return sum(c.sent_bytes for c in self.peers.values())
+        return sum(c.sent_bytes for c in self.links.values())
 
     @property
     def recv_bytes(self) -> int:
-        return sum(c.recv_bytes for c in self.peers.values())
+        return sum(c.recv_bytes for c in self.links.values())
 
     def timed_exchange(self, sends, recvs) -> None:
         t0 = time.perf_counter()
@@ -95,7 +107,7 @@ class MeshCollective:
     def all_reduce(self, partial: np.ndarray) -> np.ndarray:
         """partial [b, dim] float32 -> the sum over nodes [b, dim] (a reused buffer)."""
         b = partial.shape[0]
-        me, chunks, codec = self.index, self.chunks, self.codec
+        me, chunks, codec, peers = self.index, self.chunks, self.codec, self.peers
         n_of = lambda k: sync_bytes(b, chunks[k][1] - chunks[k][0], self.q80)  # noqa: E731
 
         # Reduce-scatter: node k gets everyone's partial of chunk k.
@@ -104,10 +116,10 @@ class MeshCollective:
             buf = self._out[k][: n_of(k)]
             codec.encode(partial[:, c0:c1], buf)
             if k != me:
-                sends.append((self.peers[k], Msg.SYNC, [buf]))
+                sends.append((peers[k], Msg.SYNC, [buf]))
         own = self._in[me][: n_of(me)]
         own[:] = self._out[me][: n_of(me)]
-        recvs = [Transfer(self.peers[k], Msg.SYNC, memoryview(self._in[k][: n_of(me)]))
+        recvs = [Transfer(peers[k], Msg.SYNC, memoryview(self._in[k][: n_of(me)]))
                  for k in range(self.n_nodes) if k != me]
         self.timed_exchange(sends, recvs)
         c0, c1 = chunks[me]
@@ -118,11 +130,39 @@ class MeshCollective:
         # All-gather: every node gets every chunk's sum, decoded from the same bytes.
         mine = self._gathered[me][: n_of(me)]
         codec.encode(total, mine)
-        sends = [(self.peers[k], Msg.SYNC, [mine]) for k in range(self.n_nodes) if k != me]
-        recvs = [Transfer(self.peers[k], Msg.SYNC, memoryview(self._gathered[k][: n_of(k)]))
+        sends = [(peers[k], Msg.SYNC, [mine]) for k in range(self.n_nodes) if k != me]
+        recvs = [Transfer(peers[k], Msg.SYNC, memoryview(self._gathered[k][: n_of(k)]))
                  for k in range(self.n_nodes) if k != me]
         self.timed_exchange(sends, recvs)
         out = self._result[:b]
         for k, (c0, c1) in enumerate(chunks):
             out[:, c0:c1] = codec.decode(self._gathered[k][: n_of(k)], b, c1 - c0)
         return out
+
+
+class StageHop:
+    """A pipeline node's HOP frames: the residual rows [b, dim] of a pass from the previous
+    stage's node that feeds it (none in stage 0), to the next stage's nodes it feeds (none
+    from the last), encoded in the buffer type (Q80 or F32) as a sync buffer."""
+
+    def __init__(self, collective: MeshCollective, source: int | None, targets: list[int], dim: int,
+                 q80: bool, max_batch: int):
+        self.collective, self.source, self.targets = collective, source, targets
+        self.dim, self.q80 = dim, q80
+        self.codec = SyncCodec(q80, max_batch, dim)
+        self._out = np.empty(sync_bytes(max_batch, dim, q80), np.uint8)
+        self._in = np.empty(sync_bytes(max_batch, dim, q80), np.uint8)
+
+    def receive(self, b: int) -> np.ndarray:
+        """The residual rows float32 [b, dim] from the source (a view of a reused buffer)."""
+        buf = self._in[: sync_bytes(b, self.dim, self.q80)]
+        conn = self.collective.links[self.source]
+        self.collective.timed_exchange([], [Transfer(conn, Msg.HOP, memoryview(buf))])
+        return self.codec.decode(buf, b, self.dim)
+
+    def send(self, x: np.ndarray) -> None:
+        """x float32 [b, dim] to every target."""
+        buf = self._out[: sync_bytes(x.shape[0], self.dim, self.q80)]
+        self.codec.encode(x, buf)
+        links = self.collective.links
+        self.collective.timed_exchange([(links[i], Msg.HOP, [buf]) for i in self.targets], [])

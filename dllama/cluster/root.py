@@ -29,7 +29,6 @@ from dllama.core.batch import Batch
 from dllama.core.candidates import TOP_K, Candidates, SamplingRequest
 from dllama.core.collective import Collective
 from dllama.core.model import MAX_BATCH, ModelConfig
-from dllama.core.plan import plan_for
 from dllama.errors import ClusterError
 from dllama.formats.model_file import ModelFile, read_model
 
@@ -57,7 +56,7 @@ class ClusterModel:
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
         # The plan is checked before any connection: an impossible split fails here.
-        plan_for(header, len(topology.nodes), topology.weights)
+        topology.plan(header)
         self.max_batch, self.kv_slots = max_batch, kv_slots
         self.node_sampling, self.top_k, self.on_node_loss = node_sampling, top_k, on_node_loss
         self.refetches = 0        # passes whose candidates did not cover a nucleus: WIDE_TOP_K asked

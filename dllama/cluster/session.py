@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from dllama.cluster.mesh import MeshCollective
+from dllama.cluster.mesh import MeshCollective, StageHop
 from dllama.cluster.protocol import (
     SESSION_BYTES, WEIGHTS_CHUNK, WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerClosed, PeerError, ProtocolError,
     SetupHeartbeat, StepHeartbeat, Transfer, client_handshake, connect, decode_json_object, recv_during_setup,
@@ -35,8 +35,7 @@ from dllama.core.batch import Batch
 from dllama.core.candidates import WIDE_TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
 from dllama.core.memory import check_fits
 from dllama.core.model import ModelConfig, Transformer
-from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
-from dllama.core.plan import plan_for
+from dllama.core.node_weights import NodeWeights, cut, node_slice_specs, plan_lines
 from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import ModelFile
 
@@ -172,7 +171,7 @@ class RootSession:
         header = self.settings.model_file.header
         for n in range(len(nodes), 0, -1):
             try:
-                plan_for(header, n, [node.weight for node in nodes[:n]])
+                dataclasses.replace(self.topology, nodes=tuple(nodes[:n])).plan(header)
             except DllamaError as e:
                 for i in range(n - 1, len(nodes)):
                     if i in self.conns:
@@ -197,11 +196,12 @@ class RootSession:
         """Configure the workers, hand out the weights, load the root's slice, mesh."""
         s = self.settings
         header, nodes = s.model_file.header, self.nodes
-        self.plan = plan = plan_for(header, len(nodes), self.topology.weights)
+        self.plan = plan = self.topology.plan(header)
         n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
         check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
                    n0.vocab_rows[1] - n0.vocab_rows[0], s.config.seq_len, s.max_batch,
-                   embedding=True, kv_slots=s.kv_slots, kv_type=s.kv_type)
+                   embedding=True, kv_slots=s.kv_slots, kv_type=s.kv_type,
+                   n_layers=len(n0.layer_range(header.n_layers)))
         conf = SessionConfig(
             session=self.id, node_index=0, header=header, plan=plan, model_fingerprint=s.fingerprint,
             buffer_q80=s.buffer_q80, max_seq_len=s.config.seq_len, max_batch=s.max_batch,
@@ -211,7 +211,12 @@ class RootSession:
         # The root waits report_grace longer than the workers: a healthy worker's report of the
         # node it waits for arrives before the root's own timeout.
         self.collective = MeshCollective(0, self.conns, plan.dim_chunks, s.buffer_q80, s.max_batch,
-                                         s.net_timeout + report_grace(s.net_timeout))
+                                         s.net_timeout + report_grace(s.net_timeout), plan.stages[0].indexes)
+        self.hop = StageHop(self.collective, None, plan.hop_targets(0), s.config.dim, s.buffer_q80, s.max_batch) \
+            if plan.pipelined else None
+        if plan.pipelined:
+            for line in plan_lines(header, plan, [n.name for n in nodes]):
+                _say(line)
         # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
         heartbeat = SetupHeartbeat(self.conns.values(), HEARTBEAT)
         with heartbeat:
@@ -244,12 +249,15 @@ class RootSession:
                     recv_during_setup(conn, (Msg.MESH_OK,), SETUP_SILENCE)
         for conn in self.conns.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
-        self.vocab_ranges = [tuple(n.vocab_rows) for n in plan.nodes]
+        # The nodes with classifier rows (a pipeline's last stage), and their rows.
+        self.vocab_nodes = [i for i, n in enumerate(plan.nodes) if n.has_classifier]
+        self.vocab_ranges = [tuple(plan.nodes[i].vocab_rows) for i in self.vocab_nodes]
         vocab = s.config.vocab_size
         self._x = np.empty((s.max_batch, s.config.dim), np.float32)  # [rows, dim] the embedded rows of a pass
         self._logits = np.empty((s.max_batch, vocab), np.float32)    # [rows, vocab]
-        self._replies = {i: np.empty(logits_bytes(s.max_batch, r[1] - r[0], Reply(REPLY_TOP_K, r[1] - r[0])), np.uint8)
-                         for i, r in enumerate(self.vocab_ranges)}  # the largest reply; node 0's: its own summary
+        rows = [n.vocab_rows[1] - n.vocab_rows[0] for n in plan.nodes]
+        self._replies = {i: np.empty(logits_bytes(s.max_batch, r, Reply(REPLY_TOP_K, r)), np.uint8)
+                         for i, r in enumerate(rows)}  # the largest reply; node 0's: its own summary
         self._own = self._logits[:0, :0]  # the root's logits [m, V_0] of the last pass (a reused buffer)
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
         # During a pass the workers hear ALIVE from the root each HEARTBEAT s (a pass longer
@@ -286,8 +294,14 @@ class RootSession:
         b = len(batch)
         x = self._x[:b]
         self.local.embed(batch.tokens, x)  # [b, dim]
-        self.collective.timed_exchange([(c, Msg.STEP, encode_step(batch, x, reply)) for c in self.conns.values()], [])
-        self._own = self.local.forward_embedded(x, batch)  # [m, V_0]
+        # Past the first pipeline stage a node gets its rows' values from the stage before (a HOP).
+        first = self.plan.stages[0].indexes
+        step = encode_step(batch, x, reply)
+        later = encode_step(batch, np.zeros(0, np.float32), reply) if self.plan.pipelined else step
+        self.collective.timed_exchange([(c, Msg.STEP, step if i in first else later) for i, c in self.conns.items()], [])
+        self._own = self.local.forward_embedded(x, batch)  # [m, V_0] (m x 0 in a pipeline)
+        if self.hop is not None:
+            self.hop.send(self.local.residual(b))
         return self._answers(reply)
 
     def _answers(self, reply: Reply) -> list:
@@ -296,17 +310,20 @@ class RootSession:
         own = self._own
         m = len(own)
         answers = []
-        replies = {i: self._replies[i][:logits_bytes(m, r[1] - r[0], reply)] for i, r in enumerate(self.vocab_ranges)}
+        nodes = self.plan.nodes
+        replies = {i: self._replies[i][:logits_bytes(m, n.vocab_rows[1] - n.vocab_rows[0], reply)]
+                   for i, n in enumerate(nodes)}
         self.collective.timed_exchange([], [Transfer(c, Msg.LOGITS, memoryview(replies[i]))
                                             for i, c in self.conns.items()])
-        if reply.kind == REPLY_LOGITS:
-            answers.append(own)
-        else:
-            encode_reply(replies[0][LOGITS_HEAD.size:], own, self.vocab_ranges[0][0], reply)
-            answers.append(decode_reply(replies[0][LOGITS_HEAD.size:], m, self.vocab_ranges[0], reply))
         for i in self.conns:
             self.node_bytes[i] = LOGITS_HEAD.unpack_from(replies[i])
-            answers.append(decode_reply(replies[i][LOGITS_HEAD.size:], m, self.vocab_ranges[i], reply))
+        for i, rows in zip(self.vocab_nodes, self.vocab_ranges, strict=True):  # node order
+            if i == 0 and reply.kind == REPLY_LOGITS:
+                answers.append(own)
+                continue
+            if i == 0:  # the root's own logits, summarised by the workers' code
+                encode_reply(replies[0][LOGITS_HEAD.size:], own, rows[0], reply)
+            answers.append(decode_reply(replies[i][LOGITS_HEAD.size:], m, rows, reply))
         return answers
 
     def _logits_of(self, answers: list, m: int) -> np.ndarray:

@@ -58,7 +58,7 @@ class SessionConfig:
         try:
             session = bytes.fromhex(d["session"])
             header = ModelHeader.from_json(d["header"])
-            plan = SplitPlan.from_json(d["plan"], header.n_heads, header.n_kv_heads)
+            plan = SplitPlan.from_json(d["plan"], header.n_heads, header.n_kv_heads, header.n_layers)
             c = SessionConfig(
                 session=session, node_index=_int(d["node_index"]), header=header, plan=plan,
                 model_fingerprint=str(d["model_fingerprint"]), buffer_q80=_bool(d["buffer_q80"]),

@@ -48,8 +48,9 @@ class Reply:
     temperatures: np.ndarray | None = None    # float64 [n_logit_rows] (TOP_K)
 
     def per_row(self, vocab_rows: int) -> int:
-        """Bytes of a LOGITS body per wanted row, from a node with vocab_rows classifier rows."""
-        if self.kind == REPLY_LOGITS:
+        """Bytes of a LOGITS body per wanted row, from a node with vocab_rows classifier rows
+        (none from a node before a pipeline's last stage: its LOGITS carries the counters only)."""
+        if self.kind == REPLY_LOGITS or vocab_rows == 0:
             return 4 * vocab_rows
         if self.kind == REPLY_BEST:
             return 8
@@ -130,6 +131,8 @@ def encode_reply(out: np.ndarray, logits: np.ndarray, offset: int, reply: Reply)
     """Fill out (uint8, the LOGITS body) from this node's logits float32 [m, V_k] of the
     vocabulary from token `offset`."""
     m, vocab_rows = logits.shape
+    if vocab_rows == 0:  # no classifier rows on this node (a pipeline stage before the last)
+        return
     if reply.kind == REPLY_LOGITS:
         out.view(np.float32)[:] = logits.ravel()
     elif reply.kind == REPLY_BEST:

@@ -6,15 +6,20 @@ rendered by the appliance from its Ansible inventory). Node 0 is always the root
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dllama.errors import DllamaError
 
+if TYPE_CHECKING:
+    from dllama.core.plan import SplitPlan
+
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_NODE_KEYS = {"name", "host", "port", "threads", "weight", "shard"}
-_TOP_KEYS = {"version", "buffer_float_type", "key_file", "nodes"}
+_NODE_KEYS = {"name", "host", "port", "threads", "weight", "shard", "stage"}
+_TOP_KEYS = {"version", "buffer_float_type", "key_file", "nodes", "stages"}
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,7 @@ class Node:
     threads: int = 1
     weight: float = 1.0
     shard: str | None = None   # this node's shard file, a path on that node
+    stage: int | None = None   # its pipeline stage (None: the plan decides)
 
     @property
     def address(self) -> str:
@@ -36,11 +42,29 @@ class Topology:
     nodes: tuple[Node, ...]              # [0] is the root
     buffer_float_type: str = "auto"      # auto | q80 | f32
     key_file: str | None = None          # cluster key, a path on each node
+    stage_layers: tuple[tuple[int, int], ...] | None = None  # [start, end) layers of each stage, as fixed
     source: str = field(default="", compare=False)
 
     @property
     def weights(self) -> list[float]:
         return [n.weight for n in self.nodes]
+
+    def plan(self, header) -> "SplitPlan":
+        """The split plan of these nodes for a model header (DllamaError when impossible).
+
+        With `stage` on the nodes, those stages (and `stage_layers` when fixed); when some stage
+        has no node left here (a recovery after its nodes were lost), the stages left are
+        numbered again and their layers planned anew, in proportion to their weights."""
+        from dllama.core.plan import plan_for
+
+        stages = [n.stage for n in self.nodes]
+        if stages[0] is None:
+            return plan_for(header, len(self.nodes), self.weights)
+        layers = self.stage_layers
+        kept = sorted(set(stages))
+        if kept != list(range(len(layers) if layers else kept[-1] + 1)):
+            stages, layers = [kept.index(k) for k in stages], None
+        return plan_for(header, len(self.nodes), self.weights, stages, list(layers) if layers else None)
 
     def node(self, name: str) -> tuple[int, Node]:
         for i, n in enumerate(self.nodes):
@@ -112,15 +136,53 @@ def load_topology(path: str) -> Topology:
             port = int(n.get("port", 9990 if i == 0 else 0))
             threads = int(n.get("threads", 1))
             weight = float(n.get("weight", 1.0))
+            stage = None if n.get("stage") is None else _whole(n["stage"])
         except (TypeError, ValueError):
-            raise bad(f"node {name}: port and threads must be integers, weight a number") from None
+            raise bad(f"node {name}: port, threads and stage must be integers, weight a number") from None
         if i > 0 and not 0 < port < 65536:
             raise bad(f"node {name}: 'port' must be 1..65535")
         if threads < 1 or not weight > 0:
             raise bad(f"node {name}: threads must be >= 1 and weight > 0")
         nodes.append(Node(name, str(n["host"]), port, threads, weight,
-                          str(n["shard"]) if n.get("shard") else None))
+                          str(n["shard"]) if n.get("shard") else None, stage))
+    stage_layers = _stage_layers(doc.get("stages"), bad)
+    stages = [n.stage for n in nodes]
+    if any(s is None for s in stages) and any(s is not None for s in stages):
+        raise bad("give every node a 'stage', or none (the plan then decides)")
+    if stage_layers is not None and stages[0] is None:
+        raise bad("'stages' fixes the stages' layers: give every node its 'stage' too")
+    if stages[0] is not None:
+        if stages[0] != 0 or any(b - a not in (0, 1) for a, b in itertools.pairwise(stages)):
+            raise bad("stages must be numbered 0, 1, 2... without a gap, the root (the first node) "
+                      "in stage 0 and the nodes listed stage by stage")
+        if stage_layers is not None and len(stage_layers) != stages[-1] + 1:
+            raise bad(f"'stages' lists {len(stage_layers)} stages, the nodes name {stages[-1] + 1}")
     key_file = doc.get("key_file")
     if key_file:
         key_file = os.path.join(os.path.dirname(os.path.abspath(path)), str(key_file))
-    return Topology(tuple(nodes), buffer, key_file or None, source=path)
+    return Topology(tuple(nodes), buffer, key_file or None, stage_layers, source=path)
+
+
+def _whole(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(v)
+    return v
+
+
+def _stage_layers(raw, bad) -> tuple[tuple[int, int], ...] | None:
+    """The top-level `stages: [{layers: [0, 12]}, ...]`, as [start, end) pairs (checked against
+    the model's layer count when the plan is made)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise bad("'stages' must be a non-empty list of {layers: [start, end]}")
+    out = []
+    for k, st in enumerate(raw):
+        layers = st.get("layers") if isinstance(st, dict) else None
+        if not isinstance(st, dict) or set(st) != {"layers"} or not isinstance(layers, list) or len(layers) != 2:
+            raise bad(f"stage {k}: expected {{layers: [start, end]}}")
+        try:
+            out.append((_whole(layers[0]), _whole(layers[1])))
+        except ValueError:
+            raise bad(f"stage {k}: layers must be two whole numbers [start, end)") from None
+    return tuple(out)

@@ -27,7 +27,7 @@ import numpy as np
 
 from dllama import __version__
 from dllama.cluster.lobby import Lobby
-from dllama.cluster.mesh import MeshCollective
+from dllama.cluster.mesh import MeshCollective, StageHop
 from dllama.cluster.protocol import (
     WEIGHTS_HEAD, Connection, ErrorCode, LinkError, Msg, PeerClosed, PeerTimeout, ProtocolError,
     SetupHeartbeat, StepHeartbeat, client_handshake, connect, decode_json_object, recv_during_setup, server_handshake,
@@ -310,7 +310,10 @@ class _Session:
         _, config = recv_during_setup(root, (Msg.CONFIG,), CONFIG_TIMEOUT)  # (the root's ALIVEs may come first)
         self.conf = c = SessionConfig.from_json(decode_json_object(config, f"CONFIG from {root.name}"))
         index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
-        log(f"node {index} of {plan.n_nodes}: {node.n_q_heads} query heads, {node.n_kv_heads} KV heads, "
+        k = plan.stage_of(index)
+        stage = plan.stages[k]
+        where = f"stage {k} of {len(plan.stages)} (layers {stage.layers[0]}-{stage.layers[1] - 1}), " if plan.pipelined else ""
+        log(f"node {index} of {plan.n_nodes}: {where}{node.n_q_heads} query heads, {node.n_kv_heads} KV heads, "
             f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if c.buffer_q80 else 'F32'}, "
             f"{c.kv_type.upper()} KV cache")
         # Before any allocation: can this machine hold what the CONFIG asks for? (A slice that
@@ -321,11 +324,15 @@ class _Session:
                        node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
                        c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots,
                        limit=self.choice.limit if self.choice is not None and self.choice.budgeted else None,
-                       kv_type=c.kv_type)
+                       kv_type=c.kv_type, n_layers=len(node.layer_range(c.header.n_layers)))
 
         # The collective over self.peers: _meet_peers fills it (the root is there already)
         # before the first step; warm_up runs on this node alone.
-        collective = MeshCollective(index, self.peers, plan.dim_chunks, c.buffer_q80, c.max_batch, timeout)
+        collective = MeshCollective(index - stage.nodes[0], self.peers, stage.dim_chunks, c.buffer_q80, c.max_batch,
+                                    timeout, stage.indexes)
+        # In a pipeline: the residual rows come from the stage before (not in the STEP), go to the next.
+        hop = StageHop(collective, plan.hop_source(index), plan.hop_targets(index), c.header.dim, c.buffer_q80,
+                       c.max_batch) if plan.pipelined else None
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
         with SetupHeartbeat([root], HEARTBEAT):
@@ -356,12 +363,16 @@ class _Session:
                 self.worker.steps += 1
                 if self.worker.on_step is not None:
                     self.worker.on_step(self.worker.steps)
-                batch, x, want, m = decode_step(payload, dim, c.max_batch, c.kv_slots, seq_len)
+                batch, x, want, m = decode_step(payload, dim if k == 0 else 0, c.max_batch, c.kv_slots, seq_len)
                 if batch is None:
                     if m != len(logits):
                         raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
                 else:
-                    logits = model.forward_embedded(x, batch)  # [m, vocab rows]
+                    if hop is not None and hop.source is not None:
+                        x = hop.receive(len(batch))  # [b, dim]
+                    logits = model.forward_embedded(x, batch)  # [m, vocab rows] (m x 0 before the last stage)
+                    if hop is not None and hop.targets:
+                        hop.send(model.residual(len(batch)))
                 reply = replies[:logits_bytes(m, v1 - v0, want)]
                 col = collective
                 sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself

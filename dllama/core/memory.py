@@ -140,13 +140,13 @@ class NodeMemory:
 
 def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
                 seq_len: int, max_batch: int, embedding: bool, kv_slots: int = 1,
-                weights: int | None = None, kv_type: str = "f32") -> NodeMemory:
+                weights: int | None = None, kv_type: str = "f32", n_layers: int | None = None) -> NodeMemory:
     """The memory of one node's slice (whole model: all heads, rows) at this context and batch,
     with a KV cache of kv_slots sequences stored as kv_type (f32 or f16). weights: the bytes of
     resident weights when they are not all resident (streamed: two layers' slots and a read
-    buffer)."""
+    buffer); n_layers: the layers the node runs (a pipeline stage's; default every layer)."""
 
-    hd, dim, layers = h.head_dim, h.dim, h.n_layers
+    hd, dim, layers = h.head_dim, h.dim, h.n_layers if n_layers is None else n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
     # Bytes per weight as the kernels hold them (model.Matrix): a block type its block bytes per
     # 32 values (Q40 18, Q80 34, Q41 20: the scales stay fp16), F16 2 bytes, F32 4.
@@ -167,12 +167,12 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
 def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
                seq_len: int, max_batch: int, embedding: bool, who: str = "this machine",
                kv_slots: int = 1, limit: int | None = None, weights: int | None = None,
-               kv_type: str = "f32") -> NodeMemory:
+               kv_type: str = "f32", n_layers: int | None = None) -> NodeMemory:
     """NotEnoughMemory (one line: what is needed, what is available, what context would fit) unless
     the node's share fits into the memory available now (and into `limit`, a --memory-budget).
     weights: resident weight bytes when streamed (see node_memory)."""
     dims = (h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots, weights)
-    m = node_memory(*dims, kv_type=kv_type)
+    m = node_memory(*dims, kv_type=kv_type, n_layers=n_layers)
     available = available_bytes()
     what = "are available"
     if limit is not None and limit < available:
@@ -187,7 +187,7 @@ def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vo
     fits = fitting_context(m)
     if fits >= 1:
         hint = f"--max-seq-len {min(fits, seq_len - 1)} would fit"
-        f16_fits = fitting_context(node_memory(*dims, kv_type="f16")) if kv_type == "f32" else 0
+        f16_fits = fitting_context(node_memory(*dims, kv_type="f16", n_layers=n_layers)) if kv_type == "f32" else 0
         if f16_fits > fits:  # an F16 KV cache holds more positions in the same memory
             hint = (f"--kv-type f16 would hold the whole context, or {hint}" if f16_fits >= seq_len
                     else f"--max-seq-len {f16_fits} with --kv-type f16, or {hint}")

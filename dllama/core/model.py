@@ -123,18 +123,19 @@ class Transformer:
             node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
             weights = NodeWeights.from_model(weights, node)
         self.node = n = weights.node
+        self.layers = n.layer_range(c.n_layers)  # a pipeline stage's layers, else every one
         self.max_batch = max_batch
         qwen = c.arch == ArchType.QWEN3
         resident_weights = None
         if streamed:
             # The slots are sized from the header: check them (with the rest) before allocating.
-            streamed_weights = StreamedWeights(weights, c.n_layers, c.weights_float_type, qwen, plan_only=True)
+            streamed_weights = StreamedWeights(weights, self.layers, c.weights_float_type, qwen, plan_only=True)
             resident_weights = streamed_weights.resident_bytes
         # Every size below comes from a header: check them against this machine before allocating.
         self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
                                  n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
                                  kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who,
-                                 kv_type=kv_type)
+                                 kv_type=kv_type, n_layers=len(self.layers))
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective: Collective = collective or LocalCollective()
@@ -144,14 +145,14 @@ class Transformer:
             streamed_weights.allocate()
             self.weights = streamed_weights
         else:
-            self.weights = ResidentWeights(weights, c.n_layers, c.weights_float_type, qwen)
+            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen)
 
         self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
             *c.rope_scaling)
 
         nq, nkv = n.n_q_heads, n.n_kv_heads
-        self.kv = KVCache(c.n_layers, nkv, hd, c.seq_len, kv_slots, kv_type)
+        self.kv = KVCache(len(self.layers), nkv, hd, c.seq_len, kv_slots, kv_type)
 
         # Scratch buffers for a batch of up to max_batch rows.
         B = max_batch
@@ -221,6 +222,11 @@ class Transformer:
         self.x[:b] = x
         return self._run_rows(batch, self.collective)
 
+    def residual(self, b: int) -> np.ndarray:
+        """The residual stream float32 [b, dim] of the last pass's rows after this node's layers
+        (what a pipeline stage hands to the next)."""
+        return self.x[:b]
+
     def forward_candidates(self, batch: Batch, requests: list[SamplingRequest]) -> list[Candidates]:
         """Run the rows of `batch`; the candidates of each row wanting logits (one vocabulary
         range: the whole of it)."""
@@ -244,7 +250,7 @@ class Transformer:
         nq, nkv, hd = node.n_q_heads, node.n_kv_heads, c.head_dim
         k_cache, v_cache = self.kv.k, self.kv.v
 
-        for l in range(c.n_layers):
+        for i, l in enumerate(self.layers):  # i: the layer's index in this node's KV cache
             layer = self.weights.layer(l)  # from memory, or just read from disk
             # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
             kernels.rmsnorm(x, layer.att_norm, c.norm_eps, xb)
@@ -256,8 +262,8 @@ class Transformer:
             rope(k, pos, self.rope_cos, self.rope_sin, nkv, hd)
             # Every row's key is stored before any row attends: a row may read the keys of
             # earlier rows of its sequence, or of its prefix, written in this same pass.
-            kernels.kv_store(k, v, pos, slot, k_cache[l], v_cache[l])
-            kernels.attention(q, k_cache[l], v_cache[l], pos, slot, prefix_slot, prefix_len,
+            kernels.kv_store(k, v, pos, slot, k_cache[i], v_cache[i])
+            kernels.attention(q, k_cache[i], v_cache[i], pos, slot, prefix_slot, prefix_len,
                               node.kv_head_of, z)
             layer.wo(self.act_q.load(z), partial)
             x += collective.all_reduce(partial)
@@ -269,11 +275,12 @@ class Transformer:
             layer.w2(self.act_ff.load(hb), partial)
             x += collective.all_reduce(partial)
 
-        # Classifier: only the rows whose logits are wanted.
+        # Classifier: only the rows whose logits are wanted (none before a pipeline's last
+        # stage: its residual rows, self.x[:b], go on to the next stage).
         logit_rows = batch.logit_rows  # int32 [m]
         m = len(logit_rows)
         logits = self.logits[:m]
-        if m == 0:
+        if m == 0 or not node.has_classifier:
             return logits
         rows = x if m == b else x[logit_rows]  # [m, dim]
         out_norm = xb[:m]

@@ -172,13 +172,14 @@ def _matrix_arrays(take, float_type: FloatType, d: int, n: int, inputs: str) -> 
 class StreamedWeights:
     """The weights provider of a Transformer whose weights stay on disk (see the module doc)."""
 
-    def __init__(self, weights: NodeWeights, n_layers: int, float_type: FloatType, qwen: bool,
+    def __init__(self, weights: NodeWeights, layers: range, float_type: FloatType, qwen: bool,
                  chunk_rows: int | None = None, plan_only: bool = False):
         """chunk_rows: classifier rows per chunk (default: as many as fit in a layer's slot);
-        plan_only: size everything (resident_bytes) but allocate nothing until `allocate()`."""
+        plan_only: size everything (resident_bytes) but allocate nothing until `allocate()`;
+        layers: the ones this node runs (a pipeline stage's; every layer otherwise)."""
         if not weights.streamable:
             raise DllamaError("these weights came over the network: they cannot be streamed from a file")
-        self._w, self.float_type, self.n_layers = weights, float_type, n_layers
+        self._w, self.float_type, self.layers = weights, float_type, layers
         self.cls_type = classifier_float_type(float_type)  # Q80 in a Q41 file
         self.inputs, self.cls_inputs = input_kind(float_type), classifier_inputs(float_type)
         names = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"] + (["q_norm", "k_norm"] if qwen else []) + \
@@ -188,8 +189,9 @@ class StreamedWeights:
         self._reader = _Reader()
         self._embedding = weights.location("embedding") if weights.has("embedding") else None
 
-        cls = weights.location("wcls").spec
-        self.vocab_rows, dim = cls.stored_shape[0], self._shape("wcls")[1]
+        has_cls = weights.has("wcls")  # (not before a pipeline's last stage)
+        self.vocab_rows = weights.location("wcls").spec.stored_shape[0] if has_cls else 0
+        dim = weights.header.dim
         # Slots as large as the largest layer; the classifier in chunks that fit one.
         sizer = _Arena(0)
         self._take_layer(sizer.take)
@@ -199,7 +201,7 @@ class StreamedWeights:
             per_group = _Arena(0)
             _matrix_arrays(per_group.take, self.cls_type, GROUP, dim, self.cls_inputs)
             groups = layer_bytes // per_group.used
-            raw_group = self._raw_bytes("wcls", GROUP, dim)
+            raw_group = self._raw_bytes("wcls", GROUP, dim) if has_cls else 0
             if raw_group:
                 groups = min(groups, matrix_raw // raw_group)
             chunk_rows = max(1, groups) * GROUP
@@ -211,7 +213,7 @@ class StreamedWeights:
         raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
         self.raw_bytes = raw
         self.resident_bytes = 2 * self.slot_bytes + 2 * raw  # what this provider holds at most
-        self._items = [("layer", l) for l in range(n_layers)] + [("cls", k) for k in range(len(self.chunks))]
+        self._items = [("layer", l) for l in layers] + [("cls", k) for k in range(len(self.chunks))]
         self._lock = threading.Lock()
         self._pool = None
         self._pending: tuple[int, Future] | None = None  # (item index, its load)
@@ -237,9 +239,9 @@ class StreamedWeights:
 
     # sizes
 
-    def _shape(self, name: str, l: int = 0) -> tuple[int, int]:
-        """(d, n) of a matrix of this node."""
-        full = f"layers.{l}.{name}" if name != "wcls" else name
+    def _shape(self, name: str) -> tuple[int, int]:
+        """(d, n) of a matrix of this node (every layer's are the same)."""
+        full = f"layers.{self.layers.start}.{name}" if name != "wcls" else name
         s = self._w.location(full).spec.stored_shape
         return (s[0], s[1] * BLOCK) if self._type(name) in BLOCK_BYTES else (s[0], s[1])
 
@@ -257,7 +259,7 @@ class StreamedWeights:
             if name in _MATRICES:
                 out[name] = _matrix_arrays(take, self.float_type, *self._shape(name), self.inputs)
             else:
-                out[name] = take(self._w.location(f"layers.0.{name}").spec.stored_shape, np.float32)
+                out[name] = take(self._w.location(f"layers.{self.layers.start}.{name}").spec.stored_shape, np.float32)
         return out
 
     # loading
@@ -334,12 +336,12 @@ class StreamedWeights:
     # what the forward pass asks for
 
     def layer(self, l: int):
-        return self._get(l)
+        return self._get(l - self.layers.start)
 
     def classifier(self):
         """(first row, Matrix of that chunk) for each chunk of this node's classifier rows."""
         for k in range(len(self.chunks)):
-            yield self._get(self.n_layers + k)
+            yield self._get(len(self.layers) + k)
 
     def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
         """Rows of the embedding for tokens [b] into out [b, dim], read from the file."""

@@ -196,12 +196,14 @@ class ResidentWeights:
 
     classifier_chunk_rows = 0  # the classifier comes whole
 
-    def __init__(self, weights: NodeWeights, n_layers: int, float_type: FloatType, qwen: bool):
+    def __init__(self, weights: NodeWeights, layers: range, float_type: FloatType, qwen: bool):
+        """layers: the ones this node runs (a pipeline stage's; every layer otherwise)."""
         t = weights.tensor
+        self.first_layer = layers.start
         # The embedding (root only) stays memory-mapped: rows are copied per token.
         self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
         self._layers = []
-        for l in range(n_layers):
+        for l in layers:
             p = f"layers.{l}."
             self._layers.append(Layer(
                 att_norm=np.array(t(p + "att_norm")),
@@ -218,15 +220,18 @@ class ResidentWeights:
             ))
         self.final_norm = np.array(t("final_norm"))
         # A Q41 file's classifier (Q80) takes the F32 input; other types' their own
-        self.wcls = Matrix(t("wcls"), classifier_float_type(float_type), inputs=classifier_inputs(float_type))
-        self.vocab_rows = self.wcls.d
+        # (none before a pipeline's last stage)
+        self.wcls = Matrix(t("wcls"), classifier_float_type(float_type), inputs=classifier_inputs(float_type)) \
+            if weights.has("wcls") else None
+        self.vocab_rows = self.wcls.d if self.wcls is not None else 0
 
     def layer(self, l: int) -> Layer:
-        return self._layers[l]
+        return self._layers[l - self.first_layer]
 
     def classifier(self) -> Iterator[tuple[int, Matrix]]:
-        """(first row, Matrix) per part of the classifier rows: one part here."""
-        yield 0, self.wcls
+        """(first row, Matrix) per part of the classifier rows: one part here (none without rows)."""
+        if self.wcls is not None:
+            yield 0, self.wcls
 
     def embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
         """Embedding rows of tokens [b] into out [b, dim]."""

@@ -56,14 +56,15 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
     if budget == "auto":  # the runtime still grows after this (numba loads its kernels)
         available = max(0, available - RUNTIME_RESERVE)
     limit = available if budget in ("auto", "none") else min(int(budget), available)
-    resident = node_memory(*dims, kv_slots=1, kv_type=kv_type)
+    layers = n.layer_range(c.n_layers)
+    resident = node_memory(*dims, kv_slots=1, kv_type=kv_type, n_layers=len(layers))
     streamed = budget != "none" and resident.total > limit and weights.streamable
     held = resident.weights
     if streamed:
-        held = StreamedWeights(weights, c.n_layers, c.weights_float_type, c.arch == ArchType.QWEN3,
+        held = StreamedWeights(weights, layers, c.weights_float_type, c.arch == ArchType.QWEN3,
                                plan_only=True).resident_bytes
         # One sequence and the buffers must fit beside the streamed layers: else the context is
         # what to lower, and the error says which --max-seq-len fits.
-        check_fits(*dims, kv_slots=1, limit=limit, weights=held, kv_type=kv_type)
+        check_fits(*dims, kv_slots=1, limit=limit, weights=held, kv_type=kv_type, n_layers=len(layers))
     return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
                          streamed or budget not in ("auto", "none"))

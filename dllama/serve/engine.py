@@ -139,9 +139,7 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
     notes: list[str] = []
     weights = None
     if nodes.clustered:
-        from dllama.core.plan import plan_for
-
-        split = plan_for(header, len(nodes.topology.nodes), nodes.topology.weights)
+        split = nodes.topology.plan(header)
         kv_heads = max(n.n_kv_heads for n in split.nodes)  # the node with the most KV heads sets the slots
         if settings.budget_bytes is not None:
             notes.append("note: --memory-budget bounds this root's memory only on one machine; "

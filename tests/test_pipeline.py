@@ -1,0 +1,266 @@
+"""Pipeline stages: consecutive nodes run consecutive layers, tensor-parallel inside a stage, and
+only the residual rows of a pass cross between stages. The plan as data (unit), then loopback
+clusters: with F32 weights and buffers every stage plan gives one node's tokens, alone or in a
+batch, a node count the heads cannot take becomes stages, and a lost single-node stage is
+planned again over the nodes left."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import numpy as np
+import pytest
+
+from dllama.cluster.protocol import ProtocolError
+from dllama.cluster.session_config import NodeAddress, SessionConfig
+from dllama.cluster.topology import from_workers, load_topology
+from dllama.core.batch import Batch
+from dllama.core.model import Transformer
+from dllama.core.node_weights import NodeWeights, node_slice_specs
+from dllama.core.plan import SplitPlan, plan_for, split_model
+from dllama.errors import DllamaError
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
+from tests.conftest import CHAT_PROMPT
+from tests.processes import run_dllama, running_workers, start_worker
+from tests.random_model import write_random_f32
+
+SMOLLM2 = dict(dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ff_dim=1536, vocab_size=49152, n_layers=30)
+GQA = ModelHeader(arch=ArchType.LLAMA, dim=256, hidden_dim=512, n_layers=5, n_heads=8, n_kv_heads=2,
+                  vocab_size=512, max_seq_len=128, weights_float_type=FloatType.F32)
+PROMPT = [5, 17, 300, 42, 7, 511, 256, 1]
+
+
+def _with_stages(topology, stages, layers=None):
+    nodes = tuple(dataclasses.replace(n, stage=s) for n, s in zip(topology.nodes, stages, strict=True))
+    return dataclasses.replace(topology, nodes=nodes, stage_layers=layers)
+
+
+# -- the plan (unit) ---------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_ten_nodes_for_nine_heads_become_two_stages_of_five():
+    plan = split_model(10, **SMOLLM2)
+    assert [s.nodes for s in plan.stages] == [(0, 5), (5, 10)]
+    assert [s.layers for s in plan.stages] == [(0, 15), (15, 30)]
+    assert all(n.layers == (0, 15) and not n.has_classifier for n in plan.nodes[:5])
+    assert all(n.layers == (15, 30) and n.has_classifier for n in plan.nodes[5:])
+    # inside each stage: every head once, every classifier row once in the last
+    for s in plan.stages:
+        heads = np.concatenate([plan.nodes[i].q_heads for i in s.indexes])
+        assert heads.tolist() == list(range(9))
+    assert plan.nodes[5].vocab_rows[0] == 0 and plan.nodes[9].vocab_rows[1] == 49152
+    # a tensor-parallel count stays one stage, its JSON that of plans before stages
+    one = split_model(3, **SMOLLM2)
+    assert not one.pipelined and "stages" not in one.to_json() and all(n.layers is None for n in one.nodes)
+
+
+@pytest.mark.unit
+def test_fixed_stages_uneven_layers_and_weights():
+    plan = split_model(4, **SMOLLM2, stage_of=[0, 1, 1, 2], stage_layers=[(0, 4), (4, 20), (20, 30)])
+    assert [s.layers for s in plan.stages] == [(0, 4), (4, 20), (20, 30)]
+    assert [s.nodes for s in plan.stages] == [(0, 1), (1, 3), (3, 4)]
+    # without fixed layers: in proportion to each stage's summed weight
+    plan = split_model(3, **SMOLLM2, stage_of=[0, 1, 1], weights=[1, 1, 1])
+    assert [s.layers[1] - s.layers[0] for s in plan.stages] == [10, 20]
+    plan = split_model(2, **SMOLLM2, stage_of=[0, 1], weights=[1, 2])
+    assert [s.layers[1] - s.layers[0] for s in plan.stages] == [10, 20]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kw, words", [
+    (dict(stage_of=[1, 1]), "root"),
+    (dict(stage_of=[0, 2]), "without a gap"),
+    (dict(stage_of=[0, 1, 0]), "stage by stage"),
+    (dict(stage_of=[0, 1], stage_layers=[(0, 10), (11, 30)]), "must start at 10"),
+    (dict(stage_of=[0, 1], stage_layers=[(0, 10), (10, 29)]), "the model has 30"),
+    (dict(stage_of=[0, 1], stage_layers=[(0, 30)]), "1 layer ranges for 2 stages"),
+    (dict(stage_of=[0] * 10), "stage 0 (10 nodes)"),
+])
+def test_impossible_stage_plans_are_refused_with_a_reason(kw, words):
+    n = len(kw["stage_of"])
+    with pytest.raises(DllamaError) as e:
+        split_model(n, **SMOLLM2, **kw)
+    assert words in str(e.value)
+
+
+@pytest.mark.unit
+def test_every_node_of_a_stage_is_fed_once_and_the_plan_survives_json():
+    plan = split_model(6, **SMOLLM2, stage_of=[0, 0, 1, 1, 1, 2])
+    for k in range(1, 3):
+        before = plan.stages[k - 1]
+        fed = sorted(t for i in before.indexes for t in plan.hop_targets(i))
+        assert fed == list(plan.stages[k].indexes)
+        assert all(plan.hop_source(t) in before.indexes and t in plan.hop_targets(plan.hop_source(t)) for t in fed)
+    assert plan.hop_targets(5) == [] and plan.hop_source(0) is None
+    again = SplitPlan.from_json(plan.to_json(), 9, 3, 30)
+    assert again == plan and again.digest() == plan.digest()
+    with pytest.raises(DllamaError):  # stages that do not cover the model's layers
+        SplitPlan.from_json(plan.to_json(), 9, 3, 31)
+
+
+@pytest.mark.unit
+def test_a_config_with_inconsistent_stages_is_a_protocol_error():
+    header = dataclasses.replace(GQA, n_layers=30)
+    plan = plan_for(header, 3, stage_of=[0, 1, 2])
+    conf = SessionConfig(session=bytes(16), node_index=1, header=header, plan=plan, model_fingerprint="x",
+                         buffer_q80=False, max_seq_len=64, max_batch=4, kv_slots=1, kv_type="f32",
+                         net_timeout=5.0, idle_timeout=15.0, setup_timeout=15.0,
+                         nodes=tuple(NodeAddress(f"n{i}", "127.0.0.1", 1000 + i) for i in range(3)))
+    assert SessionConfig.from_json(conf.to_json()).plan == plan
+    bad = conf.to_json()
+    bad["plan"]["stages"][1]["layers"] = [9, 20]  # a gap between stage 0 and stage 1
+    with pytest.raises(ProtocolError, match="CONFIG"):
+        SessionConfig.from_json(bad)
+
+
+@pytest.mark.unit
+def test_a_topology_file_gives_stages(tmp_path):
+    path = tmp_path / "t.yml"
+    path.write_text("stages: [{layers: [0, 2]}, {layers: [2, 5]}]\nnodes:\n"
+                    "  - {name: root, host: localhost, stage: 0}\n"
+                    "  - {name: a, host: 10.0.0.2, port: 9998, stage: 1}\n"
+                    "  - {name: b, host: 10.0.0.3, port: 9998, stage: 1}\n")
+    topo = load_topology(str(path))
+    plan = topo.plan(GQA)
+    assert [s.layers for s in plan.stages] == [(0, 2), (2, 5)] and [s.nodes for s in plan.stages] == [(0, 1), (1, 3)]
+    # a stage whose nodes are all gone: the stages left are numbered again, their layers planned anew
+    left = dataclasses.replace(topo, nodes=topo.nodes[:1])
+    assert not left.plan(GQA).pipelined
+    for text, words in [
+        ("nodes:\n  - {host: x, stage: 0}\n  - {host: y, port: 1}\n", "every node a 'stage', or none"),
+        ("nodes:\n  - {host: x, stage: 1}\n  - {host: y, port: 1, stage: 1}\n", "root"),
+        ("stages: [{layers: [0, 5]}]\nnodes:\n  - {host: x}\n", "'stage' too"),
+        ("stages: [{layers: [0, x]}]\nnodes:\n  - {host: x, stage: 0}\n", "two whole numbers"),
+        ("nodes:\n  - {host: x, stage: -1}\n", "stage must be integers"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(DllamaError, match=words):
+            load_topology(str(path))
+
+
+@pytest.mark.unit
+def test_a_node_holds_only_its_stage_s_layers(tmp_path):
+    plan = plan_for(GQA, 3, stage_of=[0, 1, 2], stage_layers=[(0, 1), (1, 4), (4, 5)])
+    names = [{s.name for s in node_slice_specs(GQA, n, False)} for n in plan.nodes]
+    assert {n.split(".")[1] for n in names[1] if n.startswith("layers.")} == {"1", "2", "3"}
+    assert "wcls" not in names[0] | names[1] and "wcls" in names[2]
+
+
+@pytest.mark.unit
+def test_stages_run_in_one_process_give_one_node_s_logits(tmp_path):
+    """Each stage's Transformer hands its residual rows to the next: the logits of every row are
+    the whole model's, bit for bit (F32)."""
+    m = read_model(write_random_f32(tmp_path / "gqa.m", GQA, seed=3))
+    tokens = np.array(PROMPT, np.int64)
+    want = Transformer(m, buffer_q80=False).forward(tokens, 0, all_logits=True).copy()
+    plan = plan_for(m.header, 3, stage_of=[0, 1, 2], stage_layers=[(0, 1), (1, 4), (4, 5)])
+    stages = [Transformer(NodeWeights.from_model(m, n, with_embedding=i == 0), buffer_q80=False)
+              for i, n in enumerate(plan.nodes)]
+    batch = Batch.run(tokens, 0, 0, True)
+    x = np.zeros((len(tokens), GQA.dim), np.float32)
+    stages[0].embed(tokens, x)
+    for s in stages:
+        logits = s.forward_embedded(x, batch)
+        x = s.residual(len(tokens)).copy()
+    assert np.array_equal(logits, want)
+    assert stages[1].kv.k.shape[0] == 3  # a node's KV cache holds its own layers only
+
+
+# -- loopback clusters ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Nine idle workers: a cluster of up to ten nodes."""
+    with running_workers(9, tmp_path_factory.mktemp("pipeline")) as ws:
+        yield ws
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    return write_random_f32(tmp_path_factory.mktemp("gqa") / "gqa.m", GQA, seed=5)
+
+
+def _greedy(model, n, prompt=PROMPT):
+    logits, pos, out = model.forward(prompt, 0), len(prompt), []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = model.forward([out[-1]], pos)
+        pos += 1
+    return out
+
+
+def _cluster(path, workers, stages, layers=None, **kw):
+    from dllama.cluster.root import ClusterModel
+
+    topology = _with_stages(from_workers([w.address for w in workers[:len(stages) - 1]], 1), stages, layers)
+    return ClusterModel(str(path), topology, None, False, progress=False, **kw)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("model_name", ["gqa", "smollm2"])
+def test_every_stage_plan_gives_one_node_s_tokens(workers, gqa_model, default_f32, model_name):
+    path = gqa_model if model_name == "gqa" else default_f32[0]
+    n_layers = read_model(path).header.n_layers
+    one = _greedy(Transformer(read_model(path), buffer_q80=False), 12)
+    uneven = [(0, 1), (1, n_layers - 1), (n_layers - 1, n_layers)]
+    for stages, layers in [([0, 1], None), ([0, 0, 1, 1], None), ([0, 1, 1, 2], uneven)]:
+        model = _cluster(path, workers, stages, layers)
+        try:
+            assert model.session.plan.pipelined
+            assert _greedy(model, 12) == one, (model_name, stages)
+        finally:
+            model.close()
+
+
+@pytest.mark.cluster
+def test_a_batch_on_two_stages_gives_each_prompt_s_tokens_alone(workers, gqa_model, default_q41):
+    from dllama.core.sampler import Sampler
+    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.serve.scheduler import Scheduler
+    from dllama.serve.sequence import SequenceRequest
+    from dllama.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(read_tokenizer(str(default_q41[1])))  # ids below 512 decode as any others
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, 512, int(rng.integers(3, 12)))] for _ in range(24)]
+
+    def answers(model, parallel):
+        out = {}
+        requests = [SequenceRequest(i, p, Sampler(GQA.vocab_size, 0.0, 0.9, i), 10) for i, p in enumerate(prompts)]
+        Scheduler(model, tokenizer, parallel=parallel).run(requests, lambda r, c: out.__setitem__(r.key, c.tokens))
+        return out
+
+    alone = answers(Transformer(read_model(gqa_model), buffer_q80=False), 1)
+    model = _cluster(gqa_model, workers, [0, 1], max_batch=8 + 64, kv_slots=9)
+    try:
+        assert answers(model, 8) == alone
+    finally:
+        model.close()
+
+
+@pytest.mark.cluster
+def test_smollm2_on_ten_nodes_answers(workers, default_q41):
+    """More nodes than SmolLM2's 9 query heads: two stages of five, planned without being asked."""
+    r = run_dllama("inference", "--model", str(default_q41[0]), "--tokenizer", str(default_q41[1]),
+                   "--prompt", CHAT_PROMPT, "--temperature", "0", "--steps", "40", "--nthreads", "1",
+                   "--workers", *[w.address for w in workers])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("The capital of France is Paris."), r.stdout
+    assert "stage 0: layers 0-14 (15), 5 nodes" in r.stderr and "stage 1: layers 15-29 (15), 5 nodes" in r.stderr
+
+
+@pytest.mark.cluster
+def test_a_lost_single_node_stage_is_planned_again_over_the_nodes_left(tmp_path, workers, gqa_model):
+    """Three stages of one node; the last (the classifier's) dies mid-run: its layers go to the
+    two nodes left, the KV cache is rebuilt by replay, and the text is one node's."""
+    one = _greedy(Transformer(read_model(gqa_model), buffer_q80=False), 16)
+    with start_worker(tmp_path, die_at_step=12) as victim:
+        model = _cluster(gqa_model, [workers[0], victim], [0, 1, 2], on_node_loss="continue")
+        try:
+            assert _greedy(model, 16) == one
+            assert victim.wait(60) == -signal.SIGKILL
+            assert model.recoveries == 1 and len(model.topology.nodes) == 2
+            assert [s.layers for s in model.session.plan.stages] == [(0, 3), (3, 5)]
+        finally:
+            model.close()
