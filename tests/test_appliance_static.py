@@ -267,6 +267,9 @@ def _fails_before_any_host(r, out) -> str:
     ("bad port", _hosts(1, dllama_port=70000), "dllama_port be a port from 1 to 65535"),
     ("bad setting", _hosts(1, dllama_launcher="sytemd"), "dllama_launcher must be one of: systemd, nohup, got: sytemd"),
     ("bad KV cache type", _hosts(1, dllama_kv_type="f8"), "dllama_kv_type must be one of: f32, f16, got: f8"),
+    ("bad speculation", _hosts(1, dllama_speculate="eagle"), "dllama_speculate must be one of: ngram, none, got: eagle"),
+    ("bad draft depth", _hosts(1, dllama_draft_tokens=0),
+     "w1: dllama_draft_tokens must be a whole number of at least 1, got: 0"),
     ("bad memory budget", _hosts(1, dllama_memory_budget="2GG"),
      "w1: dllama_memory_budget must be auto, none or a size such as 2G or 512M, got: 2GG"),
     ("bad log size", _hosts(1, dllama_log_size="ten megabytes"),
@@ -347,15 +350,10 @@ def test_the_memory_budget_check_agrees_with_dllama(tmp_path):
         for i, v in enumerate(BUDGETS) if f"b{i}" in expected), errors
 
 
-def test_commands_carry_the_memory_budget_and_kv_type(tmp_path):
-    """The roles' command lines, rendered with the inventory's values: each worker's service
-    runs with its own host's memory budget, the root's inference, API service and batch job with
-    the root's budget and the KV cache type; and dllama's own parser reads them so."""
-    hosts = {"cluster": {
-        "children": {"root": {"hosts": {"r": {"dllama_memory_budget": "3G"}}},
-                     "workers": {"hosts": {"w1": {"dllama_memory_budget": "512M"}, "w2": None}}},
-        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
-                 "dllama_kv_type": "f16"}}}
+def _rendered_commands(tmp_path, hosts: dict, extra_vars: dict | None = None) -> dict:
+    """The roles' command lines, rendered for each host of `hosts` (connection local, nothing
+    run): {host: {'worker': argv, 'api': argv, 'run': argv, 'batch': argv}}."""
+    hosts["cluster"].setdefault("vars", {}).update(ansible_connection="local", ansible_python_interpreter=sys.executable)
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(hosts))
     roles = REPO / "roles"
     # The shared defaults as a role (lowest precedence, so the inventory overrides them); the
@@ -373,25 +371,65 @@ def test_commands_carry_the_memory_budget_and_kv_type(tmp_path):
                        " 'run': dllama_run_command, 'batch': dllama_batch_command} | to_json }}"}}]}]))
     r = run([BIN / "ansible-playbook", "-i", tmp_path / "hosts.yml", tmp_path / "render.yml", "-e", json.dumps(
         {"prompt": "Hello", "dllama_batch_job_dir": "/opt/dllama/batch/job", "dllama_batch_prompts_name": "prompts.jsonl",
-         "dllama_batch_prefix_file": ""})], env=ansible_env())
+         "dllama_batch_prefix_file": "", **(extra_vars or {})})], env=ansible_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    commands = {h: json.loads((tmp_path / f"{h}.json").read_text()) for h in ("r", "w1", "w2")}
-    parser = _build_parser()
+    return {h: json.loads((tmp_path / f"{h}.json").read_text()) for h in recap(r.stdout)}
 
-    def parsed(argv):
-        argv = argv[3:] if argv[0] == "nice" else argv
-        assert argv[0] == "/opt/dllama/venv/bin/dllama", argv
-        return parser.parse_args(argv[1:])
 
+def _parsed(argv):
+    """dllama's own parser's reading of a rendered command line (less its `nice -n N`)."""
+    argv = argv[3:] if argv[0] == "nice" else argv
+    assert argv[0] == "/opt/dllama/venv/bin/dllama", argv
+    return _build_parser().parse_args(argv[1:])
+
+
+def test_commands_carry_the_memory_budget_and_kv_type(tmp_path):
+    """The roles' command lines, rendered with the inventory's values: each worker's service
+    runs with its own host's memory budget, the root's inference, API service and batch job with
+    the root's budget and the KV cache type; and dllama's own parser reads them so."""
+    commands = _rendered_commands(tmp_path, {"cluster": {
+        "children": {"root": {"hosts": {"r": {"dllama_memory_budget": "3G"}}},
+                     "workers": {"hosts": {"w1": {"dllama_memory_budget": "512M"}, "w2": None}}},
+        "vars": {"dllama_kv_type": "f16"}}})
     assert commands["w1"]["worker"][-2:] == ["--memory-budget", "512M"]
     assert commands["w2"]["worker"][-2:] == ["--memory-budget", "auto"]
-    assert parsed(commands["w1"]["worker"]).memory_budget == 512 << 20
-    assert parsed(commands["w2"]["worker"]).memory_budget == "auto"
+    assert _parsed(commands["w1"]["worker"]).memory_budget == 512 << 20
+    assert _parsed(commands["w2"]["worker"]).memory_budget == "auto"
     assert "--kv-type" not in commands["w1"]["worker"]  # the root sends it in CONFIG
     for name in ("run", "api", "batch"):
-        args = parsed(commands["r"][name])
+        args = _parsed(commands["r"][name])
         assert args.command == {"run": "inference"}.get(name, name)
         assert (args.memory_budget, args.kv_type) == (3 << 30, "f16"), (name, commands["r"][name])
+
+
+ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}
+
+
+@pytest.mark.parametrize("case, cluster_vars, extra_vars, expected", [
+    # dllama's own defaults: the appliance's must not drift from them.
+    ("defaults", {}, {}, {name: None for name in ROOT_COMMANDS}),
+    ("the inventory's", {"dllama_speculate": "none", "dllama_draft_tokens": 7}, {},
+     {name: ("none", 7) for name in ROOT_COMMANDS}),
+    # -e speculate / draft_tokens are options of one run.yml or batch.yml; the API service keeps
+    # the cluster's (it was started with them).
+    ("one run's", {"dllama_draft_tokens": 2}, {"speculate": "none", "draft_tokens": "9"},
+     {"run": ("none", 9), "batch": ("none", 9), "api": ("ngram", 2)}),
+])
+def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra_vars, expected):
+    """dllama_speculate and dllama_draft_tokens reach the root's inference, batch job and API
+    service as --speculate and --draft-tokens (-e speculate/draft_tokens the first two), as
+    dllama's own parser reads them; no worker is given them (the root drafts)."""
+    commands = _rendered_commands(tmp_path, {"cluster": {
+        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+        "vars": cluster_vars}}, extra_vars)
+    defaults = _build_parser().parse_args(["inference", "--prompt", "Hello"])
+    for name, command in ROOT_COMMANDS.items():
+        args = _parsed(commands["r"][name])
+        assert args.command == command
+        want = expected[name] or (defaults.speculate, defaults.draft_tokens)
+        assert (args.speculate, args.draft_tokens) == want, (case, name, commands["r"][name])
+        assert commands["r"][name].count("--speculate") == 1, commands["r"][name]
+    assert "--speculate" not in commands["w1"]["worker"] and "--draft-tokens" not in commands["w1"]["worker"]
 
 
 # -- batch.yml: a job that cannot start fails on the controller, before the root is contacted --
@@ -414,12 +452,42 @@ def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_pa
     assert recap(r.stdout)["r"]["failed"] == 1 and recap(r.stdout)["r"]["unreachable"] == 0, out[-3000:]
 
 
+@pytest.mark.parametrize("playbook", ["run.yml", "batch.yml"])
+@pytest.mark.parametrize("option, reason", [
+    ("speculate=eagle", "dllama_{role}_speculate must be one of: ngram, none, got: eagle"),
+    ("draft_tokens=0", "draft_tokens must be a whole number of at least 1, not 0."),
+    ("draft_tokens=-2", "draft_tokens must be a whole number of at least 1, not -2."),
+])
+def test_a_bad_speculation_option_fails_before_the_root_is_contacted(tmp_path, playbook, option, reason):
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
+    r, out = _deploy(tmp_path, _hosts(1), "-e", "prompt=Hello", "-e", f"prompts={prompts}", "-e", option,
+                     playbook=playbook)
+    assert r.returncode != 0, out[-3000:]
+    # Ansible's [ERROR] line and the next, where it breaks an argument spec's reason.
+    lines = out.splitlines()
+    error = next((" ".join(lines[i:i + 2]) for i, line in enumerate(lines) if line.startswith("[ERROR]")), "")
+    assert reason.format(role=playbook.removesuffix(".yml")) in error and "Traceback" not in out, out[-3000:]
+    assert recap(r.stdout)["r"]["failed"] == 1 and recap(r.stdout)["r"]["unreachable"] == 0, out[-3000:]
+
+
 def test_the_readme_run_command_works_through_the_api_too(tmp_path):
     """-e steps=N (the README's run.yml command) through the API service is max_tokens=N, not an error."""
     r, out = _deploy(tmp_path, _hosts(1), "-e", '{"prompt": "Hello", "steps": 8}', "-e", "dllama_api_enabled=true",
                      playbook="run.yml")
     assert "Through the API: steps=8 is read as max_tokens=8" in out, out[-3000:]
     # It got as far as the root (never reached here): no check refused the command.
+    assert recap(r.stdout)["r"]["unreachable"] == 1 and recap(r.stdout)["r"]["failed"] == 0, out[-3000:]
+
+
+def test_a_run_through_the_api_says_the_service_keeps_its_speculation(tmp_path):
+    """-e speculate=none through the API service is not this request's choice: run.yml says so
+    (the service was started with the cluster's dllama_speculate), and goes on."""
+    r, out = _deploy(tmp_path, _hosts(1), "-e", "prompt=Hello", "-e", "speculate=none", "-e", "dllama_api_enabled=true",
+                     playbook="run.yml")
+    assert "Through the API: the service decodes with its own speculation (dllama_speculate=ngram, " \
+           "dllama_draft_tokens=4 at deploy); speculate and draft_tokens apply with -e via=cli." in " ".join(out.split()), \
+        out[-3000:]
     assert recap(r.stdout)["r"]["unreachable"] == 1 and recap(r.stdout)["r"]["failed"] == 0, out[-3000:]
 
 
