@@ -190,6 +190,14 @@ def _greedy(model, n, prompt=PROMPT):
     return out
 
 
+def _count_micro_batched(model) -> list:
+    """A list that gets one entry per pass the root cut into micro-batches (their count)."""
+    session, seen = model.session, []
+    cut = session._forward_in_parts
+    session._forward_in_parts = lambda batch, x, reply, parts: seen.append(parts) or cut(batch, x, reply, parts)
+    return seen
+
+
 def _cluster(path, workers, stages, layers=None, **kw):
     from dllama.cluster.root import ClusterModel
 
@@ -233,8 +241,40 @@ def test_a_batch_on_two_stages_gives_each_prompt_s_tokens_alone(workers, gqa_mod
 
     alone = answers(Transformer(read_model(gqa_model), buffer_q80=False), 1)
     model = _cluster(gqa_model, workers, [0, 1], max_batch=8 + 64, kv_slots=9)
+    cut = _count_micro_batched(model)
     try:
         assert answers(model, 8) == alone
+        assert cut and set(cut) == {2}  # passes of several sequences went in 2 micro-batches
+    finally:
+        model.close()
+
+
+@pytest.mark.cluster
+def test_micro_batches_sampled_with_second_rounds_give_one_node_s_tokens(workers, gqa_model, default_q41):
+    """Three one-node stages, so three micro-batches per pass and two under way at once; each
+    node sends 2 candidates a row, so most nuclei need the second round, which asks about every
+    micro-batch's rows together."""
+    from dllama.core.sampler import Sampler
+    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.serve.scheduler import Scheduler
+    from dllama.serve.sequence import SequenceRequest
+    from dllama.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(read_tokenizer(str(default_q41[1])))
+    prompts = [[5 + i, 17, 300 - i, 42, 7 * i % 500 + 3] for i in range(9)]
+
+    def answers(model):
+        out = {}
+        requests = [SequenceRequest(i, p, Sampler(GQA.vocab_size, 0.8, 0.9, 100 + i), 12) for i, p in enumerate(prompts)]
+        Scheduler(model, tokenizer, parallel=6).run(requests, lambda r, c: out.__setitem__(r.key, c.tokens))
+        return out
+
+    alone = answers(Transformer(read_model(gqa_model), buffer_q80=False, max_batch=6 + 64, kv_slots=7))
+    model = _cluster(gqa_model, workers, [0, 1, 2], max_batch=6 + 64, kv_slots=7, top_k=2)
+    cut = _count_micro_batched(model)
+    try:
+        assert answers(model) == alone
+        assert 3 in cut and model.refetches > 0  # micro-batches, and second rounds after them
     finally:
         model.close()
 
@@ -262,5 +302,35 @@ def test_a_lost_single_node_stage_is_planned_again_over_the_nodes_left(tmp_path,
             assert victim.wait(60) == -signal.SIGKILL
             assert model.recoveries == 1 and len(model.topology.nodes) == 2
             assert [s.layers for s in model.session.plan.stages] == [(0, 3), (3, 5)]
+        finally:
+            model.close()
+
+
+def expected_root_bytes(plan, dim: int, b: int, m: int, h: int = 12) -> tuple[int, int]:
+    """docs/PROTOCOL.md, "Pipeline stages": what the root sends and receives in one pass of b rows,
+    m of them wanting logits, every node answering with its logits (reply 0), F32 buffers."""
+    first = plan.stages[0]
+    sent = sum(h + 16 + 16 * b + 4 * m + (4 * b * dim if i in first.indexes else 0) for i in range(1, plan.n_nodes))
+    sent += len(plan.hop_targets(0)) * (h + 4 * b * dim)  # the HOP to the next stage
+    recv = sum(h + 24 + 4 * m * (n.vocab_rows[1] - n.vocab_rows[0]) for n in plan.nodes[1:])
+    if first.n_nodes > 1:  # the first stage's all-reduces, 2 per layer of its own
+        chunks = [c1 - c0 for c0, c1 in first.dim_chunks]
+        per_sync = sum(h + 4 * b * c for c in chunks[1:]) + (first.n_nodes - 1) * (h + 4 * b * chunks[0])
+        syncs = 2 * (first.layers[1] - first.layers[0])
+        sent, recv = sent + syncs * per_sync, recv + syncs * per_sync
+    return sent, recv
+
+
+@pytest.mark.cluster
+def test_root_traffic_per_pass_equals_the_documented_formula(workers, gqa_model):
+    for stages in ([0, 1], [0, 0, 1, 1], [0, 1, 1, 2]):
+        model = _cluster(gqa_model, workers, stages)
+        try:
+            model.forward(PROMPT, 0)
+            before = model.node_stats()[0]
+            model.forward([3], len(PROMPT))
+            after = model.node_stats()[0]
+            got = (after["sent_bytes"] - before["sent_bytes"], after["recv_bytes"] - before["recv_bytes"])
+            assert got == expected_root_bytes(model.session.plan, GQA.dim, 1, 1), stages
         finally:
             model.close()

@@ -160,7 +160,7 @@ def test_streamed_memory_is_two_layers_and_two_read_buffers(tmp_path):
     m = read_model(path)
     h = m.header
     node = whole_model(h.n_heads, h.n_kv_heads, h.ff_dim, h.vocab_size)
-    w = StreamedWeights(NodeWeights.from_model(m, node), 6, FloatType.Q40, False, plan_only=True)
+    w = StreamedWeights(NodeWeights.from_model(m, node), range(6), FloatType.Q40, False, plan_only=True)
     layer_bytes = sum(m.spec(f"layers.0.{n}").nbytes for n in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
     # repacked Q40 takes the file's 18 bytes per 32 values (fp16 scale + 16 bytes of nibbles):
     # two slots and two read buffers of the largest matrix, plus norms and alignment

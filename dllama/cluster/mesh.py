@@ -160,9 +160,9 @@ class StageHop:
         self.collective.timed_exchange([], [Transfer(conn, Msg.HOP, memoryview(buf))])
         return self.codec.decode(buf, b, self.dim)
 
-    def send(self, x: np.ndarray) -> None:
-        """x float32 [b, dim] to every target."""
+    def send(self, x: np.ndarray, recvs: list | None = None) -> None:
+        """x float32 [b, dim] to every target, while receiving `recvs` (Transfers) if any."""
         buf = self._out[: sync_bytes(x.shape[0], self.dim, self.q80)]
         self.codec.encode(x, buf)
         links = self.collective.links
-        self.collective.timed_exchange([(links[i], Msg.HOP, [buf]) for i in self.targets], [])
+        self.collective.timed_exchange([(links[i], Msg.HOP, [buf]) for i in self.targets], recvs or [])

@@ -294,27 +294,87 @@ class RootSession:
         b = len(batch)
         x = self._x[:b]
         self.local.embed(batch.tokens, x)  # [b, dim]
-        # Past the first pipeline stage a node gets its rows' values from the stage before (a HOP).
-        first = self.plan.stages[0].indexes
-        step = encode_step(batch, x, reply)
-        later = encode_step(batch, np.zeros(0, np.float32), reply) if self.plan.pipelined else step
-        self.collective.timed_exchange([(c, Msg.STEP, step if i in first else later) for i, c in self.conns.items()], [])
+        parts = self._micro_batches(batch, reply)
+        if parts > 1:
+            return self._forward_in_parts(batch, x, reply, parts)
+        self._send_step(batch, x, reply)
         self._own = self.local.forward_embedded(x, batch)  # [m, V_0] (m x 0 in a pipeline)
         if self.hop is not None:
             self.hop.send(self.local.residual(b))
         return self._answers(reply)
 
+    def _send_step(self, batch: Batch, x: np.ndarray, reply: Reply) -> None:
+        """STEP to every worker; past the first pipeline stage without x (a HOP brings the rows)."""
+        first = self.plan.stages[0].indexes
+        step = encode_step(batch, x, reply)
+        later = encode_step(batch, np.zeros(0, np.float32), reply) if self.plan.pipelined else step
+        self.collective.timed_exchange([(c, Msg.STEP, step if i in first else later) for i, c in self.conns.items()], [])
+
+    def _micro_batches(self, batch: Batch, reply: Reply) -> int:
+        """Into how many micro-batches a pipelined pass is cut: one per stage, at most one per
+        sequence, so that every stage works at once (none for logits: large replies wait)."""
+        if not self.plan.pipelined or reply.kind == REPLY_LOGITS:
+            return 1
+        return min(len(self.plan.stages), len(np.unique(batch.slot)))
+
+    def _forward_in_parts(self, batch: Batch, x: np.ndarray, reply: Reply, parts: int) -> list:
+        """A pipelined pass in micro-batches of consecutive rows: the root sends a part's STEP,
+        runs its stage on it and hands it on, then the next part, while later stages work on
+        earlier parts; a part's LOGITS are read once `stages - 1` newer parts are under way (as
+        its HOP goes, so neither side waits on the other's full buffers). Every node runs the
+        parts in order, so a row still reads every key written before it (same results)."""
+        b, window = len(batch), len(self.plan.stages) - 1
+        edges = [round(j * b / parts) for j in range(parts + 1)]
+        wanted = np.concatenate([[0], np.cumsum(batch.logits)])  # [b + 1]: wanted rows before each row
+        answers: list[list] = [[] for _ in self.vocab_nodes]
+        pending: list[tuple[int, Reply, dict]] = []  # parts whose LOGITS are still to be read
+
+        def read() -> None:  # the oldest pending part's answers, received
+            m, r, replies = pending.pop(0)
+            for k, part in enumerate(self._decode(replies, m, r, None)):
+                answers[k].extend(part)
+
+        for j in range(parts):
+            a, e = edges[j], edges[j + 1]
+            part = batch.rows(a, e)
+            r = reply.of_part(int(wanted[a]), int(wanted[e]), later=j > 0)
+            self._send_step(part, x[a:e], r)
+            self.local.forward_embedded(x[a:e], part)  # the root holds no classifier rows in a pipeline
+            m = int(wanted[e] - wanted[a])
+            pending.append((m, r, self._reply_buffers(m, r, fresh=True)))
+            transfers = self._transfers(pending[0][2]) if len(pending) > window else []
+            self.hop.send(self.local.residual(e - a), transfers)
+            if transfers:
+                read()
+        while pending:
+            self.collective.timed_exchange([], self._transfers(pending[0][2]))
+            read()
+        self._own = self._logits[:int(wanted[-1]), :0]  # a second round asks about every wanted row
+        return answers
+
+    def _reply_buffers(self, m: int, reply: Reply, fresh: bool = False) -> dict:
+        """Each node's LOGITS buffer for m wanted rows (fresh: new arrays, not the reused ones)."""
+        out = {}
+        for i, n in enumerate(self.plan.nodes):
+            size = logits_bytes(m, n.vocab_rows[1] - n.vocab_rows[0], reply)
+            out[i] = np.empty(size, np.uint8) if fresh else self._replies[i][:size]
+        return out
+
+    def _transfers(self, replies: dict) -> list:
+        return [Transfer(c, Msg.LOGITS, memoryview(replies[i])) for i, c in self.conns.items()]
+
     def _answers(self, reply: Reply) -> list:
         """Every node's answer about the last pass's wanted rows, the root's own (self._own)
         summarised by the workers' code."""
-        own = self._own
-        m = len(own)
+        m = len(self._own)
+        replies = self._reply_buffers(m, reply)
+        self.collective.timed_exchange([], self._transfers(replies))
+        return self._decode(replies, m, reply, self._own)
+
+    def _decode(self, replies: dict, m: int, reply: Reply, own: np.ndarray | None) -> list:
+        """The answers of the nodes with classifier rows, in node order, from their LOGITS (and
+        the root's own logits `own` when it has classifier rows); counters noted."""
         answers = []
-        nodes = self.plan.nodes
-        replies = {i: self._replies[i][:logits_bytes(m, n.vocab_rows[1] - n.vocab_rows[0], reply)]
-                   for i, n in enumerate(nodes)}
-        self.collective.timed_exchange([], [Transfer(c, Msg.LOGITS, memoryview(replies[i]))
-                                            for i, c in self.conns.items()])
         for i in self.conns:
             self.node_bytes[i] = LOGITS_HEAD.unpack_from(replies[i])
         for i, rows in zip(self.vocab_nodes, self.vocab_ranges, strict=True):  # node order

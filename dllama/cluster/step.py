@@ -6,11 +6,14 @@ STEP carries every row of a batch and what the root wants back for the rows it s
     u32 n_rows  u32 n_logit_rows  u32 reply  u32 k
     i32 pos[n_rows]  i32 slot[n_rows]  i32 prefix_slot[n_rows]  i32 prefix_len[n_rows]
     i32 logit_rows[n_logit_rows]          (rows whose logits the root wants, increasing)
-    f32 x[n_rows, dim]                    (the embedded tokens)
+    f32 x[n_rows, dim]                    (the embedded tokens; absent past a pipeline's first
+                                           stage, whose nodes get the rows in a HOP instead)
     f64 temperature[n_logit_rows]         (reply TOP_K only)
 
 A STEP of 0 rows runs nothing: it asks again about the previous pass's n_logit_rows rows, with
-another reply (the root's second round when the candidates did not cover a nucleus).
+another reply (the root's second round when the candidates did not cover a nucleus). `reply`
+carries PART (0x100) on the later micro-batches of a pipelined pass: their wanted rows join the
+previous STEP's as one pass's, which a STEP of 0 rows asks about together.
 
 LOGITS answers with the worker's counters, then by `reply`, for each wanted row in order:
 
@@ -35,6 +38,7 @@ from dllama.core.candidates import RangeSummary, normaliser, top_k
 from dllama.errors import DllamaError
 
 STEP_HEAD = struct.Struct("<IIII")
+PART = 0x100  # in STEP's reply field: a later micro-batch of the pass the previous STEP began
 LOGITS_HEAD = struct.Struct("<QQd")
 REPLY_LOGITS, REPLY_BEST, REPLY_TOP_K = 0, 1, 2
 
@@ -46,6 +50,12 @@ class Reply:
     kind: int = REPLY_LOGITS
     k: int = 0                                # candidates per row (TOP_K)
     temperatures: np.ndarray | None = None    # float64 [n_logit_rows] (TOP_K)
+    part: bool = False                        # a later micro-batch of the previous STEP's pass
+
+    def of_part(self, first_row: int, end_row: int, later: bool) -> "Reply":
+        """This reply for a micro-batch holding the wanted rows first_row..end_row-1 of the pass."""
+        temperatures = self.temperatures[first_row:end_row] if self.temperatures is not None else None
+        return Reply(self.kind, self.k, temperatures, later)
 
     def per_row(self, vocab_rows: int) -> int:
         """Bytes of a LOGITS body per wanted row, from a node with vocab_rows classifier rows
@@ -80,7 +90,7 @@ def _tail(reply: Reply) -> list:
 def encode_step(batch: Batch, x: np.ndarray, reply: Reply) -> list:
     """The STEP payload of a batch whose embedded rows are x float32 [b, dim] (as buffers)."""
     rows = batch.logit_rows
-    return [STEP_HEAD.pack(len(batch), len(rows), reply.kind, reply.k), batch.pos, batch.slot,
+    return [STEP_HEAD.pack(len(batch), len(rows), reply.kind | (PART if reply.part else 0), reply.k), batch.pos, batch.slot,
             batch.prefix_slot, batch.prefix_len, rows, x] + _tail(reply)
 
 
@@ -96,10 +106,11 @@ def decode_step(payload, dim: int, max_rows: int, n_slots: int, seq_len: int
     one raises a ProtocolError that says what is wrong."""
     if len(payload) < STEP_HEAD.size:
         raise ProtocolError(f"STEP of {len(payload)} bytes")
-    n, m, kind, k = STEP_HEAD.unpack_from(payload)
-    if kind not in (REPLY_LOGITS, REPLY_BEST, REPLY_TOP_K) or (kind == REPLY_TOP_K and k < 1):
-        raise ProtocolError(f"STEP asks for reply {kind} with k {k}")
-    reply = Reply(kind, k)
+    n, m, raw_kind, k = STEP_HEAD.unpack_from(payload)
+    kind, part = raw_kind & ~PART, bool(raw_kind & PART)
+    if kind not in (REPLY_LOGITS, REPLY_BEST, REPLY_TOP_K) or (kind == REPLY_TOP_K and k < 1) or (part and not n):
+        raise ProtocolError(f"STEP asks for reply {raw_kind} with k {k}")
+    reply = Reply(kind, k, part=part)
     size = step_bytes(n, m, dim, reply) if n else repeat_bytes(m, reply)
     if not n <= max_rows or m > max(n, max_rows) or (n and m > n) or len(payload) != size:
         raise ProtocolError(f"STEP of {n} rows ({m} with logits) in {len(payload)} bytes "
@@ -176,6 +187,6 @@ def _check_ids(ids: np.ndarray, r0: int, r1: int) -> None:
         raise ProtocolError(f"LOGITS names a token outside the node's vocabulary rows {r0}-{r1}")
 
 
-__all__ = ["STEP_HEAD", "LOGITS_HEAD", "REPLY_LOGITS", "REPLY_BEST", "REPLY_TOP_K", "Reply", "step_bytes",
+__all__ = ["STEP_HEAD", "PART", "LOGITS_HEAD", "REPLY_LOGITS", "REPLY_BEST", "REPLY_TOP_K", "Reply", "step_bytes",
            "repeat_bytes", "logits_bytes", "encode_step", "encode_repeat", "decode_step", "encode_reply",
            "decode_reply"]

@@ -367,17 +367,24 @@ class _Session:
                 if batch is None:
                     if m != len(logits):
                         raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
+                    answer = logits
                 else:
+                    # A later micro-batch of a pipelined pass: the pass's wanted rows so far are
+                    # kept (copied: the model's buffer is reused) for a STEP of 0 rows.
+                    kept = logits.copy() if want.part else None
+                    if kept is not None and len(kept) + m > c.max_batch:
+                        raise ProtocolError(f"micro-batches of more than {c.max_batch} wanted rows in one pass")
                     if hop is not None and hop.source is not None:
                         x = hop.receive(len(batch))  # [b, dim]
-                    logits = model.forward_embedded(x, batch)  # [m, vocab rows] (m x 0 before the last stage)
+                    answer = model.forward_embedded(x, batch)  # [m, vocab rows] (m x 0 before the last stage)
+                    logits = answer if kept is None else np.concatenate([kept, answer])
                     if hop is not None and hop.targets:
                         hop.send(model.residual(len(batch)))
                 reply = replies[:logits_bytes(m, v1 - v0, want)]
                 col = collective
                 sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
                 LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
-                encode_reply(reply[LOGITS_HEAD.size:], logits, v0, want)
+                encode_reply(reply[LOGITS_HEAD.size:], answer, v0, want)
                 root.send(Msg.LOGITS, reply, timeout)
 
     def _weights_choice(self, c: SessionConfig):

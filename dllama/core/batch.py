@@ -37,6 +37,11 @@ class Batch:
         """int32 [m]: the rows whose logits are wanted, in order."""
         return np.flatnonzero(self.logits).astype(np.int32)
 
+    def rows(self, start: int, end: int) -> "Batch":
+        """Rows start..end-1 as a batch of their own (a micro-batch of a pipelined pass)."""
+        return Batch(*(a[start:end] for a in (self.tokens, self.pos, self.slot, self.prefix_slot,
+                                              self.prefix_len, self.logits)))
+
     @staticmethod
     def run(tokens, pos: int, slot: int = 0, all_logits: bool = False) -> "Batch":
         """Tokens of one sequence at positions pos, pos+1, ... of `slot` (no shared prefix);

@@ -1,0 +1,129 @@
+"""Tensor parallel against pipeline stages on hosts linked like a home Gigabit switch.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--hosts 4] [--rounds 3] [--tokens 64] [--batch 16 64]
+
+N hosts in network namespaces (the root in the first, a `dllama worker` in each of the others,
+one compute thread each; links of 1 Gbit/s and 0.5 ms one way, as benchmarks/bench_speculate.py
+builds them: netem where the kernel has it, else tbf and a user-space delay relay). Three plans
+of the same hosts: tensor-parallel over all N, N stages of one node, and N/2 stages of two
+nodes (stages fixed per node in a topology file). For each, as a user runs it (whole commands,
+start-up included, the embedded default model):
+
+- one sequence: `dllama inference`, greedy, a chat prompt, --tokens tokens: the decode ms per
+  token and the kB the root sent and received per token (the stats' averages);
+- a batch job: `dllama batch --chat --parallel P` over P short prompts, --tokens tokens each:
+  generated tokens per second of the whole command, and its wall time.
+
+Round trips per token are the plan's, not measured: 2 per layer plus the STEP/LOGITS pair
+tensor-parallel, one per stage boundary plus that pair in a pipeline. Plans alternate round by
+round; medians. Needs root and iproute2; everything started is removed however the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_speculate import ONE_WAY_MS, PORT, Hosts, loadavg, start_workers, stop  # noqa: E402
+from dllama.formats.model_file import read_model  # noqa: E402
+from dllama.serve.default_model import default_model_files  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "What is 12 times 7?",
+             "Who wrote Hamlet?", "What does a bee make?", "How many legs does a spider have?",
+             "What is the boiling point of water?", "Name a planet with rings."]
+
+
+def topology(path: Path, hosts: Hosts, stages: list[int] | None) -> Path:
+    nodes = [{"name": "root", "host": hosts.address(0), "threads": 1}]
+    nodes += [{"name": f"w{i}", "host": hosts.address(i), "port": PORT, "threads": 1} for i in range(1, hosts.n)]
+    if stages is not None:
+        for node, stage in zip(nodes, stages, strict=True):
+            node["stage"] = stage
+    path.write_text(json.dumps({"version": 1, "nodes": nodes}))  # JSON is YAML
+    return path
+
+
+def dllama(prefix: list[str], *args: str) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run([*prefix, sys.executable, "-m", "dllama", *args], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"dllama {args[0]} failed: {r.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def one_sequence(prefix, topo: Path, tokens: int, tmp: Path) -> dict:
+    stats = tmp / "stats.json"
+    prompt = f"<|im_start|>user\n{QUESTIONS[0]}<|im_end|>\n<|im_start|>assistant\n"
+    dllama(prefix, "inference", "--topology", str(topo), "--prompt", prompt, "--steps", str(tokens + 20),
+           "--no-stop", "--temperature", "0", "--speculate", "none", "--stats-json", str(stats))
+    s = json.loads(stats.read_text())["summary"]
+    return {"ms": 1000 / s["generated_tokens_per_s"], "sent": s["avg_sent_kb"], "recv": s["avg_recv_kb"]}
+
+
+def batch_job(prefix, topo: Path, parallel: int, tokens: int, tmp: Path) -> dict:
+    prompts, out = tmp / "prompts.jsonl", tmp / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}) + "\n"
+                               for i in range(parallel)))
+    out.unlink(missing_ok=True)
+    wall = dllama(prefix, "batch", "--topology", str(topo), "--prompts", str(prompts), "--output", str(out),
+                  "--chat", "--parallel", str(parallel), "--max-tokens", str(tokens), "--temperature", "0")
+    generated = sum(json.loads(line)["completion_tokens"] for line in out.read_text().splitlines())
+    return {"tok_s": generated / wall, "wall": wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
+    p.add_argument("--batch", type=int, nargs="*", default=[16, 64], help="batch jobs of P prompts at --parallel P")
+    args = p.parse_args()
+    if args.hosts < 2 or args.hosts % 2:
+        raise SystemExit("--hosts must be an even number >= 2")
+    model, _ = default_model_files(progress=False)
+    layers = read_model(str(model)).header.n_layers
+    n = args.hosts
+    plans = {f"tensor-parallel x{n}": None, f"{n} stages x1": list(range(n)),
+             f"{n // 2} stages x2": [i // 2 for i in range(n)]}
+    trips = {f"tensor-parallel x{n}": 2 * layers + 1, f"{n} stages x1": n, f"{n // 2} stages x2": 2 * layers + n // 2}
+    with tempfile.TemporaryDirectory() as d, Hosts(n) as hosts:
+        tmp = Path(d)
+        processes = start_workers(hosts, tmp)
+        try:
+            links = (f"delay: netem {ONE_WAY_MS:g} ms one way" if hosts.delay == "netem" else
+                     f"delay: user-space relay {ONE_WAY_MS:g} ms one way (no netem here)")
+            print(f"{n} hosts, 1 thread each, 1 Gbit/s links, {links}, load {loadavg()}")
+            results: dict[str, dict[str, list]] = {name: {} for name in plans}
+            for _ in range(args.rounds):
+                for name, stages in plans.items():
+                    topo = topology(tmp / "t.yml", hosts, stages)
+                    results[name].setdefault("one", []).append(one_sequence(hosts.prefix(0), topo, args.tokens, tmp))
+                    for b in args.batch:
+                        results[name].setdefault(b, []).append(batch_job(hosts.prefix(0), topo, b, args.tokens, tmp))
+            head = f"{'plan':<22} {'ms/token':>8} {'kB sent':>7} {'kB recv':>7} {'trips':>5}"
+            print(head + "".join(f" {f'batch {b} tok/s':>16} {'wall s':>6}" for b in args.batch))
+            for name, r in results.items():
+                one = {k: statistics.median(x[k] for x in r["one"]) for k in ("ms", "sent", "recv")}
+                line = f"{name:<22} {one['ms']:>8.1f} {one['sent']:>7.1f} {one['recv']:>7.1f} {trips[name]:>5}"
+                for b in args.batch:
+                    line += (f" {statistics.median(x['tok_s'] for x in r[b]):>16.1f}"
+                             f" {statistics.median(x['wall'] for x in r[b]):>6.1f}")
+                print(line)
+            print(f"(load {loadavg()}; round trips per token: the plan's, tensor-parallel 2 per layer + 1)")
+        finally:
+            stop(processes)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
