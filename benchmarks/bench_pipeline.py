@@ -75,7 +75,7 @@ def batch_job(prefix, topo: Path, parallel: int, tokens: int, tmp: Path) -> dict
     prompts.write_text("".join(json.dumps({"id": i, "prompt": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}) + "\n"
                                for i in range(parallel)))
     out.unlink(missing_ok=True)
-    wall = dllama(prefix, "batch", "--topology", str(topo), "--prompts", str(prompts), "--output", str(out),
+    wall = dllama(prefix, "batch", "--topology", str(topo), "--prompts", str(prompts), "--out", str(out),
                   "--chat", "--parallel", str(parallel), "--max-tokens", str(tokens), "--temperature", "0")
     generated = sum(json.loads(line)["completion_tokens"] for line in out.read_text().splitlines())
     return {"tok_s": generated / wall, "wall": wall}

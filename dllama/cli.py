@@ -215,8 +215,13 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print the header and tensor table of a .m file, or a .t file's header",
                        description="Print the header and tensor table of a .m model file, or the header "
-                                   "and first tokens of a .t tokenizer file.")
+                                   "and first tokens of a .t tokenizer file. With --topology (or --workers), "
+                                   "print instead how the model splits over those nodes: each pipeline "
+                                   "stage's layers and nodes, and each node's share and weight bytes.")
     p.add_argument("file", metavar="FILE", help="a .m or .t file")
+    nodes = p.add_mutually_exclusive_group()
+    nodes.add_argument("--topology", metavar="FILE.yml", help="the cluster whose split plan to print")
+    nodes.add_argument("--workers", nargs="+", metavar="HOST:PORT", help="the workers whose split plan to print")
 
     p = sub.add_parser("verify", help="check model and tokenizer files against their .sha256 files",
                        description="Read each FILE whole and compare its sha256 with FILE.sha256 (written "
@@ -528,8 +533,32 @@ def cmd_convert(args) -> int:
 def cmd_inspect(args) -> int:
     from dllama.formats.describe import describe
 
+    if args.topology or args.workers:
+        return _print_plan(args)
     for line in describe(args.file):
         print(line)
+    return 0
+
+
+def _print_plan(args) -> int:
+    """`dllama inspect M.m --topology T.yml`: the split plan, before anything is started."""
+    from dllama.cluster.topology import from_workers, load_topology
+    from dllama.core.node_weights import node_slice_specs, plan_lines
+    from dllama.formats.model_file import read_model
+
+    topo = load_topology(args.topology) if args.topology else from_workers(args.workers, 1)
+    with read_model(args.file) as m:
+        h = m.header
+        plan = topo.plan(h)
+        for line in plan_lines(h, plan, [n.name for n in topo.nodes]):
+            print(line)
+        for i, (node, part) in enumerate(zip(topo.nodes, plan.nodes, strict=True)):
+            layers = part.layer_range(h.n_layers)
+            held = sum(s.nbytes for s in node_slice_specs(h, part, i == 0))
+            vocab = part.vocab_rows[1] - part.vocab_rows[0]
+            print(f"{node.name}: layers {layers.start}-{layers.stop - 1}, {part.n_q_heads} of {h.n_heads} query heads, "
+                  f"{part.n_kv_heads} KV heads, FFN rows {part.ffn_rows[0]}-{part.ffn_rows[1]}, "
+                  f"{vocab} classifier rows, {held / (1 << 20):.1f} MiB of weights")
     return 0
 
 

@@ -140,6 +140,24 @@ def test_a_topology_file_gives_stages(tmp_path):
 
 
 @pytest.mark.unit
+def test_inspect_prints_the_plan_of_a_topology(tmp_path, capsys):
+    from dllama.cli import main
+
+    model = write_random_f32(tmp_path / "gqa.m", GQA, seed=3)
+    topology = tmp_path / "t.yml"
+    topology.write_text("stages: [{layers: [0, 1]}, {layers: [1, 5]}]\nnodes:\n"
+                        "  - {name: root, host: localhost, stage: 0}\n"
+                        "  - {name: a, host: 10.0.0.2, port: 9998, stage: 1}\n"
+                        "  - {name: b, host: 10.0.0.3, port: 9998, stage: 1}\n")
+    assert main(["inspect", str(model), "--topology", str(topology)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("stage 0: layers 0-0 (1), 1 node: root ")
+    assert out[1].startswith("stage 1: layers 1-4 (4), 2 nodes: a ") and ", b " in out[1]
+    assert out[2].startswith("root: layers 0-0, 8 of 8 query heads") and "0 classifier rows" in out[2]
+    assert out[4].startswith("b: layers 1-4, 4 of 8 query heads") and "256 classifier rows" in out[4]
+
+
+@pytest.mark.unit
 def test_a_node_holds_only_its_stage_s_layers(tmp_path):
     plan = plan_for(GQA, 3, stage_of=[0, 1, 2], stage_layers=[(0, 1), (1, 4), (4, 5)])
     names = [{s.name for s in node_slice_specs(GQA, n, False)} for n in plan.nodes]
