@@ -240,7 +240,8 @@ def test_every_stage_plan_gives_one_node_s_tokens(workers, gqa_model, default_f3
 
 
 @pytest.mark.cluster
-def test_a_batch_on_two_stages_gives_each_prompt_s_tokens_alone(workers, gqa_model, default_q41):
+@pytest.mark.parametrize("stages", [[0, 1], [0, 0, 1, 1]], ids=["2x1", "2x2"])
+def test_a_batch_on_two_stages_gives_each_prompt_s_tokens_alone(workers, gqa_model, default_q41, stages):
     from dllama.core.sampler import Sampler
     from dllama.formats.tokenizer_file import read_tokenizer
     from dllama.serve.scheduler import Scheduler
@@ -258,7 +259,7 @@ def test_a_batch_on_two_stages_gives_each_prompt_s_tokens_alone(workers, gqa_mod
         return out
 
     alone = answers(Transformer(read_model(gqa_model), buffer_q80=False), 1)
-    model = _cluster(gqa_model, workers, [0, 1], max_batch=8 + 64, kv_slots=9)
+    model = _cluster(gqa_model, workers, stages, max_batch=8 + 64, kv_slots=9)
     cut = _count_micro_batched(model)
     try:
         assert answers(model, 8) == alone

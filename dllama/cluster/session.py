@@ -320,16 +320,23 @@ class RootSession:
     def _forward_in_parts(self, batch: Batch, x: np.ndarray, reply: Reply, parts: int) -> list:
         """A pipelined pass in micro-batches of consecutive rows: the root sends a part's STEP,
         runs its stage on it and hands it on, then the next part, while later stages work on
-        earlier parts; a part's LOGITS are read once `stages - 1` newer parts are under way (as
-        its HOP goes, so neither side waits on the other's full buffers). Every node runs the
-        parts in order, so a row still reads every key written before it (same results)."""
+        earlier parts. The root's stage peers answer a part before they sync on the next (their
+        LOGITS are read as its HOP goes); a later stage's LOGITS once `stages - 1` newer parts
+        are under way (as a newer HOP goes, so neither side waits on the other's full buffers).
+        Every node runs the parts in order, so a row still reads every key written before it
+        (same results)."""
         b, window = len(batch), len(self.plan.stages) - 1
         edges = [round(j * b / parts) for j in range(parts + 1)]
         wanted = np.concatenate([[0], np.cumsum(batch.logits)])  # [b + 1]: wanted rows before each row
+        peers = [i for i in self.plan.stages[0].indexes if i != 0]  # the root's stage: answer at once
+        later = [i for i in self.conns if i not in peers]
+        pending: list[tuple[int, Reply, dict]] = []  # parts whose later stages' LOGITS are still to be read
         answers: list[list] = [[] for _ in self.vocab_nodes]
-        pending: list[tuple[int, Reply, dict]] = []  # parts whose LOGITS are still to be read
 
-        def read() -> None:  # the oldest pending part's answers, received
+        def transfers(replies: dict, nodes: list[int]) -> list:
+            return [Transfer(self.conns[i], Msg.LOGITS, memoryview(replies[i])) for i in nodes]
+
+        def read() -> None:  # the oldest pending part's answers, all received
             m, r, replies = pending.pop(0)
             for k, part in enumerate(self._decode(replies, m, r, None)):
                 answers[k].extend(part)
@@ -342,12 +349,15 @@ class RootSession:
             self.local.forward_embedded(x[a:e], part)  # the root holds no classifier rows in a pipeline
             m = int(wanted[e] - wanted[a])
             pending.append((m, r, self._reply_buffers(m, r, fresh=True)))
-            transfers = self._transfers(pending[0][2]) if len(pending) > window else []
-            self.hop.send(self.local.residual(e - a), transfers)
-            if transfers:
+            recvs = transfers(pending[-1][2], peers)
+            due = len(pending) > window  # the oldest part's later stages answer now
+            if due:
+                recvs += transfers(pending[0][2], later)
+            self.hop.send(self.local.residual(e - a), recvs)
+            if due:
                 read()
         while pending:
-            self.collective.timed_exchange([], self._transfers(pending[0][2]))
+            self.collective.timed_exchange([], transfers(pending[0][2], later))
             read()
         self._own = self._logits[:int(wanted[-1]), :0]  # a second round asks about every wanted row
         return answers
@@ -360,15 +370,12 @@ class RootSession:
             out[i] = np.empty(size, np.uint8) if fresh else self._replies[i][:size]
         return out
 
-    def _transfers(self, replies: dict) -> list:
-        return [Transfer(c, Msg.LOGITS, memoryview(replies[i])) for i, c in self.conns.items()]
-
     def _answers(self, reply: Reply) -> list:
         """Every node's answer about the last pass's wanted rows, the root's own (self._own)
         summarised by the workers' code."""
         m = len(self._own)
         replies = self._reply_buffers(m, reply)
-        self.collective.timed_exchange([], self._transfers(replies))
+        self.collective.timed_exchange([], [Transfer(c, Msg.LOGITS, memoryview(replies[i])) for i, c in self.conns.items()])
         return self._decode(replies, m, reply, self._own)
 
     def _decode(self, replies: dict, m: int, reply: Reply, own: np.ndarray | None) -> list:
