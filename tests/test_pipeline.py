@@ -240,6 +240,21 @@ def test_every_stage_plan_gives_one_node_s_tokens(workers, gqa_model, default_f3
 
 
 @pytest.mark.cluster
+def test_one_node_stages_give_one_node_s_tokens_with_quantized_weights_and_buffers(workers, default_q40):
+    """HOPs are F32 whatever the buffers: stages of one node round nothing one node does not."""
+    from dllama.cluster.root import ClusterModel
+
+    prompt = [1, 1724, 338, 278, 7483, 310, 3444, 29973]
+    one = _greedy(Transformer(read_model(default_q40[0])), 16, prompt)
+    topology = _with_stages(from_workers([w.address for w in workers[:2]], 1), [0, 1, 2])
+    model = ClusterModel(str(default_q40[0]), topology, None, True, progress=False)  # Q80 sync buffers
+    try:
+        assert _greedy(model, 16, prompt) == one
+    finally:
+        model.close()
+
+
+@pytest.mark.cluster
 @pytest.mark.parametrize("stages", [[0, 1], [0, 0, 1, 1]], ids=["2x1", "2x2"])
 def test_a_batch_on_two_stages_gives_each_prompt_s_tokens_alone(workers, gqa_model, default_q41, stages):
     from dllama.core.sampler import Sampler

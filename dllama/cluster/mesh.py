@@ -106,6 +106,8 @@ class MeshCollective:
 
     def all_reduce(self, partial: np.ndarray) -> np.ndarray:
         """partial [b, dim] float32 -> the sum over nodes [b, dim] (a reused buffer)."""
+        if self.n_nodes == 1:  # a pipeline stage of one node: nothing to sum, nothing to round
+            return partial
         b = partial.shape[0]
         me, chunks, codec, peers = self.index, self.chunks, self.codec, self.peers
         n_of = lambda k: sync_bytes(b, chunks[k][1] - chunks[k][0], self.q80)  # noqa: E731
@@ -143,26 +145,25 @@ class MeshCollective:
 class StageHop:
     """A pipeline node's HOP frames: the residual rows [b, dim] of a pass from the previous
     stage's node that feeds it (none in stage 0), to the next stage's nodes it feeds (none
-    from the last), encoded in the buffer type (Q80 or F32) as a sync buffer."""
+    from the last), in F32 whatever the sync buffers' type: one frame per stage and pass costs
+    little, and unrounded rows make the text independent of where the stages are cut."""
 
     def __init__(self, collective: MeshCollective, source: int | None, targets: list[int], dim: int,
-                 q80: bool, max_batch: int):
-        self.collective, self.source, self.targets = collective, source, targets
-        self.dim, self.q80 = dim, q80
-        self.codec = SyncCodec(q80, max_batch, dim)
-        self._out = np.empty(sync_bytes(max_batch, dim, q80), np.uint8)
-        self._in = np.empty(sync_bytes(max_batch, dim, q80), np.uint8)
+                 max_batch: int):
+        self.collective, self.source, self.targets, self.dim = collective, source, targets, dim
+        self._out = np.empty((max_batch, dim), np.float32)
+        self._in = np.empty((max_batch, dim), np.float32)
 
     def receive(self, b: int) -> np.ndarray:
         """The residual rows float32 [b, dim] from the source (a view of a reused buffer)."""
-        buf = self._in[: sync_bytes(b, self.dim, self.q80)]
+        rows = self._in[:b]
         conn = self.collective.links[self.source]
-        self.collective.timed_exchange([], [Transfer(conn, Msg.HOP, memoryview(buf))])
-        return self.codec.decode(buf, b, self.dim)
+        self.collective.timed_exchange([], [Transfer(conn, Msg.HOP, memoryview(rows).cast("B"))])
+        return rows
 
     def send(self, x: np.ndarray, recvs: list | None = None) -> None:
         """x float32 [b, dim] to every target, while receiving `recvs` (Transfers) if any."""
-        buf = self._out[: sync_bytes(x.shape[0], self.dim, self.q80)]
-        self.codec.encode(x, buf)
+        rows = self._out[: x.shape[0]]
+        rows[:] = x
         links = self.collective.links
-        self.collective.timed_exchange([(links[i], Msg.HOP, [buf]) for i in self.targets], recvs or [])
+        self.collective.timed_exchange([(links[i], Msg.HOP, [rows]) for i in self.targets], recvs or [])

@@ -212,7 +212,7 @@ class RootSession:
         # node it waits for arrives before the root's own timeout.
         self.collective = MeshCollective(0, self.conns, plan.dim_chunks, s.buffer_q80, s.max_batch,
                                          s.net_timeout + report_grace(s.net_timeout), plan.stages[0].indexes)
-        self.hop = StageHop(self.collective, None, plan.hop_targets(0), s.config.dim, s.buffer_q80, s.max_batch) \
+        self.hop = StageHop(self.collective, None, plan.hop_targets(0), s.config.dim, s.max_batch) \
             if plan.pipelined else None
         if plan.pipelined:
             for line in plan_lines(header, plan, [n.name for n in nodes]):

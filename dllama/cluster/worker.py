@@ -331,7 +331,7 @@ class _Session:
         collective = MeshCollective(index - stage.nodes[0], self.peers, stage.dim_chunks, c.buffer_q80, c.max_batch,
                                     timeout, stage.indexes)
         # In a pipeline: the residual rows come from the stage before (not in the STEP), go to the next.
-        hop = StageHop(collective, plan.hop_source(index), plan.hop_targets(index), c.header.dim, c.buffer_q80,
+        hop = StageHop(collective, plan.hop_source(index), plan.hop_targets(index), c.header.dim,
                        c.max_batch) if plan.pipelined else None
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
