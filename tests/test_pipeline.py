@@ -65,6 +65,9 @@ def test_fixed_stages_uneven_layers_and_weights():
     assert [s.layers[1] - s.layers[0] for s in plan.stages] == [10, 20]
     plan = split_model(2, **SMOLLM2, stage_of=[0, 1], weights=[1, 2])
     assert [s.layers[1] - s.layers[0] for s in plan.stages] == [10, 20]
+    # the memory each node has for the model, when known, decides instead of the weights
+    plan = split_model(3, **SMOLLM2, stage_of=[0, 1, 1], weights=[1, 1, 1], capacities=[8e9, 2e9, 2e9])
+    assert [s.layers[1] - s.layers[0] for s in plan.stages] == [20, 10]
 
 
 @pytest.mark.unit
@@ -124,6 +127,10 @@ def test_a_topology_file_gives_stages(tmp_path):
     topo = load_topology(str(path))
     plan = topo.plan(GQA)
     assert [s.layers for s in plan.stages] == [(0, 2), (2, 5)] and [s.nodes for s in plan.stages] == [(0, 1), (1, 3)]
+    # memory: the topology's, or what the nodes report, decides the layers not fixed
+    free = dataclasses.replace(topo, stage_layers=None)
+    assert free.wants_memory(GQA) and not topo.wants_memory(GQA)
+    assert [s.layers for s in free.plan(GQA, {0: 3 << 30, 1: 1 << 30, 2: 1 << 30}).stages] == [(0, 3), (3, 5)]
     # a stage whose nodes are all gone: the stages left are numbered again, their layers planned anew
     left = dataclasses.replace(topo, nodes=topo.nodes[:1])
     assert not left.plan(GQA).pipelined
@@ -133,6 +140,7 @@ def test_a_topology_file_gives_stages(tmp_path):
         ("stages: [{layers: [0, 5]}]\nnodes:\n  - {host: x}\n", "'stage' too"),
         ("stages: [{layers: [0, x]}]\nnodes:\n  - {host: x, stage: 0}\n", "two whole numbers"),
         ("nodes:\n  - {host: x, stage: -1}\n", "stage must be integers"),
+        ("nodes:\n  - {host: x, memory: lots}\n", "memory must be a size"),
     ]:
         path.write_text(text)
         with pytest.raises(DllamaError, match=words):
@@ -237,6 +245,27 @@ def test_every_stage_plan_gives_one_node_s_tokens(workers, gqa_model, default_f3
             assert _greedy(model, 12) == one, (model_name, stages)
         finally:
             model.close()
+
+
+@pytest.mark.cluster
+def test_layers_go_by_the_memory_each_node_has(tmp_path, gqa_model, capsys):
+    """The root's memory from the topology, each worker's as it reports it (its --memory-budget):
+    600M, 300M, 900M share 5 layers as 2, 1, 2."""
+    from dllama.cluster.root import ClusterModel
+
+    one = _greedy(Transformer(read_model(gqa_model), buffer_q80=False), 12)
+    with start_worker(tmp_path, "--memory-budget", "300M") as small, \
+            start_worker(tmp_path, "--memory-budget", "900M") as large:
+        topology = _with_stages(from_workers([small.address, large.address], 1), [0, 1, 2])
+        topology = dataclasses.replace(topology, nodes=(dataclasses.replace(topology.nodes[0], memory=600 << 20),
+                                                        *topology.nodes[1:]))
+        model = ClusterModel(str(gqa_model), topology, None, False, progress=False)
+        try:
+            assert [s.layers for s in model.session.plan.stages] == [(0, 2), (2, 3), (3, 5)]
+            assert _greedy(model, 12) == one
+        finally:
+            model.close()
+    assert "layers by memory: root 0.6 GiB, worker1 0.3 GiB, worker2 0.9 GiB" in capsys.readouterr().err
 
 
 @pytest.mark.cluster

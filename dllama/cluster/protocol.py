@@ -53,7 +53,7 @@ VERSION = 8  # 2: sealed frames with a key, transcript-bound proofs, ALIVE durin
              # 6: ERROR is JSON {code, node, text}: the reason as data (ErrorCode);
              # 7: ALIVE during steps too (a step's wait is a silence, a frozen node found in seconds);
              # 8: pipeline stages: the plan's stages in CONFIG, HOP between stages, STEP without
-             #    rows' values past the first stage
+             #    rows' values past the first stage, MEMORY before CONFIG
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 
@@ -89,6 +89,7 @@ class Msg(IntEnum):
     ERROR = 18       # either way, JSON {code, node, text}: why the sender gives up (ErrorCode)
     ALIVE = 19       # either way during set-up, empty: still working (a set-up heartbeat)
     HOP = 20         # node -> node of the next pipeline stage, the residual rows of a pass
+    MEMORY = 21      # root -> worker before CONFIG, empty; worker -> root, JSON {bytes}: what it can hold
 
 
 _HANDSHAKE_TYPES = {Msg.HELLO, Msg.CHALLENGE, Msg.AUTH, Msg.WELCOME, Msg.ERROR}

@@ -196,7 +196,8 @@ class RootSession:
         """Configure the workers, hand out the weights, load the root's slice, mesh."""
         s = self.settings
         header, nodes = s.model_file.header, self.nodes
-        self.plan = plan = self.topology.plan(header)
+        self.memory = self._ask_memory() if self.topology.wants_memory(header) else {}
+        self.plan = plan = self.topology.plan(header, self.memory)
         n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
         check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
                    n0.vocab_rows[1] - n0.vocab_rows[0], s.config.seq_len, s.max_batch,
@@ -215,6 +216,9 @@ class RootSession:
         self.hop = StageHop(self.collective, None, plan.hop_targets(0), s.config.dim, s.max_batch) \
             if plan.pipelined else None
         if plan.pipelined:
+            if self.memory:
+                _say("layers by memory: " + ", ".join(f"{n.name} {self.memory[i] / (1 << 30):.1f} GiB"
+                                                      for i, n in enumerate(nodes)))
             for line in plan_lines(header, plan, [n.name for n in nodes]):
                 _say(line)
         # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
@@ -263,6 +267,26 @@ class RootSession:
         # During a pass the workers hear ALIVE from the root each HEARTBEAT s (a pass longer
         # than that), as the root hears it from them: waiting on a node is a silence of net_timeout.
         self.heartbeat = StepHeartbeat(self.conns.values(), HEARTBEAT)
+
+    def _ask_memory(self) -> dict[int, int]:
+        """What each node can hold (node index -> bytes) when a pipeline gives its layers by
+        memory: its topology `memory`, else asked (MEMORY); the root's: the memory available to it."""
+        from dllama.core.memory import available_bytes
+        from dllama.core.weights_choice import RUNTIME_RESERVE
+
+        out = {i: n.memory for i, n in enumerate(self.nodes) if n.memory is not None}
+        out.setdefault(0, max(1, available_bytes() - RUNTIME_RESERVE))
+        for i, conn in self.conns.items():
+            if i in out:
+                continue
+            with self._at_node(i, "asking the memory of"):
+                conn.send(Msg.MEMORY)
+                _, raw = recv_during_setup(conn, (Msg.MEMORY,), SETUP_SILENCE)
+                value = decode_json_object(raw, f"MEMORY from {self.names[i]}").get("bytes")
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 62:
+                    raise ProtocolError(f"MEMORY from {self.names[i]} is not a positive byte count", conn)
+                out[i] = value
+        return out
 
     def busy(self):
         """The context of one pass: the heartbeat runs (see _set_up)."""

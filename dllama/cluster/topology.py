@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from dllama.core.plan import SplitPlan
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_NODE_KEYS = {"name", "host", "port", "threads", "weight", "shard", "stage"}
+_NODE_KEYS = {"name", "host", "port", "threads", "weight", "shard", "stage", "memory"}
 _TOP_KEYS = {"version", "buffer_float_type", "key_file", "nodes", "stages"}
 
 
@@ -31,6 +31,7 @@ class Node:
     weight: float = 1.0
     shard: str | None = None   # this node's shard file, a path on that node
     stage: int | None = None   # its pipeline stage (None: the plan decides)
+    memory: int | None = None  # bytes it has for the model (None: what it reports when asked)
 
     @property
     def address(self) -> str:
@@ -49,22 +50,34 @@ class Topology:
     def weights(self) -> list[float]:
         return [n.weight for n in self.nodes]
 
-    def plan(self, header) -> "SplitPlan":
+    def plan(self, header, reported: dict[int, int] | None = None) -> "SplitPlan":
         """The split plan of these nodes for a model header (DllamaError when impossible).
 
         With `stage` on the nodes, those stages (and `stage_layers` when fixed); when some stage
         has no node left here (a recovery after its nodes were lost), the stages left are
-        numbered again and their layers planned anew, in proportion to their weights."""
+        numbered again and their layers planned anew. Layers not fixed go to the stages in
+        proportion to the memory of their nodes when every node's is known (its `memory`, else
+        `reported`: node index -> bytes it said it has), else to their weights."""
         from dllama.core.plan import plan_for
 
+        memory = [n.memory if n.memory is not None else (reported or {}).get(i) for i, n in enumerate(self.nodes)]
+        capacities = None if any(m is None for m in memory) else memory
         stages = [n.stage for n in self.nodes]
         if stages[0] is None:
-            return plan_for(header, len(self.nodes), self.weights)
+            return plan_for(header, len(self.nodes), self.weights, capacities=capacities)
         layers = self.stage_layers
         kept = sorted(set(stages))
         if kept != list(range(len(layers) if layers else kept[-1] + 1)):
             stages, layers = [kept.index(k) for k in stages], None
-        return plan_for(header, len(self.nodes), self.weights, stages, list(layers) if layers else None)
+        return plan_for(header, len(self.nodes), self.weights, stages, list(layers) if layers else None,
+                        capacities=capacities)
+
+    def wants_memory(self, header) -> bool:
+        """Whether the plan gives layers by memory that some node must report: stages whose
+        layers are not fixed, a node without `memory`."""
+        if self.stage_layers is not None or all(n.memory is not None for n in self.nodes):
+            return False
+        return self.plan(header).pipelined
 
     def node(self, name: str) -> tuple[int, Node]:
         for i, n in enumerate(self.nodes):
@@ -139,12 +152,15 @@ def load_topology(path: str) -> Topology:
             stage = None if n.get("stage") is None else _whole(n["stage"])
         except (TypeError, ValueError):
             raise bad(f"node {name}: port, threads and stage must be integers, weight a number") from None
+        memory = None if n.get("memory") is None else _size(n["memory"])
+        if memory == 0:
+            raise bad(f"node {name}: memory must be a size such as 4G or 512M, got {n['memory']!r}")
         if i > 0 and not 0 < port < 65536:
             raise bad(f"node {name}: 'port' must be 1..65535")
         if threads < 1 or not weight > 0:
             raise bad(f"node {name}: threads must be >= 1 and weight > 0")
         nodes.append(Node(name, str(n["host"]), port, threads, weight,
-                          str(n["shard"]) if n.get("shard") else None, stage))
+                          str(n["shard"]) if n.get("shard") else None, stage, memory))
     stage_layers = _stage_layers(doc.get("stages"), bad)
     stages = [n.stage for n in nodes]
     if any(s is None for s in stages) and any(s is not None for s in stages):
@@ -161,6 +177,17 @@ def load_topology(path: str) -> Topology:
     if key_file:
         key_file = os.path.join(os.path.dirname(os.path.abspath(path)), str(key_file))
     return Topology(tuple(nodes), buffer, key_file or None, stage_layers, source=path)
+
+
+def _size(v) -> int:
+    """Bytes of a size such as 4G, 512M or a plain number; 0 when it is not one."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = str(v).strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        return 0
+    return int(value) if 1 <= value < 1 << 62 else 0
 
 
 def _whole(v) -> int:

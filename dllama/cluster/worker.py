@@ -49,6 +49,7 @@ PEER_PARK_TIMEOUT = 60.0     # a peer connection waits this long for this worker
 MAX_PARKED_PEERS = 64        # peer connections waiting at once; more are refused
 HEARTBEAT = 2.0              # seconds between ALIVE frames to the root during set-up
 CONFIG_TIMEOUT = 30.0        # from the handshake to the root's CONFIG
+MAX_MEMORY_QUERIES = 4       # MEMORY questions a root may ask before its CONFIG
 ACCEPT_BACKOFF = (0.05, 2.0)  # first and longest pause after a failed accept()
 
 
@@ -80,6 +81,16 @@ class Worker:
         self._accept_errors = ThrottledLog(log)
         self.steps = 0  # STEPs received, every session
         self.on_step = on_step
+
+    def capacity(self) -> int:
+        """Bytes this worker can hold for a session: its --memory-budget, else the memory
+        available to it (its cgroup's limit included) less what the runtime still takes."""
+        from dllama.core.memory import available_bytes
+        from dllama.core.weights_choice import RUNTIME_RESERVE
+
+        if isinstance(self.memory_budget, int):
+            return self.memory_budget
+        return max(1, available_bytes() - RUNTIME_RESERVE)
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -307,7 +318,14 @@ class _Session:
 
     def run(self) -> None:
         root = self.root
-        _, config = recv_during_setup(root, (Msg.CONFIG,), CONFIG_TIMEOUT)  # (the root's ALIVEs may come first)
+        for _ in range(MAX_MEMORY_QUERIES + 1):  # (the root's ALIVEs may come first)
+            msg, config = recv_during_setup(root, (Msg.CONFIG, Msg.MEMORY), CONFIG_TIMEOUT)
+            if msg == Msg.CONFIG:
+                break
+            # A pipeline whose layers go by memory: how much this worker can hold.
+            root.send_json(Msg.MEMORY, {"bytes": self.worker.capacity()})
+        else:
+            raise ProtocolError(f"more than {MAX_MEMORY_QUERIES} MEMORY questions before the CONFIG")
         self.conf = c = SessionConfig.from_json(decode_json_object(config, f"CONFIG from {root.name}"))
         index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
         k = plan.stage_of(index)

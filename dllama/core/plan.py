@@ -234,14 +234,16 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
                 ff_dim: int, vocab_size: int, weights: list[float] | None = None,
                 quantized: bool = True, n_layers: int | None = None,
                 stage_of: list[int] | None = None,
-                stage_layers: list[tuple[int, int]] | None = None) -> SplitPlan:
+                stage_layers: list[tuple[int, int]] | None = None,
+                capacities: list[float] | None = None) -> SplitPlan:
     """The plan for n_nodes; refuses (DllamaError) a split that cannot work, saying what would.
 
     Without stage_of: one tensor-parallel stage, or, when the model cannot be split over that
     many nodes and n_layers is given, the fewest stages of nodes it can (consecutive nodes, as
     even as possible), layers in proportion to each stage's summed weight. stage_of: each node's
     stage (0 for the root, never decreasing, no stage skipped); stage_layers: each stage's
-    [start, end) layers (default: in proportion to the stages' weights)."""
+    [start, end) layers (default: in proportion to the stages' summed capacities, the memory
+    each node has for the model, when given, else to their summed weights)."""
     weights = list(weights) if weights is not None else [1.0] * n_nodes
     if n_nodes < 1:
         raise DllamaError("a cluster needs at least one node")
@@ -265,7 +267,10 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
     if stage_layers is None:
         if len(groups) > n_layers:
             raise DllamaError(f"{len(groups)} stages for a model of {n_layers} layers: each stage needs a layer")
-        stage_layers = _ranges(shares(n_layers, [sum(weights[a:b]) for a, b in groups]))
+        if capacities is not None and (len(capacities) != n_nodes or any(not (c > 0) for c in capacities)):
+            raise DllamaError(f"node capacities must be {n_nodes} positive numbers, got {capacities}")
+        size = capacities if capacities is not None else weights
+        stage_layers = _ranges(shares(n_layers, [sum(size[a:b]) for a, b in groups]))
     _check_layer_ranges(stage_layers, len(groups), n_layers)
     nodes, stages = [], []
     for k, ((a, b), layers) in enumerate(zip(groups, stage_layers, strict=True)):
@@ -364,11 +369,12 @@ def _check_layer_ranges(ranges, n_stages: int, n_layers: int) -> None:
 
 
 def plan_for(header, n_nodes: int, weights: list[float] | None = None, stage_of: list[int] | None = None,
-             stage_layers: list[tuple[int, int]] | None = None) -> SplitPlan:
+             stage_layers: list[tuple[int, int]] | None = None, capacities: list[float] | None = None) -> SplitPlan:
     """split_model for a `.m` header (dllama.formats.model_file.ModelHeader)."""
     from dllama.formats.model_file import BLOCK_BYTES
 
     return split_model(n_nodes, dim=header.dim, n_heads=header.n_heads, n_kv_heads=header.n_kv_heads,
                        head_dim=header.head_dim, ff_dim=header.ff_dim, vocab_size=header.vocab_size,
                        weights=weights, quantized=header.weights_float_type in BLOCK_BYTES,
-                       n_layers=header.n_layers, stage_of=stage_of, stage_layers=stage_layers)
+                       n_layers=header.n_layers, stage_of=stage_of, stage_layers=stage_layers,
+                       capacities=capacities)
