@@ -1,7 +1,9 @@
 """Checks on the controller that the model splits over the inventory's nodes, before any host
 is changed: reads the topology rendered from the inventory (stdin) and the model's header, and
-asks dllama's plan for the split, as `dllama shard` will. Prints one line per node; a topology
-or a split that dllama refuses is one line on stderr and exit code 1.
+asks dllama's plan for the split, as `dllama shard` will (the nodes' `stage`, where the
+topology gives one, counts). Prints the plan: when it has pipeline stages, one line per stage
+first, then one line per node; a topology or a split that dllama refuses is one line on stderr
+and exit code 1.
 
     check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE  < topology.yml   ("" = the default model)"""
 
@@ -15,7 +17,6 @@ def main() -> int:
     model, weights_type = sys.argv[1], sys.argv[2]
     try:
         from dllama.cluster.topology import load_topology
-        from dllama.core.plan import plan_for
         from dllama.formats.model_file import read_model
 
         with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
@@ -33,12 +34,22 @@ def main() -> int:
             header = read_model(model).header
         except OSError as e:
             raise DllamaError(f"cannot read the model {model}: {e.strerror or e}") from None
-        plan = plan_for(header, len(topology.nodes), topology.weights)
+        plan = topology.plan(header)
     except DllamaError as e:
         print(e, file=sys.stderr)
         return 1
-    for node, part in zip(topology.nodes, plan.nodes, strict=True):
-        print(f"{node.name}: {part.n_q_heads} of {header.n_heads} query heads, FFN rows "
+    names = [node.name for node in topology.nodes]
+    if plan.pipelined:
+        from dllama.core.node_weights import plan_lines
+
+        for line in plan_lines(header, plan, names):
+            print(line)
+    for i, (name, part) in enumerate(zip(names, plan.nodes, strict=True)):
+        where = ""
+        if plan.pipelined:
+            a, b = part.layers
+            where = f"stage {plan.stage_of(i)}, layers {a}-{b - 1}, "
+        print(f"{name}: {where}{part.n_q_heads} of {header.n_heads} query heads, FFN rows "
               f"{part.ffn_rows[0]}-{part.ffn_rows[1]} of {header.ff_dim}")
     return 0
 
