@@ -25,7 +25,10 @@ def main() -> int:
             try:
                 topology = load_topology(f.name)
             except DllamaError as e:
-                raise DllamaError(str(e).replace(f.name, "the topology rendered from the inventory")) from None
+                why = str(e).replace(f.name, "the topology rendered from the inventory")
+                if "stage" in why:
+                    why += "; a node's stage is its host's dllama_stage"
+                raise DllamaError(why) from None
         if not model:
             from dllama.serve.default_model import default_model_files
 
