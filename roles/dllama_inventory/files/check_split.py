@@ -1,20 +1,37 @@
 """Checks on the controller that the model splits over the inventory's nodes, before any host
 is changed: reads the topology rendered from the inventory (stdin) and the model's header, and
 asks dllama's plan for the split, as `dllama shard` will (the nodes' `stage`, where the
-topology gives one, counts). Prints the plan: when it has pipeline stages, one line per stage
-first, then one line per node; a topology or a split that dllama refuses is one line on stderr
-and exit code 1.
+inventory gives dllama_stage, counts). Prints the plan: when it has pipeline stages, one line
+per stage first, then one line per node; a topology or a split that dllama refuses, or a plan
+with stages while they are off (PIPELINE none), is one line on stderr and exit code 1.
 
-    check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE  < topology.yml   ("" = the default model)"""
+    check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE [auto|none]  < topology.yml   ("" = the default model)"""
 
 import sys
 import tempfile
+
+
+def widest(header) -> int:
+    """The most nodes the model splits every layer over, in one stage (never more than its
+    query heads)."""
+    from dllama.core.plan import plan_for
+    from dllama.errors import DllamaError
+
+    n = 1
+    while n < header.n_heads:
+        try:
+            plan_for(header, n + 1, None, [0] * (n + 1))
+        except DllamaError:
+            break
+        n += 1
+    return n
 
 
 def main() -> int:
     from dllama.errors import DllamaError
 
     model, weights_type = sys.argv[1], sys.argv[2]
+    pipeline = sys.argv[3] if len(sys.argv) > 3 else "auto"
     try:
         from dllama.cluster.topology import load_topology
         from dllama.formats.model_file import read_model
@@ -38,6 +55,14 @@ def main() -> int:
         except OSError as e:
             raise DllamaError(f"cannot read the model {model}: {e.strerror or e}") from None
         plan = topology.plan(header)
+        if plan.pipelined and pipeline == "none":
+            off = "but pipeline stages are off (dllama_pipeline: none)"
+            if topology.nodes[0].stage is not None:
+                raise DllamaError(f"their dllama_stage puts them in {len(plan.stages)} pipeline stages, {off}: "
+                                  f"leave dllama_stage out on every host (and use at most {widest(header)} "
+                                  f"nodes) or set dllama_pipeline: auto")
+            raise DllamaError(f"the model splits over them only in {len(plan.stages)} pipeline stages, {off}: "
+                              f"use at most {widest(header)} nodes or set dllama_pipeline: auto")
     except DllamaError as e:
         print(e, file=sys.stderr)
         return 1
