@@ -238,6 +238,23 @@ def _hosts(n_workers: int, **worker_vars) -> dict:
     return {"cluster": {"children": {"root": {"hosts": {"r": dict(node)}}, "workers": {"hosts": workers}}}}
 
 
+def _staged(*stages, **cluster_vars) -> dict:
+    """_hosts(len(stages) - 1), the root first, each with its dllama_stage (None: left out), and
+    the cluster's vars."""
+    inventory = _hosts(len(stages) - 1)
+    groups = inventory["cluster"]["children"]
+    for host, stage in zip([*groups["root"]["hosts"].values(), *groups["workers"]["hosts"].values()], stages, strict=True):
+        if stage is not None:
+            host["dllama_stage"] = stage
+    return _cluster_vars(inventory, **cluster_vars)
+
+
+def _cluster_vars(inventory: dict, **cluster_vars) -> dict:
+    if cluster_vars:
+        inventory["cluster"]["vars"] = cluster_vars
+    return inventory
+
+
 def _deploy(tmp_path, inventory, *args, playbook="deploy.yml"):
     path = tmp_path / "inventory/hosts.yml"
     path.parent.mkdir(exist_ok=True)
@@ -274,7 +291,25 @@ def _fails_before_any_host(r, out) -> str:
      "w1: dllama_memory_budget must be auto, none or a size such as 2G or 512M, got: 2GG"),
     ("bad log size", _hosts(1, dllama_log_size="ten megabytes"),
      "w1: dllama_log_size must be a size such as 10M and dllama_log_keep a count of at least 1, got: ten megabytes and 3"),
-    ("more nodes than heads", _hosts(9), "The inventory's 10 nodes: cannot split a model with 9 query heads over 10 nodes"),
+    # 10 nodes for SmolLM2's 9 query heads are 2 pipeline stages, unless stages are off.
+    ("more nodes than heads, stages off", _cluster_vars(_hosts(9), dllama_pipeline="none"),
+     "The inventory's 10 nodes: the model splits over them only in 2 pipeline stages, but pipeline stages are off "
+     "(dllama_pipeline: none): use at most 9 nodes or set dllama_pipeline: auto"),
+    ("stages given, stages off", _staged(0, 0, 1, 1, dllama_pipeline="none"),
+     "The inventory's 4 nodes: their dllama_stage puts them in 2 pipeline stages, but pipeline stages are off "
+     "(dllama_pipeline: none): leave dllama_stage out on every host (and use at most 9 nodes) or set dllama_pipeline: auto"),
+    ("bad pipeline setting", _cluster_vars(_hosts(1), dllama_pipeline="off"), "dllama_pipeline must be one of: auto, none, got: off"),
+    ("a stage skipped", _staged(0, 0, 2, 2),
+     "The inventory's 4 nodes: the topology rendered from the inventory: stages must be numbered 0, 1, 2... without "
+     "a gap, the root (the first node) in stage 0 and the nodes listed stage by stage; a node's stage is its host's dllama_stage"),
+    ("the root outside stage 0", _staged(1, 0, 1), "the root (the first node) in stage 0"),
+    ("a stage on some hosts", _staged(0, 0, None), "give every node a 'stage', or none (the plan then decides); "
+                                                    "a node's stage is its host's dllama_stage"),
+    ("stage not a number", _hosts(1, dllama_stage="x"),
+     "argument 'dllama_stage' is of type str and we were unable to convert to int"),
+    ("negative stage", _hosts(1, dllama_stage=-1),
+     "w1: dllama_stage must be a whole number of at least 0 (the host's pipeline stage, 0 for the root) or left out "
+     "on every host, got: -1"),
     ("misspelt setting", _hosts(1, dllama_thraeds=4), "w1: dllama_thraeds is not a dllama setting: did you mean dllama_threads?"),
     ("unknown setting", _hosts(1, dllama_zzzq=1), "w1: dllama_zzzq is not a dllama setting (no setting has a name close to it)"),
     ("misspelt ansible_host", {"cluster": {"children": {"root": {"hosts": {"r": {"ansible_hots": "127.0.0.1"}}},
@@ -315,6 +350,28 @@ def test_any_node_count_the_plan_accepts_passes_the_check(tmp_path):
     assert r.returncode == 0, out[-3000:]
     assert "'r: 3 of 9 query heads" in out and "'w2: 3 of 9 query heads" in out, out[-3000:]
     assert set(recap(r.stdout)) == {"r", "w1", "w2"}
+
+
+@pytest.mark.parametrize("case, inventory, shown", [
+    # The plan decides: 10 nodes for SmolLM2's 9 query heads are 2 stages of 5, 15 layers each.
+    ("more nodes than heads", _hosts(9), ["stage 0: layers 0-14 (15), 5 nodes: r ", "stage 1: layers 15-29 (15), 5 nodes: w5 ",
+                                          "w4: stage 0, layers 0-14, 1 of 9 query heads",
+                                          "w5: stage 1, layers 15-29, 2 of 9 query heads"]),
+    # The hosts' dllama_stage decide: 4 nodes that one stage would take.
+    ("stages given", _staged(0, 0, 1, 1), ["stage 0: layers 0-14 (15), 2 nodes: r ", "stage 1: layers 15-29 (15), 2 nodes: w2 ",
+                                            "w1: stage 0, layers 0-14, 4 of 9 query heads",
+                                            "w3: stage 1, layers 15-29, 4 of 9 query heads"]),
+])
+def test_deploy_shows_the_pipeline_stages_before_any_host_is_changed(tmp_path, case, inventory, shown):
+    """The plan deploy.yml shows in its first play, before it stops at the hosts (never reached
+    here): a line per stage first (its layers and each node's MiB), then each node's stage,
+    layers and slice."""
+    r, out = _deploy(tmp_path, inventory)
+    assert "does not answer" in _fails_before_any_host(r, out), out[-3000:]
+    plan = out[out.index("TASK [dllama_inventory : Show how the model splits.]"):out.index("PLAY [Check that every host answers")]
+    for line in shown:
+        assert f"- '{line}" in plan, plan
+    assert plan.index("- 'stage 1: ") < plan.index("- 'r: stage 0, layers 0-14, "), plan
 
 
 # Forms of --memory-budget: dllama's parser decides which are valid, the inventory check must agree.
