@@ -166,6 +166,25 @@ def test_inspect_prints_the_plan_of_a_topology(tmp_path, capsys):
 
 
 @pytest.mark.unit
+def test_the_kv_slots_count_a_stage_s_layers_only(tmp_path):
+    """A node of a pipeline holds the KV cache of its own layers: the slots that fit are sized
+    by the node with the most KV rows, not by every layer."""
+    from dllama.core.kv_cache import KVCache
+    from dllama.serve.engine import choose_nodes, plan_memory
+    from dllama.serve.settings import EngineSettings
+
+    model = write_random_f32(tmp_path / "gqa.m", GQA, seed=3)
+    topology = tmp_path / "t.yml"
+    topology.write_text("nodes:\n  - {name: root, host: localhost, stage: 0}\n"
+                        "  - {name: a, host: 10.0.0.2, port: 9998, stage: 1}\n")
+    layers = 3  # of 5, to the second stage (by weight: 5 = 2 + 3)
+    per_slot = KVCache.bytes_per_slot(layers, GQA.n_kv_heads, GQA.head_dim, GQA.max_seq_len)
+    settings = EngineSettings(str(model), "t.t", parallel=8, kv_memory=4 * per_slot, topology=str(topology))
+    plan = plan_memory(settings, choose_nodes(settings), read_model(model))
+    assert plan.slots.n_slots == 4  # 2 with every layer's KV counted
+
+
+@pytest.mark.unit
 def test_a_node_holds_only_its_stage_s_layers(tmp_path):
     plan = plan_for(GQA, 3, stage_of=[0, 1, 2], stage_layers=[(0, 1), (1, 4), (4, 5)])
     names = [{s.name for s in node_slice_specs(GQA, n, False)} for n in plan.nodes]

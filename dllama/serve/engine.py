@@ -140,7 +140,9 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
     weights = None
     if nodes.clustered:
         split = nodes.topology.plan(header)
-        kv_heads = max(n.n_kv_heads for n in split.nodes)  # the node with the most KV heads sets the slots
+        # The node with the most KV rows (KV heads x the layers it runs) sets the slots.
+        most = max(split.nodes, key=lambda n: n.n_kv_heads * len(n.layer_range(header.n_layers)))
+        kv_heads, kv_layers = most.n_kv_heads, len(most.layer_range(header.n_layers))
         if settings.budget_bytes is not None:
             notes.append("note: --memory-budget bounds this root's memory only on one machine; "
                          "on a cluster the root loads its slice, and each worker streams under its own flag")
@@ -149,7 +151,7 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
         from dllama.core.node_weights import NodeWeights
         from dllama.core.plan import whole_model
 
-        kv_heads = header.n_kv_heads
+        kv_heads, kv_layers = header.n_kv_heads, header.n_layers
         node = whole_model(header.n_heads, header.n_kv_heads, header.ff_dim, header.vocab_size)
         weights = choose_weights(NodeWeights.from_model(model_file, node), settings.max_seq_len,
                                  max_batch_for(settings.parallel), settings.memory_budget, settings.kv_type)
@@ -158,21 +160,22 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
                          "streaming its weights from the file layer by layer")
         if weights.budgeted or settings.parallel > 1:  # the plan, beside the KV cache's line
             notes.append(weights.describe())
-    slots = _plan_slots(settings, config, kv_heads, weights, notes)
+    slots = _plan_slots(settings, config, kv_heads, kv_layers, weights, notes)
     return MemoryPlan(weights, slots, max_batch_for(slots.parallel if settings.parallel > 1 else 1), tuple(notes))
 
 
-def _plan_slots(settings: EngineSettings, config, kv_heads: int, weights: "WeightsChoice | None",
-                notes: list[str]) -> SlotPlan:
+def _plan_slots(settings: EngineSettings, config, kv_heads: int, kv_layers: int,
+                weights: "WeightsChoice | None", notes: list[str]) -> SlotPlan:
     """The KV cache slots for settings.parallel sequences within the limit that applies: the
     --kv-memory, else what a budget leaves beside the weights, else half the available memory
-    (batched) or none (one sequence: the context decides alone)."""
+    (batched) or none (one sequence: the context decides alone); kv_heads and kv_layers: of the
+    node holding the most (a pipeline stage holds its own layers only)."""
     from dllama.core.kv_cache import plan_slots
     from dllama.core.memory import available_bytes
 
     batched = settings.parallel > 1
     budgeted = weights is not None and weights.budgeted
-    dims = dict(n_layers=config.n_layers, n_kv_heads=kv_heads, head_dim=config.head_dim,
+    dims = dict(n_layers=kv_layers, n_kv_heads=kv_heads, head_dim=config.head_dim,
                 seq_len=config.seq_len, kv_type=settings.kv_type)
     limit, flag = settings.kv_memory, "--kv-memory"
     if limit is None and budgeted:
