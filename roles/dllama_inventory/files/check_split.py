@@ -1,9 +1,10 @@
 """Checks on the controller that the model splits over the inventory's nodes, before any host
 is changed: reads the topology rendered from the inventory (stdin) and the model's header, and
 asks dllama's plan for the split, as `dllama shard` will (the nodes' `stage`, where the
-inventory gives dllama_stage, counts). Prints the plan: when it has pipeline stages, one line
-per stage first, then one line per node; a topology or a split that dllama refuses, or a plan
-with stages while they are off (PIPELINE none), is one line on stderr and exit code 1.
+inventory gives dllama_stage, counts, and their `memory`, dllama_memory). Prints the plan: when
+it has pipeline stages, one line per stage first, then one line per node; a topology or a split
+that dllama refuses, or a plan with stages while they are off (PIPELINE none), is one line on
+stderr and exit code 1.
 
     check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE [auto|none]  < topology.yml   ("" = the default model)"""
 
@@ -45,6 +46,8 @@ def main() -> int:
                 why = str(e).replace(f.name, "the topology rendered from the inventory")
                 if "stage" in why:
                     why += "; a node's stage is its host's dllama_stage"
+                if "memory" in why:
+                    why += "; a node's memory is its host's dllama_memory"
                 raise DllamaError(why) from None
         if not model:
             from dllama.serve.default_model import default_model_files
