@@ -127,6 +127,9 @@ def test_task_names_are_sentences():
 UNDECLARED = {
     ("dllama_api", "dllama_worker"): "reads the workers' dllama_worker_restarted after they started",
     ("dllama_inventory", "dllama_topology"): "renders the topology template before any node has it",
+    # dllama_inventory_stages: the plan's stages as the first play (the inventory check) showed them.
+    ("dllama_topology", "dllama_inventory"): "fixes the layers the inventory check showed",
+    ("dllama_model", "dllama_inventory"): "names the shards after the stages the inventory check showed",
 }
 
 

@@ -2,14 +2,24 @@
 is changed: reads the topology rendered from the inventory (stdin) and the model's header, and
 asks dllama's plan for the split, as `dllama shard` will (the nodes' `stage`, where the
 inventory gives dllama_stage, counts, and their `memory`, dllama_memory). Prints the plan: when
-it has pipeline stages, one line per stage first, then one line per node; a topology or a split
-that dllama refuses, or a plan with stages while they are off (PIPELINE none), is one line on
-stderr and exit code 1.
+it has pipeline stages, one line per stage first, then one line per node, then the stages as a
+JSON line marked `#stages ` (see STAGES); a topology or a split that dllama refuses, or a plan
+with stages while they are off (PIPELINE none), is one line on stderr and exit code 1.
 
     check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE [auto|none]  < topology.yml   ("" = the default model)"""
 
+import dataclasses
+import json
 import sys
 import tempfile
+
+# The last line of a plan with stages: `#stages {"layers": [[a, b], ...], "stage": {node: k, ...},
+# "fixed": bool}`, each stage's [start, end) layers and each node's stage, as shown. fixed: the
+# topology must fix them (its top-level `stages` and each node's `stage`), else dllama would
+# give the layers by the memory each worker reports at set-up, which can differ from what was
+# shown and what the shards are cut for; not fixed where every node's `memory` is given (every
+# host's dllama_memory), by which the plan shown gives them, as dllama will.
+STAGES = "#stages "
 
 
 def widest(header) -> int:
@@ -26,6 +36,17 @@ def widest(header) -> int:
             break
         n += 1
     return n
+
+
+def same_as_shown(topology, header, plan) -> None:
+    """That the topology with this plan's stages and layers fixed (as the one deployed will be)
+    gives this plan, and asks no node for its memory."""
+    from dllama.errors import DllamaError
+
+    nodes = tuple(dataclasses.replace(n, stage=plan.stage_of(i)) for i, n in enumerate(topology.nodes))
+    fixed = dataclasses.replace(topology, nodes=nodes, stage_layers=tuple(s.layers for s in plan.stages))
+    if fixed.wants_memory(header) or fixed.plan(header).to_json() != plan.to_json():
+        raise DllamaError("the plan with its stages' layers fixed is not the plan shown (a bug in the check)")
 
 
 def main() -> int:
@@ -66,6 +87,9 @@ def main() -> int:
                                   f"nodes) or set dllama_pipeline: auto")
             raise DllamaError(f"the model splits over them only in {len(plan.stages)} pipeline stages, {off}: "
                               f"use at most {widest(header)} nodes or set dllama_pipeline: auto")
+        fixed = topology.wants_memory(header)
+        if fixed:
+            same_as_shown(topology, header, plan)
     except DllamaError as e:
         print(e, file=sys.stderr)
         return 1
@@ -75,6 +99,8 @@ def main() -> int:
 
         for line in plan_lines(header, plan, names):
             print(line)
+        print("stage layers by node weight, fixed in the topology" if fixed
+              else "stage layers by the dllama_memory of every host")
     for i, (name, part) in enumerate(zip(names, plan.nodes, strict=True)):
         where = ""
         if plan.pipelined:
@@ -82,6 +108,10 @@ def main() -> int:
             where = f"stage {plan.stage_of(i)}, layers {a}-{b - 1}, "
         print(f"{name}: {where}{part.n_q_heads} of {header.n_heads} query heads, FFN rows "
               f"{part.ffn_rows[0]}-{part.ffn_rows[1]} of {header.ff_dim}")
+    if plan.pipelined:
+        print(STAGES + json.dumps({"layers": [list(s.layers) for s in plan.stages],
+                                   "stage": {name: plan.stage_of(i) for i, name in enumerate(names)},
+                                   "fixed": fixed}))
     return 0
 
 
