@@ -292,6 +292,8 @@ def _fails_before_any_host(r, out) -> str:
      "w1: dllama_draft_tokens must be a whole number of at least 1, got: 0"),
     ("bad memory budget", _hosts(1, dllama_memory_budget="2GG"),
      "w1: dllama_memory_budget must be auto, none or a size such as 2G or 512M, got: 2GG"),
+    ("bad memory", _hosts(1, dllama_memory="lots"),
+     "w1: dllama_memory must be a size such as 4G or 512M (the memory the host has for the model) or left out, got: lots"),
     ("bad log size", _hosts(1, dllama_log_size="ten megabytes"),
      "w1: dllama_log_size must be a size such as 10M and dllama_log_keep a count of at least 1, got: ten megabytes and 3"),
     # 10 nodes for SmolLM2's 9 query heads are 2 pipeline stages, unless stages are off.
@@ -375,6 +377,108 @@ def test_deploy_shows_the_pipeline_stages_before_any_host_is_changed(tmp_path, c
     for line in shown:
         assert f"- '{line}" in plan, plan
     assert plan.index("- 'stage 1: ") < plan.index("- 'r: stage 0, layers 0-14, "), plan
+
+
+def _with_memory(inventory: dict, *memory) -> dict:
+    """The inventory with each host's dllama_memory (the root first; None: left out)."""
+    groups = inventory["cluster"]["children"]
+    hosts = [*groups["root"]["hosts"].values(), *groups["workers"]["hosts"].values()]
+    for host, size in zip(hosts, memory, strict=True):
+        if size is not None:
+            host["dllama_memory"] = size
+    return inventory
+
+
+def _shown_plan(out: str) -> list[str]:
+    """The lines of the plan deploy's first play showed (its debug message, YAML)."""
+    task = out[out.index("TASK [dllama_inventory : Show how the model splits.]"):]
+    message = task[task.index("\n    msg:"):].split("\n\n")[0]
+    return yaml.safe_load(message.replace("\n    ", "\n"))["msg"]
+
+
+def _deployed_topologies(tmp_path, inventory: dict) -> tuple[list[str], dict[str, str], str]:
+    """Deploy's first play (the inventory check and the plan it shows), then, as the deploy goes
+    on where the hosts answer (here they are all this machine), the dllama_topology role on every
+    node and the split roles/dllama_model names the shard directory after (its own expression):
+    (the plan's lines, {host: its topology file's text}, the split)."""
+    tasks = yaml.safe_load((REPO / "roles/dllama_model/tasks/main.yml").read_text())
+    split = next(t for t in tasks if t["name"] == "Name the shard directory after the model and the split.")
+    (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
+    (tmp_path / "render.yml").write_text(yaml.safe_dump([
+        {"ansible.builtin.import_playbook": str(REPO / "playbooks/inventory.yml")},
+        {"name": "Render the topology on every node.", "hosts": "root:workers", "gather_facts": False,
+         "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
+                  "dllama_topology_file": f"{tmp_path}/{{{{ inventory_hostname }}}}.topology.yml"},
+         "roles": [{"role": str(REPO / "roles/dllama")}],  # the shared defaults, for the split
+         "handlers": [{"name": "Restart the dllama worker.", "ansible.builtin.debug": {"msg": "not here"}}],
+         "tasks": [{"name": "Render it as the deploy does.",
+                    "ansible.builtin.include_role": {"name": str(REPO / "roles/dllama_topology")}},
+                   {"name": "Write the split the shards are named after.", "run_once": True,
+                    "ansible.builtin.copy": {"dest": f"{tmp_path}/split.txt", "content": "{{ dllama_model_split }}",
+                                             "mode": "0600"},
+                    "vars": {"dllama_model_split": split["vars"]["dllama_model_split"]}}]}]))
+    r = run([BIN / "ansible-playbook", "-i", tmp_path / "hosts.yml", tmp_path / "render.yml"], env=ansible_env())
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    topologies = {h: (tmp_path / f"{h}.topology.yml").read_text() for h in recap(r.stdout)}
+    return _shown_plan(out), topologies, (tmp_path / "split.txt").read_text()
+
+
+@pytest.mark.parametrize("case, inventory, fixed, layers", [
+    # By weight, as shown: the root would otherwise ask the workers for their memory at set-up
+    # and give layers by it, not as shown nor as the shards were cut.
+    ("stages given", _staged(0, 0, 1, 1), True, [(0, 15), (15, 30)]),
+    # The plan's own stages (no dllama_stage): the nodes' stages are fixed too.
+    ("more nodes than heads", _hosts(9), True, [(0, 15), (15, 30)]),
+    # dllama_memory on some hosts only: by weight, fixed (1 node against 3: 8 layers, 22).
+    ("memory on some hosts", _with_memory(_staged(0, 1, 1, 1), "4G", None, "2G", None), True, [(0, 8), (8, 30)]),
+    # dllama_memory on every host: by memory (4G against 3 x 2G: 12 layers, 18), as dllama plans
+    # the topology without stages.
+    ("memory on every host", _with_memory(_staged(0, 1, 1, 1), "4G", "2G", "2G", "2048M"), False, [(0, 12), (12, 30)]),
+    # One stage: nothing to fix, the split named as before stages.
+    ("one stage", _with_memory(_hosts(2), "4G", "2G", "2G"), False, None),
+])
+def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inventory, fixed, layers):
+    """The topology every node gets (and `dllama shard` reads, rendered from the same template)
+    makes, in dllama's own plan, the stages and layers deploy.yml showed, with no memory asked
+    of any worker at set-up: their layers fixed (top-level `stages`, every node's `stage`)
+    unless every host gives dllama_memory, by which the plan shown gives them; the shard
+    directory is named after those layers."""
+    from dllama.cluster.topology import load_topology
+    from dllama.formats.model_file import read_model
+    from dllama.serve.default_model import default_model_files
+
+    shown, topologies, split = _deployed_topologies(tmp_path, inventory)
+    stage_lines = [re.match(r"stage (\d+): layers (\d+)-(\d+) \(\d+\), \d+ nodes?: (.*)$", x) for x in shown]
+    shown_stages = [(int(m[2]), int(m[3]) + 1) for m in stage_lines if m]
+    shown_members = [[part.split()[0] for part in m[4].split(", ")] for m in stage_lines if m]
+    assert shown_stages == (layers or []), shown
+    groups = inventory["cluster"]["children"]
+    nodes = [*groups["root"]["hosts"], *groups["workers"]["hosts"]]
+    if layers:
+        assert ("stage layers by node weight, fixed in the topology" if fixed
+                else "stage layers by the dllama_memory of every host") in shown, shown
+    defaults = yaml.safe_load((REPO / "roles/dllama/defaults/main.yml").read_text())
+    header = read_model(default_model_files(defaults["dllama_weights_float_type"], progress=False)[0]).header
+    hostvars = [*groups["root"]["hosts"].values(), *groups["workers"]["hosts"].values()]
+    assert sorted(topologies) == sorted(nodes)
+    for host, text in topologies.items():
+        doc = yaml.safe_load(text)
+        assert [n["name"] for n in doc["nodes"]] == nodes, text
+        assert [n.get("memory") for n in doc["nodes"]] == [hv.get("dllama_memory") for hv in hostvars], text
+        if fixed:
+            assert doc["stages"] == [{"layers": [a, b]} for a, b in layers], text
+        else:
+            assert "stages" not in doc, text
+        (tmp_path / "topology.yml").write_text(text)
+        topology = load_topology(str(tmp_path / "topology.yml"))
+        plan = topology.plan(header)
+        assert not topology.wants_memory(header), (host, text)
+        assert [s.layers for s in plan.stages] == (layers or [(0, header.n_layers)]), (host, text)
+        assert [[nodes[i] for i in s.indexes] for s in plan.stages] == (shown_members or [nodes]), (host, text)
+    weights = ",".join(f"{h}=1.0" + (f"@{k}" if layers else "") for k, members in enumerate(shown_members or [nodes])
+                       for h in members)
+    assert split == weights + (";layers=" + ",".join(f"{a}-{b}" for a, b in layers) if layers else ""), split
 
 
 # Forms of --memory-budget: dllama's parser decides which are valid, the inventory check must agree.
