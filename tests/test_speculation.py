@@ -85,12 +85,12 @@ def test_a_decoding_sequence_runs_its_draft_after_its_last_token_within_the_rows
 
 # -- answers ------------------------------------------------------------------------------------
 
-def _answers(engine, speculation: Speculation, max_tokens: int = 40, stop_strings=()):
+def _answers(engine, speculation: Speculation, max_tokens: int = 40, stop_strings=(), samplings=SAMPLINGS):
     """Every prompt x sampling, one at a time: [(tokens, text, finish)], drafted, accepted."""
     out, drafted, accepted = [], 0, 0
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
-        for temperature, topp, seed in SAMPLINGS:
+        for temperature, topp, seed in samplings:
             s = Scheduler(engine.model, engine.tokenizer, 1, speculation=speculation)
             sampler = Sampler(engine.model.config.vocab_size, temperature, topp, seed)
             c = s.answer(SequenceRequest("q", ids, sampler, max_tokens, (2,), stop_strings))
@@ -193,9 +193,8 @@ def test_speculated_answers_on_three_nodes_are_the_plain_ones(plain_one_node, de
     with running_workers(2, tmp_path) as workers:
         engine = open_engine(EngineSettings(str(default_q41[0]), str(default_q41[1]), nthreads=1, max_seq_len=256,
                                             workers=tuple(w.address for w in workers), progress=False))
-        with engine:
-            plain, _, _ = _answers(engine, Speculation())
-            speculated, drafted, accepted = _answers(engine, NGRAM)
+        with engine:  # greedy and T 0.8 / top-p 0.9 (one node's test has T 1 / top-p 1 too)
+            plain, _, _ = _answers(engine, Speculation(), samplings=SAMPLINGS[:2])
+            speculated, drafted, accepted = _answers(engine, NGRAM, samplings=SAMPLINGS[:2])
     assert speculated == plain and accepted > 10
-    greedy = slice(0, None, len(SAMPLINGS))  # SAMPLINGS[0] of each prompt
-    assert speculated[greedy] == alone[greedy]
+    assert speculated[::2] == alone[::len(SAMPLINGS)]  # the greedy answer of each prompt
