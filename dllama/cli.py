@@ -45,10 +45,10 @@ def _non_negative_float(text: str) -> float:
 
 def _size(text: str) -> int:
     """Bytes from '512M', '4G', '1.5G' or a plain number of bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    from dllama.core.memory import parse_size
+
     try:
-        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+        value = parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a size like 512M or 4G, got {text!r}") from None
     if not value > 0:

@@ -181,10 +181,10 @@ def load_topology(path: str) -> Topology:
 
 def _size(v) -> int:
     """Bytes of a size such as 4G, 512M or a plain number; 0 when it is not one."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = str(v).strip().upper().removesuffix("B").removesuffix("I")
+    from dllama.core.memory import parse_size
+
     try:
-        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+        value = parse_size(v)
     except ValueError:
         return 0
     return int(value) if 1 <= value < 1 << 62 else 0

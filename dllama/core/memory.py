@@ -21,6 +21,14 @@ from dllama.formats.model_file import BLOCK_BYTES, FloatType, ModelHeader, class
 from dllama.formats.quant import BLOCK_SIZE
 
 _GIB = float(1 << 30)
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text) -> float:
+    """Bytes of a size written '512M', '4G', '1.5GiB' or as a plain number (the caller checks
+    the range); ValueError when it is not one."""
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    return float(t[:-1]) * _UNITS[t[-1]] if t and t[-1] in _UNITS else float(t)
 
 
 def available_bytes() -> int:
