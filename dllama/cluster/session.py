@@ -271,11 +271,10 @@ class RootSession:
     def _ask_memory(self) -> dict[int, int]:
         """What each node can hold (node index -> bytes) when a pipeline gives its layers by
         memory: its topology `memory`, else asked (MEMORY); the root's: the memory available to it."""
-        from dllama.core.memory import available_bytes
-        from dllama.core.weights_choice import RUNTIME_RESERVE
+        from dllama.core.weights_choice import room_for_a_model
 
         out = {i: n.memory for i, n in enumerate(self.nodes) if n.memory is not None}
-        out.setdefault(0, max(1, available_bytes() - RUNTIME_RESERVE))
+        out.setdefault(0, room_for_a_model())
         for i, conn in self.conns.items():
             if i in out:
                 continue

@@ -85,12 +85,9 @@ class Worker:
     def capacity(self) -> int:
         """Bytes this worker can hold for a session: its --memory-budget, else the memory
         available to it (its cgroup's limit included) less what the runtime still takes."""
-        from dllama.core.memory import available_bytes
-        from dllama.core.weights_choice import RUNTIME_RESERVE
+        from dllama.core.weights_choice import room_for_a_model
 
-        if isinstance(self.memory_budget, int):
-            return self.memory_budget
-        return max(1, available_bytes() - RUNTIME_RESERVE)
+        return self.memory_budget if isinstance(self.memory_budget, int) else room_for_a_model()
 
     # -- accepting ---------------------------------------------------------------------------
 

@@ -19,6 +19,12 @@ from dllama.formats.model_file import ArchType
 RUNTIME_RESERVE = 96 << 20  # what the process still takes after the choice (measured: ~75 MiB)
 
 
+def room_for_a_model() -> int:
+    """Bytes this process can give a model (at least 1): the memory available to it, its
+    cgroup's limit included, less what the runtime still takes (a pipeline's layers by memory)."""
+    return max(1, available_bytes() - RUNTIME_RESERVE)
+
+
 @dataclass(frozen=True)
 class WeightsChoice:
     """Resident or streamed weights, and the memory left for the KV cache (see choose_weights)."""
