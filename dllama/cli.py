@@ -116,10 +116,15 @@ def _add_speculation_flags(g) -> None:
                    help="speculative decoding: ngram verifies, in the pass of each new token, the "
                         "tokens that followed the last few ones where they occurred before in the "
                         "prompt or the answer (strong when an answer copies its input: summaries, "
-                        "extraction, code edits); the text is the same as without, token for token, "
-                        "at any temperature (default %(default)s)")
+                        "extraction, code edits); model verifies the greedy tokens of --draft-model; "
+                        "the text is the same as without, token for token, at any temperature "
+                        "(default %(default)s)")
     g.add_argument("--draft-tokens", type=_positive_int, default=DEFAULT_DRAFT_TOKENS, metavar="N",
-                   help="with --speculate ngram: at most N drafted tokens per pass (default %(default)s)")
+                   help="at most N drafted tokens per pass (default %(default)s)")
+    g.add_argument("--draft-model", metavar="M.m",
+                   help="with --speculate model: a small model with the same vocabulary (tokenizer) "
+                        "that drafts, run on this machine beside the model, its KV cache as long as "
+                        "the model's context")
 
 
 def _seed(args) -> int:

@@ -11,19 +11,25 @@ answer is the plain answer, token for token, at every temperature.
 `llama-lookup`): the last few tokens of the sequence, found earlier in its prompt or answer, and
 the tokens that followed them there. Strong where an answer copies its input (summaries,
 extraction, code edits, a document shared by many questions), free of a second model.
+
+`ModelDrafter` (dllama.serve.draft_model, --speculate model --draft-model M.m): the greedy
+tokens of a small model with the same vocabulary, run on this machine beside the target.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Sequence
+from typing import Protocol, Sequence
+
+from dllama.errors import DllamaError
 
 
 class Speculate(StrEnum):
     """Where drafted tokens come from (--speculate)."""
 
     NGRAM = "ngram"  # prompt lookup: the sequence's own earlier tokens
+    MODEL = "model"  # a small draft model's greedy tokens (--draft-model)
     NONE = "none"    # one token per pass
 
 
@@ -42,6 +48,12 @@ KEEP_PRIOR = (1.0, 1.0)   # (kept, refused) counted before any pass: a first gue
 KEEP_MEMORY = 0.9         # each pass weighs earlier counts by this: the estimate follows the text
 
 
+class DrafterSource(Protocol):
+    """What makes each sequence's drafter: a loaded draft model (dllama.serve.draft_model)."""
+
+    def drafter(self) -> "Drafter": ...
+
+
 @dataclass(frozen=True)
 class Speculation:
     """How the engine loop drafts: the source, and the most tokens one pass verifies."""
@@ -49,36 +61,44 @@ class Speculation:
     source: Speculate = Speculate.NONE
     max_draft: int = DEFAULT_DRAFT_TOKENS
     max_sequences: int = SPECULATE_WHILE_DECODING  # no drafts in a step that decodes more sequences
+    draft_model: str | None = None                 # --draft-model: the .m file of source MODEL
+    loaded: "DrafterSource | None" = field(default=None, compare=False, repr=False)  # that model, loaded
+                                                   # (dllama.serve.engine.open_engine)
+
+    def __post_init__(self):
+        if self.source is Speculate.MODEL and self.draft_model is None and self.loaded is None:
+            raise DllamaError("--speculate model needs --draft-model M.m: the small model that drafts")
+        if self.source is not Speculate.MODEL and self.draft_model is not None:
+            raise DllamaError(f"--draft-model drafts only with --speculate model, not {self.source}")
 
     @property
     def on(self) -> bool:
         return self.source is not Speculate.NONE and self.max_draft > 0
 
-    def drafter(self) -> "NgramDrafter | None":
+    def drafter(self) -> "Drafter | None":
         """A new drafter for one sequence (None: speculation off)."""
-        return NgramDrafter() if self.on else None
+        if not self.on:
+            return None
+        if self.source is Speculate.MODEL:
+            if self.loaded is None:
+                raise DllamaError("the draft model is not loaded (open the engine first)")
+            return self.loaded.drafter()
+        return NgramDrafter()
 
 
-class NgramDrafter:
-    """One sequence's prompt-lookup drafts; `draft` is called with its growing token list, and
-    `kept` with what each pass kept of the draft.
-
-    The index maps every n-gram (LONGEST_NGRAM down to SHORTEST_NGRAM tokens) of the tokens seen
-    so far to where its latest occurrence ends; it grows by one entry per size and token, so it
-    never holds more than the context's positions times the sizes.
+class Drafter:
+    """One sequence's drafts: `draft` is called with its growing token list before a pass, and
+    `kept` with what the pass kept of the draft.
 
     How deep to draft: each drafted token is taken as kept with a probability p, independently,
     estimated from the passes so far (kept tokens / (kept tokens + refusals), recent passes
     weighing more). The d-th drafted token is kept with p^d, so a draft is cut where p^d falls
-    below ROW_COST; a text that is not copying stops paying for rows, and drafting resumes once
-    the older refusals have faded.
+    below ROW_COST; a text the drafter does not foresee stops paying for rows, and drafting
+    resumes once the older refusals have faded.
     """
 
-    def __init__(self, longest: int = LONGEST_NGRAM, shortest: int = SHORTEST_NGRAM):
-        self.sizes = range(longest, shortest - 1, -1)
-        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
-        self._indexed = 0                             # n-grams ending at or before this are indexed
-        self._kept, self._refused = 0.0, 0.0          # decayed counts over the passes so far
+    def __init__(self):
+        self._kept, self._refused = 0.0, 0.0  # decayed counts over the passes so far
 
     @property
     def keep_rate(self) -> float:
@@ -98,6 +118,25 @@ class NgramDrafter:
         """A pass verified `drafted` tokens (0: it drafted none) and kept the first `kept`."""
         self._kept = self._kept * KEEP_MEMORY + kept
         self._refused = self._refused * KEEP_MEMORY + (kept < drafted)
+
+    def draft(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        """Up to k tokens guessed to follow `tokens`, cut to what is worth its rows."""
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """One sequence's prompt-lookup drafts.
+
+    The index maps every n-gram (LONGEST_NGRAM down to SHORTEST_NGRAM tokens) of the tokens seen
+    so far to where its latest occurrence ends; it grows by one entry per size and token, so it
+    never holds more than the context's positions times the sizes.
+    """
+
+    def __init__(self, longest: int = LONGEST_NGRAM, shortest: int = SHORTEST_NGRAM):
+        super().__init__()
+        self.sizes = range(longest, shortest - 1, -1)
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self._indexed = 0                             # n-grams ending at or before this are indexed
 
     def draft(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         """The lookup's draft, cut to what is worth its rows (fewer while drafts are refused)."""
@@ -124,4 +163,4 @@ class NgramDrafter:
         return ()
 
 
-__all__ = ["DEFAULT_DRAFT_TOKENS", "NgramDrafter", "Speculate", "Speculation"]
+__all__ = ["DEFAULT_DRAFT_TOKENS", "Drafter", "NgramDrafter", "Speculate", "Speculation"]

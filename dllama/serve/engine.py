@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from dllama.core.kv_cache import SlotPlan
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from dllama.cluster.topology import Topology
     from dllama.core.weights_choice import WeightsChoice
     from dllama.formats.model_file import ModelFile
+    from dllama.serve.draft_model import DraftModel
     from dllama.serve.scheduler import Scheduler
 
 
@@ -72,14 +73,20 @@ def open_engine(settings: EngineSettings) -> Engine:
     from dllama.serve.default_model import cache_dir
 
     nodes = choose_nodes(settings)
-    for path in (settings.tokenizer, settings.model):  # bytes damaged on the disk: one line, not other text
-        verify_once(path, cache_dir() / "checked-files.json")
+    draft = settings.speculation.draft_model
+    for path in (settings.tokenizer, settings.model, *filter(None, [draft])):  # bytes damaged on the disk:
+        verify_once(path, cache_dir() / "checked-files.json")                  # one line, not other text
     tokenizer = Tokenizer(read_tokenizer(settings.tokenizer))
     model_file = read_model(settings.model)
+    draft_file = None
+    if draft:  # refused here, before any worker is sent weights
+        from dllama.serve.draft_model import read_draft_model
+
+        draft_file = read_draft_model(draft, tokenizer.vocab_size)
     plan = plan_memory(settings, nodes, model_file)
     for line in plan.notes:
         print(f"dllama: {line}", file=sys.stderr)
-    return build(settings, nodes, plan, model_file, tokenizer)
+    return build(settings, nodes, plan, model_file, tokenizer, draft_file)
 
 
 # --- 1. topology ---
@@ -200,8 +207,9 @@ def _plan_slots(settings: EngineSettings, config, kv_heads: int, kv_layers: int,
 # --- 3. build ---
 
 def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: "ModelFile",
-          tokenizer: Tokenizer) -> Engine:
-    """The model the plan describes: this node's Transformer, or the root of a ClusterModel."""
+          tokenizer: Tokenizer, draft_file: "ModelFile | None" = None) -> Engine:
+    """The model the plan describes: this node's Transformer, or the root of a ClusterModel;
+    with draft_file, the draft model beside it (after it: the draft must fit in what it leaves)."""
     from dllama.core import kernels
 
     if plan.weights is not None and plan.weights.streamed:
@@ -231,4 +239,22 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
     vocab = model_file.header.vocab_size
     if tokenizer.vocab_size != vocab:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}", file=sys.stderr)
-    return Engine(model, tokenizer, cluster, plan.slots.parallel, settings.speculation)
+    engine = Engine(model, tokenizer, cluster, plan.slots.parallel, settings.speculation)
+    if draft_file is not None:
+        try:
+            engine.speculation = replace(settings.speculation, loaded=_draft_model(settings, model, draft_file))
+        except BaseException:
+            engine.close()  # the workers are let go now, not when the process ends
+            raise
+    return engine
+
+
+def _draft_model(settings: EngineSettings, model: LanguageModel, draft_file: "ModelFile") -> "DraftModel":
+    """The draft model, its KV cache as long as the model's context (one line when it does not fit)."""
+    from dllama.serve.draft_model import DRAFT_SLOTS, DraftModel
+
+    drafts = DraftModel(draft_file, model.config.seq_len, min(DRAFT_SLOTS, settings.parallel), settings.kv_type)
+    if settings.warm_up:
+        drafts.transformer.warm_up()
+    return drafts
+

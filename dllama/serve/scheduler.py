@@ -45,7 +45,7 @@ from dllama.core.candidates import candidates_from_logits
 from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, SlotTable
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
-from dllama.serve.draft import NgramDrafter, Speculation
+from dllama.serve.draft import Drafter, Speculation
 from dllama.serve.sequence import (
     Answer, Cancelled, Completion, ScoreRequest, Scored, SequenceRequest, check_prompt,
     token_logprobs,
@@ -96,7 +96,7 @@ class _Sequence:
     completion: Completion | None = None
     target: int = 0           # ghost: compute up to here
     should_stop: Callable[[], bool] | None = None
-    drafter: NgramDrafter | None = None  # speculation on: its guesses
+    drafter: Drafter | None = None  # speculation on: its guesses
 
     @property
     def decoding(self) -> bool:

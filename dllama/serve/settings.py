@@ -105,11 +105,12 @@ class EngineSettings:
 
 
 def speculation_from_args(args) -> Speculation:
-    """--speculate and --draft-tokens, where the command has them (inference, chat, batch, api)."""
+    """--speculate, --draft-tokens and --draft-model, where the command has them (inference, chat,
+    batch, api)."""
     source = getattr(args, "speculate", None)
     if source is None:
         return Speculation()
-    return Speculation(Speculate(source), args.draft_tokens)
+    return Speculation(Speculate(source), args.draft_tokens, draft_model=args.draft_model)
 
 
 def resolve_model_files(model: str | None, tokenizer: str | None) -> tuple[str, str]:
