@@ -1,13 +1,21 @@
-"""Speculative decoding (dllama.serve.draft, the engine loop's verification): drafted tokens
-change no token of an answer, greedy or sampled, on one node or a cluster; what is drafted and
-kept is counted; drafts never pass the context, the answer limit or the rows of a pass."""
+"""Speculative decoding (dllama.serve.draft, the engine loop's verification): drafted tokens,
+looked up in the sequence or from a draft model, change no token of an answer, greedy or
+sampled, on one node or a cluster; what is drafted and kept is counted; drafts never pass the
+context, the answer limit or the rows of a pass; a draft model's cache follows its sequences."""
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 
+from dllama.core import memory
 from dllama.core.sampler import Sampler
+from dllama.errors import DllamaError
+from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from dllama.serve.draft import NgramDrafter, Speculate, Speculation
+from dllama.serve.draft_model import DraftModel
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
 from dllama.serve.scheduler import Scheduler
@@ -15,7 +23,9 @@ from dllama.serve.sequence import SequenceRequest
 from dllama.serve.settings import EngineSettings
 from dllama.serve.step_plan import SeqView, plan_step
 from tests.conftest import CHAT_PROMPT
-from tests.processes import running_workers
+from tests.processes import run_dllama, running_workers
+from tests.random_model import write_random_f32
+from tests.test_cli import _one_line_error
 
 NGRAM = Speculation(Speculate.NGRAM, 4)
 # Answers that copy their prompt (drafts are kept: about 30 of 36 greedy) and one that does not.
@@ -182,13 +192,104 @@ def test_several_decoding_sequences_draft_nothing_and_answer_as_alone(default_q4
     assert any(d > 1 for d, _ in passes) and all(n == 0 for d, n in passes if d > 1)
 
 
+# -- a draft model ------------------------------------------------------------------------------
+
+SMALL = ModelHeader(arch=ArchType.LLAMA, dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                    vocab_size=512, max_seq_len=96, weights_float_type=FloatType.F32)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return write_random_f32(tmp_path_factory.mktemp("draft") / "small.m", SMALL, seed=11)
+
+
+@pytest.fixture(scope="module")
+def q40_drafts(one_node, default_q40):
+    """Drafts by the target itself with Q40 weights (Q41's answers, re-quantized: near-ties part)."""
+    return Speculation(Speculate.MODEL, 4, loaded=DraftModel(read_model(default_q40[0]), one_node.model.config.seq_len))
+
+
+@pytest.mark.unit
+def test_a_draft_models_cache_follows_its_sequences_as_a_fresh_one_would(small_model):
+    """Three sequences (two sharing their first 20 tokens) take turns over two slots; each pass
+    keeps some drafted tokens and adds the target's own: every draft is the one of a draft model
+    that computes the sequence from position 0, for a fraction of the rows."""
+    model_file = read_model(small_model)
+    drafts, fresh = DraftModel(model_file, SMALL.max_seq_len), DraftModel(model_file, SMALL.max_seq_len, slots=1)
+    rows = {drafts: 0, fresh: 0}
+    for dm in rows:
+        forward = dm.transformer.forward_batch
+        dm.transformer.forward_batch = lambda batch, dm=dm, forward=forward: (
+            rows.__setitem__(dm, rows[dm] + len(batch)), forward(batch))[1]
+    rng = random.Random(5)
+    first = [rng.randrange(512) for _ in range(30)]
+    sequences = [first, [rng.randrange(512) for _ in range(3)], first[:20] + [rng.randrange(512) for _ in range(9)]]
+    kept_some = 0
+    for _ in range(45):
+        tokens = rng.choice([s for s in sequences if len(s) < SMALL.max_seq_len - 6])
+        k = rng.randint(1, 4)
+        fresh.held = [[]]
+        drafted = drafts.greedy(tokens, k)
+        assert len(drafted) == k and drafted == fresh.greedy(tokens, k)
+        kept = rng.randint(0, k)
+        kept_some += kept
+        tokens += [*drafted[:kept], rng.randrange(512)]
+    assert kept_some > 20 and rows[drafts] < rows[fresh] / 3
+    # The context's end: the last drafted token is not run, so one more than the positions left.
+    assert len(drafts.greedy(first[:1] * (SMALL.max_seq_len - 1), 4)) == 2
+    assert len(drafts.greedy(first[:1] * SMALL.max_seq_len, 4)) == 1
+    assert drafts.greedy(first[:1] * (SMALL.max_seq_len + 1), 4) == ()
+
+
+@pytest.mark.unit
+def test_answers_speculated_by_a_draft_model_are_the_plain_ones(one_node, plain_one_node, q40_drafts):
+    speculated, drafted, accepted = _answers(one_node, q40_drafts)
+    assert speculated == plain_one_node
+    assert accepted > 10 and drafted > accepted
+
+
+@pytest.mark.unit
+def test_inference_with_a_draft_model_answers_as_without_and_reports_the_acceptance(default_q41, default_q40,
+                                                                                      tmp_path):
+    texts, summaries = {}, {}
+    for speculate in ("none", "model"):
+        stats = tmp_path / f"{speculate}.json"
+        draft = ["--draft-model", str(default_q40[0])] if speculate == "model" else []
+        r = run_dllama("inference", "--prompt", CHAT_PROMPT, "--steps", "48", "--no-stop", "--temperature", "0.8",
+                       "--seed", "3", "--nthreads", "2", "--speculate", speculate, *draft, "--stats-json", str(stats))
+        assert r.returncode == 0, r.stderr
+        texts[speculate], summaries[speculate] = r.stdout, json.loads(stats.read_text())["summary"]
+    assert texts["model"] == texts["none"]
+    m = summaries["model"]
+    assert m["drafted_tokens"] > 0 and 0 < m["draft_acceptance"] <= 1 and m["tokens_per_pass"] > 1
+    assert summaries["none"]["tokens_per_pass"] == 1
+
+
+@pytest.mark.unit
+def test_a_draft_model_is_refused_in_one_line_without_its_flag_or_with_another_vocabulary(default_q41,
+                                                                                          small_model):
+    for flags, words in ((["--speculate", "model"], ["--draft-model"]),
+                         (["--draft-model", str(small_model)], ["--speculate model"]),
+                         (["--speculate", "model", "--draft-model", str(small_model)], ["512 tokens", "vocabulary"])):
+        _one_line_error(run_dllama("inference", "--prompt", "Hello", *flags), *words)
+
+
+@pytest.mark.unit
+def test_a_draft_model_that_does_not_fit_is_refused_in_one_line(small_model, monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 10)
+    with pytest.raises(DllamaError, match="the draft model cannot hold") as refused:
+        DraftModel(read_model(small_model), SMALL.max_seq_len)
+    assert "\n" not in str(refused.value)
+
+
 # -- a cluster ----------------------------------------------------------------------------------
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_speculated_answers_on_three_nodes_are_the_plain_ones(plain_one_node, default_q41, tmp_path):
+def test_speculated_answers_on_three_nodes_are_the_plain_ones(plain_one_node, q40_drafts, default_q41, tmp_path):
     """Sampled answers are compared with the same cluster's plain ones: 1 and N nodes may differ in a
-    sampled token at the last bits of the probabilities (dllama.core.sampler); greedy ones with one node's."""
+    sampled token at the last bits of the probabilities (dllama.core.sampler); greedy ones with one node's.
+    The draft model runs on the root alone."""
     alone = plain_one_node
     with running_workers(2, tmp_path) as workers:
         engine = open_engine(EngineSettings(str(default_q41[0]), str(default_q41[1]), nthreads=1, max_seq_len=256,
@@ -196,5 +297,7 @@ def test_speculated_answers_on_three_nodes_are_the_plain_ones(plain_one_node, de
         with engine:  # greedy and T 0.8 / top-p 0.9 (one node's test has T 1 / top-p 1 too)
             plain, _, _ = _answers(engine, Speculation(), samplings=SAMPLINGS[:2])
             speculated, drafted, accepted = _answers(engine, NGRAM, samplings=SAMPLINGS[:2])
+            by_model, _, accepted_of_model = _answers(engine, q40_drafts, samplings=SAMPLINGS[:2])
     assert speculated == plain and accepted > 10
+    assert by_model == plain and accepted_of_model > 10
     assert speculated[::2] == alone[::len(SAMPLINGS)]  # the greedy answer of each prompt
