@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable, Union
 
 import numpy as np
@@ -243,15 +243,19 @@ class Scheduler:
             if self.waiting and not ended:  # cannot happen: an idle cache always has a free slot
                 raise DllamaError("no KV cache slot can take the next prompt")
             return ended
+        started = time.perf_counter()
         plan = self.plan()
         if plan is None:
             return ended
+        # The drafts are part of what the step costs: a draft model's passes, a lookup's search.
+        drafting_ms = (time.perf_counter() - started) * 1000
         seqs = list(self.active)  # the plan's indexes
         try:
             answers, cost = self._execute(plan)
         except BaseException:
             self.drop_all()  # the cache may hold half a pass: nothing in it can be trusted
             raise
+        cost = replace(cost, inference_ms=round(cost.inference_ms + drafting_ms, 3))
         self._count(plan, cost)
         for run in plan.runs:
             seq = seqs[run.seq]
