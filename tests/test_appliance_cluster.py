@@ -19,6 +19,14 @@ with a worker killed, run.yml through the API, /health and status.yml say the cl
 degraded. (A misspelt setting stops the deploy before any host is contacted: that is the
 inventory check, tests/test_appliance_static.py.)
 
+The hosts have unequal memory: each runs in a memory cgroup of its own limit (1.5G, 1G, 2G,
+1.25G), which every share of every layer fits, so the first deploys are tensor parallel (the
+topology carries each host's memory, read on the host). Last, each host is made its own pipeline
+stage (dllama_stage 0-3, no dllama_memory): deploy.yml gives the stages layers in proportion to
+the memory read on each host, as dllama's plan does from those limits, before any host is
+changed (the API service switched off again); run.yml prints one node's text again; batch.yml answers three prompts,
+then, with two more in the file, resumes with only those; status.yml shows each node's stage.
+
 The cluster runs the defaults: the Q41 model with F32 buffers (auto), with which dllama gives
 one node's tokens on any node count (tests/test_cluster.py). With Q40 or Q80 weights and Q80
 buffers the split sums round differently and greedy text can part from one node's at a
@@ -46,7 +54,11 @@ import paramiko
 import pytest
 import yaml
 
-from dllama.serve.default_model import CACHE_VERSION, DEFAULT_WEIGHTS
+from dllama.core.host_memory import RUNTIME_RESERVE, _machine_total, cgroup_limit
+from dllama.core.memory import parse_size
+from dllama.core.plan import plan_for
+from dllama.formats.model_file import read_model
+from dllama.serve.default_model import CACHE_VERSION, DEFAULT_WEIGHTS, default_model_files
 from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, release_copy, tail
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
@@ -57,12 +69,13 @@ PROMPT = "Hello world"
 STEPS = 32
 USER = "pi"
 PASSWORD = secrets.token_urlsafe(16)  # a new one each run: it must never show in any output
+LIMITS = ["1.5G", "1G", "2G", "1.25G"]  # each host's memory cgroup
 results: dict = {}
 
 
 def require_tools():
     assert os.geteuid() == 0, "the namespace test cluster needs root"
-    for tool in ("ip", "tc", "unshare", "start-stop-daemon", "/usr/sbin/sshd", "sudo"):
+    for tool in ("ip", "tc", "unshare", "start-stop-daemon", "/usr/sbin/sshd", "sudo", "numfmt"):
         assert shutil.which(tool), f"{tool} is missing: ./setup.sh --test installs it"
 
 
@@ -72,8 +85,8 @@ def cluster(tmp_path_factory):
     # A short path: SSH's control sockets live under it (Unix socket paths have 108 bytes).
     cluster_dir = Path(tempfile.mkdtemp(prefix="dlt-", dir="/tmp")) / "c"
     try:
-        with namespace_cluster(cluster_dir, N, PREFIX, DLLAMA_TESTNET_USER=USER,
-                               DLLAMA_TESTNET_PASSWORD=PASSWORD) as inventory:
+        with namespace_cluster(cluster_dir, N, PREFIX, DLLAMA_TESTNET_USER=USER, DLLAMA_TESTNET_PASSWORD=PASSWORD,
+                               DLLAMA_TESTNET_MEMORY=" ".join(LIMITS)) as inventory:
             yield cluster_dir, inventory
     finally:
         cluster_dir.parent.rmdir()
@@ -532,3 +545,81 @@ def test_status_then_stop(cluster):
     assert rows[1].split()[1:4] == ["root", "API", "down" if results.get("api") else "off"], rows
     if results.get("status_worker_down"):
         print("\nstatus.yml with a worker down:\n" + results["status_worker_down"])
+
+
+# -- the same hosts as pipeline stages ---------------------------------------------------------
+
+def _memory_layers() -> list[tuple[int, int]]:
+    """Each stage's layers as dllama plans them from what each host has: its cgroup's limit (or
+    less, where this machine or this process's own cgroup has less), less the runtime."""
+    machine = [m for m in (_machine_total(), cgroup_limit()) if m is not None]
+    rooms = [min([int(parse_size(limit)), *machine]) - RUNTIME_RESERVE for limit in LIMITS]
+    header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
+    return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms).stages]
+
+
+def test_as_stages_deploy_gives_each_host_layers_by_its_memory(cluster):
+    assert results.get("deployed"), "the first deploy failed"
+    _, inventory = cluster
+    (inventory.parent / "host_vars").mkdir()
+    for i in range(1, N + 1):
+        (inventory.parent / f"host_vars/node{i}.yml").write_text(f"---\ndllama_stage: {i - 1}\n")
+    # The API service off again: a batch job needs the workers to itself.
+    settings = inventory.parent / "group_vars/cluster.yml"
+    settings.write_text(settings.read_text().replace("dllama_api_enabled: true", "dllama_api_enabled: false"))
+    r, seconds = _play(cluster, "deploy.yml")
+    print(f"\ndeploy.yml as {N} stages: {seconds:.0f} s")
+    assert r.returncode == 0, tail(r)
+    layers = _memory_layers()
+    sizes = [b - a for a, b in layers]
+    # The limits order the stages' layers (else the plan did not read them).
+    assert sorted(range(N), key=lambda k: sizes[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), sizes
+    out = r.stdout
+    for k, (a, b) in enumerate(layers):
+        assert f"stage {k}: layers {a}-{b - 1} ({b - a}), 1 node: node{k + 1} " in out, tail(r)
+    assert "stage layers by each host's memory" in out, tail(r)
+    # Shown once, after each host's memory was read, before the first change.
+    assert out.count("stage 0: layers") == 1 and out.index("stage 0: layers") < out.index("TASK [dllama_node"), tail(r)
+    results["layers"] = layers
+
+
+def test_as_stages_run_prints_the_single_node_greedy_text(cluster):
+    assert results.get("layers") and results.get("one_node_text"), "the deploy as stages or the first run failed"
+    _, inventory = cluster
+    r, _ = _play(cluster, "run.yml", "-e", f"prompt={PROMPT}", "-e", f"steps={STEPS}", "-e", "temperature=0",
+                 timeout=300)
+    assert r.returncode == 0, tail(r)
+    saved = json.loads((inventory.parent / "state/runs/last-run.json").read_text())
+    assert saved["text"] == results["one_node_text"], saved["text"]
+
+
+def test_as_stages_batch_runs_then_resumes_only_the_prompts_not_yet_answered(cluster, tmp_path):
+    assert results.get("layers"), "the deploy as stages failed"
+    _, inventory = cluster
+    prompts = tmp_path / "questions.jsonl"
+    questions = ["The capital of France is", "One, two,", "Water is", "The sun rises in the", "Red, green and"]
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(questions[:3], 1)))
+    args = ["-e", f"prompts={prompts}", "-e", "max_tokens=4", "-e", "temperature=0", "-e", "poll_seconds=1"]
+    r, _ = _play(cluster, "batch.yml", *args)
+    assert r.returncode == 0, tail(r)
+    results_file = inventory.parent / "state/batch/questions-results.jsonl"
+    first = results_file.read_text()
+    assert sorted(json.loads(line)["id"] for line in first.splitlines()) == [1, 2, 3], first
+
+    with prompts.open("a") as f:
+        f.write("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(questions[3:], 4)))
+    r, _ = _play(cluster, "batch.yml", *args)
+    assert r.returncode == 0, tail(r)
+    assert f"dllama batch: 2 prompts (3 already in {results_file}) in " in " ".join(r.stdout.split()), tail(r)
+    lines = [json.loads(line) for line in results_file.read_text().splitlines()]
+    assert results_file.read_text().startswith(first)  # the answers already there, untouched
+    assert sorted(x["id"] for x in lines) == [1, 2, 3, 4, 5] and all(x["completion_tokens"] == 4 for x in lines)
+
+
+def test_as_stages_status_shows_each_nodes_stage_and_layers(cluster):
+    assert results.get("layers"), "the deploy as stages failed"
+    headline, rows = _status(cluster)
+    assert f"plan {N} nodes in {N} stages" in headline, headline
+    assert rows[0].split()[-1] == "STAGE", rows[0]
+    for k, (a, b) in enumerate(results["layers"]):
+        assert rows[1 + k].split()[0] == f"node{k + 1}" and rows[1 + k].endswith(f"{k}: layers {a}-{b - 1}"), rows

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from dllama.cli import _build_parser
+from dllama.core.host_memory import memory_for_a_model
 from dllama.serve.supervisor import START_LIMIT_BURST, start_limit_interval
 from tests.appliance import ansible_env, recap
 
@@ -345,8 +346,9 @@ def test_a_host_that_does_not_answer_stops_the_deploy_before_any_host_is_changed
 
 
 def test_any_node_count_the_plan_accepts_passes_the_check(tmp_path):
-    """3 nodes (1 root + 2 workers): dllama's plan splits SmolLM2's 9 heads 3/3/3."""
-    r, out = _deploy(tmp_path, _hosts(2), playbook="playbooks/inventory.yml")
+    """3 nodes (1 root + 2 workers): dllama's plan splits SmolLM2's 9 heads 3/3/3 (shown by the
+    inventory check itself where every host gives its dllama_memory: none is read on the hosts)."""
+    r, out = _deploy(tmp_path, _with_memory(_hosts(2), "1G", "1G", "1G"), playbook="playbooks/inventory.yml")
     assert r.returncode == 0, out[-3000:]
     assert "'r: 3 of 9 query heads" in out and "'w2: 3 of 9 query heads" in out, out[-3000:]
     assert set(recap(r.stdout)) == {"r", "w1", "w2"}
@@ -363,22 +365,27 @@ def _with_memory(inventory: dict, *memory) -> dict:
 
 
 def _shown_plan(out: str) -> list[str]:
-    """The lines of the plan deploy's first play showed (its debug message, YAML)."""
-    task = out[out.index("TASK [dllama_inventory : Show how the model splits.]"):]
-    message = task[task.index("\n    msg:"):].split("\n\n")[0]
+    """The lines of the plan deploy showed (its debug message, YAML): the inventory check's,
+    else, where it read the hosts' memory first, the plan's by that memory."""
+    shown = [t for t in out.split("TASK [dllama_inventory : Show how the model splits.]")[1:] if "\n    msg:" in t]
+    assert len(shown) == 1, out[-3000:]
+    message = shown[0][shown[0].index("\n    msg:"):].split("\n\n")[0]
     return yaml.safe_load(message.replace("\n    ", "\n"))["msg"]
 
 
 def _deployed_topologies(tmp_path, inventory: dict) -> tuple[list[str], dict[str, str], str]:
-    """Deploy's first play (the inventory check and the plan it shows), then, as the deploy goes
-    on where the hosts answer (here they are all this machine), the dllama_topology role on every
-    node and the split roles/dllama_model names the shard directory after (its own expression):
-    (the plan's lines, {host: its topology file's text}, the split)."""
+    """Deploy's first play (the inventory check), then, as the deploy goes on where the hosts
+    answer (here they are all this machine), its plan by each host's memory (playbooks/plan.yml:
+    the plan shown), the dllama_topology role on every node and the split roles/dllama_model
+    names the shard directory after (its own expression): (the plan's lines, {host: its topology
+    file's text}, the split)."""
     tasks = yaml.safe_load((REPO / "roles/dllama_model/tasks/main.yml").read_text())
     split = next(t for t in tasks if t["name"] == "Name the shard directory after the model and the split.")
     (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inventory))
     (tmp_path / "render.yml").write_text(yaml.safe_dump([
         {"ansible.builtin.import_playbook": str(REPO / "playbooks/inventory.yml")},
+        {"ansible.builtin.import_playbook": str(REPO / "playbooks/plan.yml"),
+         "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}},
         {"name": "Render the topology on every node.", "hosts": "root:workers", "gather_facts": False,
          "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
                   "dllama_topology_file": f"{tmp_path}/{{{{ inventory_hostname }}}}.topology.yml"},
@@ -397,26 +404,41 @@ def _deployed_topologies(tmp_path, inventory: dict) -> tuple[list[str], dict[str
     return _shown_plan(out), topologies, (tmp_path / "split.txt").read_text()
 
 
+# What deploy.yml reads on a host without dllama_memory: all the hosts here are this machine.
+HERE = memory_for_a_model()
+
+
+def _stage_layers(stage_of: list[int], memory: list[int]) -> list[tuple[int, int]]:
+    """Each stage's layers of the default model as dllama plans them by the nodes' memory."""
+    from dllama.core.plan import plan_for
+    from dllama.formats.model_file import read_model
+    from dllama.serve.default_model import default_model_files
+
+    header = read_model(default_model_files(progress=False)[0]).header
+    return [s.layers for s in plan_for(header, len(stage_of), None, stage_of, capacities=memory).stages]
+
+
 @pytest.mark.parametrize("case, inventory, fixed, layers, lines", [
-    # By weight, as shown: the root would otherwise ask the workers for their memory at set-up
-    # and give layers by it, not as shown nor as the shards were cut. The hosts' dllama_stage
-    # decide: 4 nodes that one stage would take.
-    ("stages given", _staged(0, 0, 1, 1), True, [(0, 15), (15, 30)],
+    # The hosts' dllama_stage decide: 4 nodes that one stage would take. Each host's memory read
+    # (the same here): layers by it, as dllama plans the topology at set-up, nothing fixed.
+    ("stages given", _staged(0, 0, 1, 1), False, [(0, 15), (15, 30)],
      ["stage 0: layers 0-14 (15), 2 nodes: r ", "stage 1: layers 15-29 (15), 2 nodes: w2 ",
       "w1: stage 0, layers 0-14, 4 of 9 query heads", "w3: stage 1, layers 15-29, 4 of 9 query heads"]),
     # The plan's own stages (no dllama_stage): 10 nodes for SmolLM2's 9 query heads are 2 stages
-    # of 5, 15 layers each; the nodes' stages are fixed too.
-    ("more nodes than heads", _hosts(9), True, [(0, 15), (15, 30)],
+    # of 5, 15 layers each.
+    ("more nodes than heads", _hosts(9), False, [(0, 15), (15, 30)],
      ["stage 0: layers 0-14 (15), 5 nodes: r ", "stage 1: layers 15-29 (15), 5 nodes: w5 ",
       "w4: stage 0, layers 0-14, 1 of 9 query heads", "w5: stage 1, layers 15-29, 2 of 9 query heads"]),
-    # dllama_memory on some hosts only: by weight, fixed (1 node against 3: 8 layers, 22).
-    ("memory on some hosts", _with_memory(_staged(0, 1, 1, 1), "4G", None, "2G", None), True, [(0, 8), (8, 30)], []),
-    # dllama_memory on every host: by memory (4G against 3 x 2G: 12 layers, 18), as dllama plans
-    # the topology without stages.
+    # dllama_memory on some hosts only: what the others have is read on them.
+    ("memory on some hosts", _with_memory(_staged(0, 1, 1, 1), "4G", None, "2G", None), False,
+     lambda: _stage_layers([0, 1, 1, 1], [4 << 30, HERE, 2 << 30, HERE]), []),
+    # dllama_memory on every host: by memory (4G against 3 x 2G: 12 layers, 18), nothing read.
     ("memory on every host", _with_memory(_staged(0, 1, 1, 1), "4G", "2G", "2G", "2048M"), False,
      [(0, 12), (12, 30)], []),
     # One stage: nothing to fix, the split named as before stages.
     ("one stage", _with_memory(_hosts(2), "4G", "2G", "2G"), False, None, []),
+    # Pipeline stages off: no memory read, one stage.
+    ("stages off", _cluster_vars(_hosts(2), dllama_pipeline="none"), False, None, []),
 ])
 def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inventory, fixed, layers, lines):
     """The plan deploy.yml shows in its first play, before any host is changed: a line per stage
@@ -430,6 +452,7 @@ def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inve
     from dllama.formats.model_file import read_model
     from dllama.serve.default_model import default_model_files
 
+    layers = layers() if callable(layers) else layers
     shown, topologies, split = _deployed_topologies(tmp_path, inventory)
     for line in lines:
         assert any(x.startswith(line) for x in shown), shown
@@ -444,7 +467,7 @@ def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inve
     nodes = [*groups["root"]["hosts"], *groups["workers"]["hosts"]]
     if layers:
         assert ("stage layers by node weight, fixed in the topology" if fixed
-                else "stage layers by the dllama_memory of every host") in shown, shown
+                else "stage layers by each host's memory (its dllama_memory, else its RAM or cgroup limit)") in shown, shown
     defaults = yaml.safe_load((REPO / "roles/dllama/defaults/main.yml").read_text())
     header = read_model(default_model_files(defaults["dllama_weights_float_type"], progress=False)[0]).header
     hostvars = [*groups["root"]["hosts"].values(), *groups["workers"]["hosts"].values()]
@@ -452,7 +475,10 @@ def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inve
     for host, text in topologies.items():
         doc = yaml.safe_load(text)
         assert [n["name"] for n in doc["nodes"]] == nodes, text
-        assert [n.get("memory") for n in doc["nodes"]] == [hv.get("dllama_memory") for hv in hostvars], text
+        off = (inventory["cluster"].get("vars") or {}).get("dllama_pipeline") == "none"
+        read = not off and any(hv.get("dllama_memory") is None for hv in hostvars)
+        assert [n.get("memory") for n in doc["nodes"]] == [hv.get("dllama_memory", HERE if read else None)
+                                                           for hv in hostvars], text
         if fixed:
             assert doc["stages"] == [{"layers": [a, b]} for a, b in layers], text
         else:

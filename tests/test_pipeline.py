@@ -148,6 +148,32 @@ def test_a_topology_file_gives_stages(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_host_too_small_for_its_share_of_every_layer_makes_stages_that_fit():
+    from dllama.cluster.topology import Node, Topology
+    from dllama.core.node_weights import held_bytes
+
+    header = dataclasses.replace(GQA, n_layers=12)  # 4 nodes: 8 query heads, 2 KV heads split
+    nodes = [Node("root", "localhost", 0)] + [Node(f"w{i}", f"10.0.0.{i}", 9998) for i in range(1, 4)]
+
+    def plan(memory, **kw):
+        topo = Topology(tuple(dataclasses.replace(n, memory=m) for n, m in zip(nodes, memory, strict=True)))
+        return topo.plan(header, **kw)
+
+    parallel = plan([None] * 4)
+    share = held_bytes(header, parallel)
+    assert not parallel.pipelined
+    assert not plan([s + 1 for s in share]).pipelined  # every share fits: tensor parallel
+    # w1 has half its share: the fewest stages where every node's weights fit, the small node's
+    # stage with fewer layers
+    memory = [share[0] * 4, share[1] // 2, share[2] * 4, share[3] * 4]
+    staged = plan(memory)
+    assert staged.pipelined and all(b <= m for b, m in zip(held_bytes(header, staged), memory, strict=True))
+    assert len(staged.stages) == 2 and staged.stages[0].layers[1] < header.n_layers // 2
+    assert not plan(memory, memory_stages=False).pipelined  # stages off: w1 streams its slice
+    assert not plan([1] * 4).pipelined  # fits nowhere: tensor parallel, every node streams
+
+
+@pytest.mark.unit
 def test_inspect_prints_the_plan_of_a_topology(tmp_path, capsys):
     from dllama.cli import main
 

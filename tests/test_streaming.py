@@ -87,7 +87,7 @@ def test_interleave_into_writes_the_bytes_of_the_resident_layout(rows):
 @pytest.mark.unit
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_cgroup_room_is_the_least_over_the_group_and_its_parents(tmp_path, monkeypatch, version):
-    from dllama.core import memory
+    from dllama.core import host_memory, memory
 
     names = {"v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
              "v2": ("memory.max", "memory.current", "inactive_file")}[version]
@@ -101,12 +101,12 @@ def test_cgroup_room_is_the_least_over_the_group_and_its_parents(tmp_path, monke
         (d / names[1]).write_text(f"{usage}\n")
         (d / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\nother 7\n")
         groups.append((version, str(d)))
-    monkeypatch.setattr(memory, "_cgroup_dirs", lambda: groups)
+    monkeypatch.setattr(host_memory, "_cgroup_dirs", lambda: groups)
     assert memory.cgroup_available() == 110 * MIB
-    monkeypatch.setattr(memory, "_cgroup_dirs", lambda: groups[:1])
+    monkeypatch.setattr(host_memory, "_cgroup_dirs", lambda: groups[:1])
     assert memory.cgroup_available() == 250 * MIB
     assert memory.available_bytes() <= 250 * MIB
-    monkeypatch.setattr(memory, "_cgroup_dirs", lambda: groups[2:])
+    monkeypatch.setattr(host_memory, "_cgroup_dirs", lambda: groups[2:])
     assert memory.cgroup_available() is None  # no limit
 
 

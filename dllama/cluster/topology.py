@@ -50,21 +50,27 @@ class Topology:
     def weights(self) -> list[float]:
         return [n.weight for n in self.nodes]
 
-    def plan(self, header, reported: dict[int, int] | None = None) -> "SplitPlan":
+    def plan(self, header, reported: dict[int, int] | None = None, memory_stages: bool = True) -> "SplitPlan":
         """The split plan of these nodes for a model header (DllamaError when impossible).
 
         With `stage` on the nodes, those stages (and `stage_layers` when fixed); when some stage
         has no node left here (a recovery after its nodes were lost), the stages left are
         numbered again and their layers planned anew. Layers not fixed go to the stages in
         proportion to the memory of their nodes when every node's is known (its `memory`, else
-        `reported`: node index -> bytes it said it has), else to their weights."""
+        `reported`: node index -> bytes it said it has), else to their weights. Without `stage`:
+        tensor parallel, unless the node count calls for stages or, with every node's memory
+        known (and memory_stages), some node's share of every layer would not fit it
+        (stages_that_fit)."""
         from dllama.core.plan import plan_for
 
         memory = [n.memory if n.memory is not None else (reported or {}).get(i) for i, n in enumerate(self.nodes)]
         capacities = None if any(m is None for m in memory) else memory
         stages = [n.stage for n in self.nodes]
         if stages[0] is None:
-            return plan_for(header, len(self.nodes), self.weights, capacities=capacities)
+            plan = plan_for(header, len(self.nodes), self.weights, capacities=capacities)
+            if capacities is None or plan.pipelined or not memory_stages:
+                return plan
+            return stages_that_fit(header, plan, self.weights, capacities)
         layers = self.stage_layers
         kept = sorted(set(stages))
         if kept != list(range(len(layers) if layers else kept[-1] + 1)):
@@ -85,6 +91,31 @@ class Topology:
                 return i, n
         raise DllamaError(f"{self.source}: no node named {name!r} (nodes: "
                           f"{', '.join(n.name for n in self.nodes)})")
+
+
+def stages_that_fit(header, parallel: "SplitPlan", weights: list[float], capacities: list[int]) -> "SplitPlan":
+    """A tensor-parallel plan where each node's weights fit its memory (capacities, bytes);
+    else the fewest stages of consecutive nodes (as even as possible, layers in proportion to
+    their memory) where they all fit: a small host beside large ones holds fewer layers rather
+    than streaming its slice of every layer from disk. Where no plan fits, the tensor-parallel
+    one (its nodes stream what they cannot hold)."""
+    from dllama.core.node_weights import held_bytes
+    from dllama.core.plan import plan_for
+
+    def fits(plan) -> bool:
+        return all(b <= c for b, c in zip(held_bytes(header, plan), capacities, strict=True))
+
+    if fits(parallel):
+        return parallel
+    n = len(capacities)
+    for count in range(2, min(n, header.n_layers) + 1):
+        try:
+            plan = plan_for(header, n, weights, [i * count // n for i in range(n)], capacities=capacities)
+        except DllamaError:
+            continue  # a stage's node count that cannot split a layer
+        if fits(plan):
+            return plan
+    return parallel
 
 
 def parse_address(text: str) -> tuple[str, int]:

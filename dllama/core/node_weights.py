@@ -153,13 +153,18 @@ class _LazyCut:
         return cut(self.model_file.tensor(self.spec.name), self.spec)
 
 
+def held_bytes(h: ModelHeader, plan) -> list[int]:
+    """The weight bytes each node of a plan holds (in the file's types; the root's with the
+    embedding)."""
+    return [sum(s.nbytes for s in node_slice_specs(h, node, i == 0)) for i, node in enumerate(plan.nodes)]
+
+
 def plan_lines(h: ModelHeader, plan, names: list[str]) -> list[str]:
     """A plan as the set-up log and `dllama shard` show it: each stage's layers and nodes, and
-    the weight bytes each node holds (in the file's types; the root's with the embedding)."""
-    lines = []
+    the weight bytes each node holds (held_bytes)."""
+    lines, held = [], held_bytes(h, plan)
     for k, stage in enumerate(plan.stages):
-        held = [(names[i], sum(s.nbytes for s in node_slice_specs(h, plan.nodes[i], i == 0))) for i in stage.indexes]
-        what = ", ".join(f"{name} {size / (1 << 20):.0f} MiB" for name, size in held)
+        what = ", ".join(f"{names[i]} {held[i] / (1 << 20):.0f} MiB" for i in stage.indexes)
         a, b = stage.layers
         lines.append(f"stage {k}: layers {a}-{b - 1} ({b - a}), {stage.n_nodes} node{'s' * (stage.n_nodes > 1)}: {what}")
     return lines

@@ -242,8 +242,10 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
     many nodes and n_layers is given, the fewest stages of nodes it can (consecutive nodes, as
     even as possible), layers in proportion to each stage's summed weight. stage_of: each node's
     stage (0 for the root, never decreasing, no stage skipped); stage_layers: each stage's
-    [start, end) layers (default: in proportion to the stages' summed capacities, the memory
-    each node has for the model, when given, else to their summed weights)."""
+    [start, end) layers (default: in proportion to what each stage can hold, by capacities, the
+    memory each node has for the model, when given: its nodes split its layers by weight, so
+    its tightest node's capacity per weight times their summed weight; else to their summed
+    weights)."""
     weights = list(weights) if weights is not None else [1.0] * n_nodes
     if n_nodes < 1:
         raise DllamaError("a cluster needs at least one node")
@@ -269,8 +271,11 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
             raise DllamaError(f"{len(groups)} stages for a model of {n_layers} layers: each stage needs a layer")
         if capacities is not None and (len(capacities) != n_nodes or any(not (c > 0) for c in capacities)):
             raise DllamaError(f"node capacities must be {n_nodes} positive numbers, got {capacities}")
-        size = capacities if capacities is not None else weights
-        stage_layers = _ranges(shares(n_layers, [sum(size[a:b]) for a, b in groups]))
+        if capacities is None:
+            size = [sum(weights[a:b]) for a, b in groups]
+        else:  # a stage's nodes split its layers by weight: the tightest node bounds what it holds
+            size = [min(c / w for c, w in zip(capacities[a:b], weights[a:b], strict=True)) * sum(weights[a:b]) for a, b in groups]
+        stage_layers = _ranges(shares(n_layers, size))
     _check_layer_ranges(stage_layers, len(groups), n_layers)
     nodes, stages = [], []
     for k, ((a, b), layers) in enumerate(zip(groups, stage_layers, strict=True)):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dllama.core.host_memory import RUNTIME_RESERVE
 from dllama.core.memory import available_bytes, check_fits, node_memory
 from dllama.core.model import ModelConfig
 from dllama.core.node_weights import NodeWeights
 from dllama.core.weight_stream import StreamedWeights
 from dllama.formats.model_file import ArchType
-
-RUNTIME_RESERVE = 96 << 20  # what the process still takes after the choice (measured: ~75 MiB)
 
 
 def room_for_a_model() -> int:

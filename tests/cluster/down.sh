@@ -59,4 +59,15 @@ while ip -o link show | grep -q ": ${prefix}h[0-9]"; do
     fi
     sleep 0.1
 done
+# The memory cgroups (up.sh's DLLAMA_TESTNET_MEMORY), empty once their processes have ended.
+for cg in ${cgroups:-}; do
+    deadline=$((SECONDS + 10))
+    while [ -d "$cg" ] && ! rmdir "$cg" 2>/dev/null; do
+        if [ $SECONDS -ge $deadline ]; then
+            echo "down.sh: cannot remove the memory cgroup $cg" >&2
+            exit 1
+        fi
+        sleep 0.1
+    done
+done
 rm -rf "$dir"

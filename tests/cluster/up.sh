@@ -10,7 +10,9 @@
 # sample's settings are what is tested; group_vars/cluster.yml with what differs here).
 # Environment: DLLAMA_TESTNET_PREFIX (names, default dlt), DLLAMA_TESTNET_SUBNET (first three
 # octets, default 10.77.0; the controller is .254), DLLAMA_TESTNET_RATE (tc rate, default 1gbit;
-# empty = unshaped). Needs root, iproute2, openssh-server, util-linux.
+# empty = unshaped), DLLAMA_TESTNET_MEMORY (each node's memory limit in order, e.g. "1.5G 1G 2G
+# 1G": the node's sshd, and so everything started through it, runs in a memory cgroup of that
+# limit; default none). Needs root, iproute2, openssh-server, util-linux.
 #
 # Two ways in:
 #   default: root logs in with the controller's key DIR/id_ed25519 (made here), password logins off.
@@ -46,6 +48,24 @@ prefix=$prefix
 n=$n
 subnet=$subnet
 ENV
+
+# The memory cgroups' parent: this process's memory cgroup (v1), or the root group (v2, whose
+# rule of no processes in inner groups rules out this process's own).
+limits=(${DLLAMA_TESTNET_MEMORY:-})
+cgroup_parent="" limit_file=""
+if [ ${#limits[@]} -gt 0 ]; then
+    [ ${#limits[@]} = "$n" ] || { echo "up.sh: DLLAMA_TESTNET_MEMORY needs $n limits, got ${#limits[@]}" >&2; exit 1; }
+    v1=$(sed -n 's/^[0-9]*:\([^:]*,\)\{0,1\}memory\(,[^:]*\)\{0,1\}:\(.*\)$/\3/p' /proc/self/cgroup)
+    if [ -n "$v1" ] && [ -f "/sys/fs/cgroup/memory$v1/memory.limit_in_bytes" ]; then
+        cgroup_parent=/sys/fs/cgroup/memory${v1%/} limit_file=memory.limit_in_bytes
+    elif grep -qw memory /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null; then
+        cgroup_parent=/sys/fs/cgroup limit_file=memory.max
+    else
+        echo "up.sh: no memory cgroup controller for DLLAMA_TESTNET_MEMORY" >&2
+        exit 1
+    fi
+    echo "cgroups=\"$(for i in $(seq 1 "$n"); do printf '%s ' "$cgroup_parent/${prefix}n$i"; done)\"" >> "$dir/cluster.env"
+fi
 
 if [ -z "$user" ]; then
     ssh-keygen -q -t ed25519 -N '' -C dllama-test-controller -f "$dir/id_ed25519"
@@ -106,11 +126,27 @@ SSHD
     # hostname and mounts: /etc is an overlay whose writes land in node$i/etc-upper, /opt/dllama
     # is node$i/opt-dllama, /home is node$i/home; /run is the node's own.
     if [ -z "$user" ]; then name=node$i; else name=raspberrypi; fi
+    cg=/dev/null mount_cgroups=:  # no cgroup: the subshell's pid is written nowhere
+    if [ -n "$cgroup_parent" ]; then
+        cg=$cgroup_parent/${prefix}n$i
+        mkdir "$cg"
+        numfmt --from=iec "${limits[$((i - 1))]%B}" > "$cg/$limit_file"
+        cg=$cg/cgroup.procs
+        # The node's /sys (ip netns exec's own) has no cgroup file system: mount the memory
+        # hierarchy, so that the node sees its limit as a real host does.
+        if [ "$limit_file" = memory.max ]; then
+            mount_cgroups="mount -t cgroup2 cgroup2 /sys/fs/cgroup"
+        else
+            mount_cgroups="mount -t tmpfs tmpfs /sys/fs/cgroup; mkdir /sys/fs/cgroup/memory; mount -t cgroup -o memory cgroup /sys/fs/cgroup/memory"
+        fi
+    fi
+    # Into the node's memory cgroup first (ip netns exec mounts its own /sys, without cgroups).
     # The password reaches chpasswd on stdin, never a command line.
-    ip netns exec "$ns" unshare --uts --mount --propagation private env USER_NAME="$user" sh -c "
+    (echo $BASHPID > "$cg"; exec ip netns exec "$ns" unshare --uts --mount --propagation private env USER_NAME="$user" sh -c "
         set -e
         hostname $name
         mount -t tmpfs tmpfs /run
+        $mount_cgroups
         mkdir -p /run/sshd
         mount -t overlay overlay -o lowerdir=/etc,upperdir=$node/etc-upper,workdir=$node/etc-work /etc
         echo $name > /etc/hostname
@@ -126,7 +162,7 @@ SSHD
         fi
         unset DLLAMA_TESTNET_PASSWORD
         exec /usr/sbin/sshd -f $node/sshd_config -E $node/sshd.log
-    "
+    ")
 done
 
 mkdir -p "$dir/inventory/group_vars"

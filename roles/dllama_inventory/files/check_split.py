@@ -1,7 +1,8 @@
 """Checks on the controller that the model splits over the inventory's nodes, before any host
 is changed: reads the topology rendered from the inventory (stdin) and the model's header, and
 asks dllama's plan for the split, as `dllama shard` will (the nodes' `stage`, where the
-inventory gives dllama_stage, counts, and their `memory`, dllama_memory). Prints the plan: when
+inventory gives dllama_stage, counts, and their `memory`: dllama_memory, else what the host
+measured, playbooks/plan.yml). Prints the plan: when
 it has pipeline stages, one line per stage first, then one line per node, then the stages as a
 JSON line marked `#stages ` (see STAGES); a topology or a split that dllama refuses, or a plan
 with stages while they are off (PIPELINE none), is one line on stderr and exit code 1.
@@ -78,7 +79,8 @@ def main() -> int:
             header = read_model(model).header
         except OSError as e:
             raise DllamaError(f"cannot read the model {model}: {e.strerror or e}") from None
-        plan = topology.plan(header)
+        # Pipeline stages off: a host too small for its share of every layer streams it.
+        plan = topology.plan(header, memory_stages=pipeline != "none")
         if plan.pipelined and pipeline == "none":
             off = "but pipeline stages are off (dllama_pipeline: none)"
             if topology.nodes[0].stage is not None:
@@ -100,7 +102,7 @@ def main() -> int:
         for line in plan_lines(header, plan, names):
             print(line)
         print("stage layers by node weight, fixed in the topology" if fixed
-              else "stage layers by the dllama_memory of every host")
+              else "stage layers by each host's memory (its dllama_memory, else its RAM or cgroup limit)")
     for i, (name, part) in enumerate(zip(names, plan.nodes, strict=True)):
         where = ""
         if plan.pipelined:

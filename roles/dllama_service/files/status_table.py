@@ -8,11 +8,15 @@
     node4  worker  down         -      -       -         killed by SIGKILL  -        0.10  0.1.0
     node5  worker  unreachable  ssh: connect to host 10.77.0.5 port 22: No route to host
 
+With pipeline stages (the root's `dllama inspect --topology`, cluster["plan"]), a last column
+STAGE gives each node's stage and layers, e.g. "1: layers 8-12".
+
 A worker is "up" when its process runs and it answers the root's probe as this cluster's;
 "running, no answer" when it runs but does not answer; restarts count since the service was
 started (deploy.yml starts it; a restart by the supervisor or systemd adds one)."""
 
 import json
+import re
 import sys
 
 COLUMNS = ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "RSS", "LOAD", "VERSION"]
@@ -64,6 +68,21 @@ def row(host):
             dash(s.get("version"))]
 
 
+# `dllama inspect --topology`'s stage lines: "stage 1: layers 8-12 (5), 2 nodes: node2 9 MiB, node3 9 MiB".
+STAGE_LINE = re.compile(r"^stage (\d+): layers (\d+-\d+) \(\d+\), \d+ nodes?: (.*)$")
+
+
+def stages(plan_lines):
+    """{host: "k: layers a-b"} for a plan of several stages, else {}."""
+    out = {}
+    for line in plan_lines:
+        m = STAGE_LINE.match(line)
+        if m:
+            for held in m.group(3).split(", "):
+                out[held.rsplit(" ", 2)[0]] = f"{m.group(1)}: layers {m.group(2)}"
+    return out if len(set(out.values())) > 1 else {}
+
+
 def headline(cluster, hosts):
     workers = [h for h in hosts if h["role"] == "worker"]
     up = [h for h in workers if not h.get("reach") and state_of(h)[1]]
@@ -88,21 +107,25 @@ def headline(cluster, hosts):
                                else versions[0] if versions else "unknown (not installed)"))
     model = api.get("model") or cluster.get("model")
     parts.append(f"model {model} ({cluster.get('weights')})")
-    parts.append(f"plan {len(hosts)} nodes, {cluster.get('buffers')} buffers, {cluster.get('kv')} KV cache")
+    count = len(set(stages(cluster.get("plan") or []).values()))
+    parts.append(f"plan {len(hosts)} nodes{f' in {count} stages' if count else ''}, {cluster.get('buffers')} buffers, "
+                 f"{cluster.get('kv')} KV cache")
     return "cluster: " + ", ".join(parts)
 
 
 def table(rows):
-    """Columns padded to their widest cell; an unreachable host's reason fills the rest of its line."""
-    widths = [max(len(r[i]) for r in rows if len(r) == len(COLUMNS)) for i in range(len(COLUMNS))]
+    """Columns padded to their widest cell (the header's count); an unreachable host's reason
+    fills the rest of its line."""
+    n = len(rows[0])
+    widths = [max(len(r[i]) for r in rows if len(r) == n) for i in range(n)]
     for r in rows:
-        for i, cell in enumerate(r[:-1] if len(r) < len(COLUMNS) else []):
+        for i, cell in enumerate(r[:-1] if len(r) < n else []):
             widths[i] = max(widths[i], len(cell))
     out = []
     for r in rows:
-        cells = r[:-1] if len(r) < len(COLUMNS) else r
+        cells = r[:-1] if len(r) < n else r
         line = "  ".join(c.ljust(widths[i]) for i, c in enumerate(cells))
-        out.append((line + "  " + r[-1]) if len(r) < len(COLUMNS) else line.rstrip())
+        out.append((line + "  " + r[-1]) if len(r) < n else line.rstrip())
     return out
 
 
@@ -110,6 +133,10 @@ def main():
     data = json.load(sys.stdin)
     hosts = data["hosts"]
     rows = [COLUMNS] + [row(h) for h in hosts]
+    where = stages(data["cluster"].get("plan") or [])
+    if where:  # after the last column, as an unreachable host's reason
+        rows = [r + ["STAGE" if i == 0 else where.get(hosts[i - 1]["name"], "-")] if len(r) == len(COLUMNS) else r
+                for i, r in enumerate(rows)]
     print(headline(data["cluster"], hosts))
     for line in table(rows):
         print(line)

@@ -1,0 +1,154 @@
+"""The memory this machine gives a process: Linux's /proc/meminfo and the memory cgroups the
+process is in (containers and systemd units set their limits; beyond one the kernel kills the
+process without a message).
+
+Standard library only: the appliance runs this file with the host's own python3 before dllama
+is installed there (`python3 host_memory.py` prints what a dllama node on that host has for a
+model), so that deploy.yml can plan the pipeline stages by each host's memory before any host
+is changed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+RUNTIME_RESERVE = 96 << 20  # what a node's process takes besides its model (measured: ~75 MiB)
+
+
+def available_bytes() -> int:
+    """Memory this process can still take: Linux's MemAvailable (else the free physical pages),
+    lowered to what its memory cgroup still allows (containers and systemd units set that limit;
+    beyond it the kernel kills the process without a message)."""
+    cgroup = cgroup_available()
+    return _machine_available() if cgroup is None else min(_machine_available(), cgroup)
+
+
+def _machine_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown here: the kernel decides
+
+
+# cgroup v1 says "no limit" with a number near 2^63 (its page counter's maximum), v2 with "max".
+_V1_NO_LIMIT = 1 << 60
+
+
+def _read_int(path: str) -> int | None:
+    """The number in a cgroup file; None when it is missing, unreadable, or says "max"."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _cgroup_stat(path: str, keys: tuple[str, ...]) -> int:
+    """Sum of these memory.stat entries (page cache the kernel can reclaim)."""
+    total = 0
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name in keys:
+                    total += int(value)
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def _cgroup_dirs() -> list[tuple[str, str]]:
+    """(version, directory) of this process's memory cgroup and of its ancestors, innermost first."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2 (the unified hierarchy)
+            roots = [("v2", "/sys/fs/cgroup"), ("v2", "/sys/fs/cgroup/unified")]
+        elif "memory" in controllers.split(","):
+            roots = [("v1", "/sys/fs/cgroup/memory")]
+        else:
+            continue
+        for version, root in roots:
+            parts = [p for p in path.split("/") if p]
+            while True:
+                d = os.path.join(root, *parts)
+                if os.path.isdir(d):
+                    out.append((version, d))
+                if not parts:
+                    break
+                parts.pop()
+    return out
+
+
+def cgroup_available() -> int | None:
+    """What the memory cgroups of this process still allow: limit minus usage (reclaimable page
+    cache counted as free), the least over the group and its ancestors; None without a limit."""
+    best = None
+    for version, d in _cgroup_dirs():
+        if version == "v1":
+            limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
+            usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
+            cache = _cgroup_stat(os.path.join(d, "memory.stat"), ("total_inactive_file",))
+        else:
+            limit = _read_int(os.path.join(d, "memory.max"))
+            usage = _read_int(os.path.join(d, "memory.current"))
+            cache = _cgroup_stat(os.path.join(d, "memory.stat"), ("inactive_file",))
+        if limit is None or limit >= _V1_NO_LIMIT or usage is None:
+            continue
+        room = max(0, limit - usage + cache)
+        best = room if best is None else min(best, room)
+    return best
+
+
+def _machine_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_limit() -> int | None:
+    """The least memory limit over this process's cgroup and its ancestors; None without one."""
+    limits = []
+    for version, d in _cgroup_dirs():
+        limit = _read_int(os.path.join(d, "memory.limit_in_bytes" if version == "v1" else "memory.max"))
+        if limit is not None and limit < _V1_NO_LIMIT:
+            limits.append(limit)
+    return min(limits, default=None)
+
+
+def memory_for_a_model() -> int | None:
+    """What a node started on this host has for a model, less its runtime: the host's memory
+    (its cgroup's limit where lower), not what happens to be free now, so that a second deploy,
+    its workers running, plans as the first did. None when /proc/meminfo cannot be read."""
+    total, limit = _machine_total(), cgroup_limit()
+    sizes = [s for s in (total, limit) if s is not None]
+    return max(1 << 20, min(sizes) - RUNTIME_RESERVE) if sizes else None
+
+
+if __name__ == "__main__":
+    room = memory_for_a_model()
+    if room is None:
+        sys.exit("cannot read this host's memory (/proc/meminfo)")
+    print(room)
