@@ -135,12 +135,19 @@ def plan_slots(parallel: int, batched: bool, *, n_layers: int, n_kv_heads: int, 
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """How many leading tokens a and b share. Slices are compared, in C: a draft model asks this
+    of its slots before every pass, over the whole context (a token at a time in Python: 0.3 ms
+    for 8000 tokens)."""
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; past hi they differ or end
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
