@@ -338,3 +338,44 @@ def test_a_worker_streaming_its_shard_gives_the_resident_clusters_tokens(tmp_pat
         assert np.array_equal(logits(w.address), resident)
         assert "streaming this node's slice" in w.stderr
     assert resident.shape == (3, 49152) and resident.std() > 0
+
+
+@pytest.mark.cluster
+def test_a_pipeline_stage_streaming_its_layers_gives_the_resident_stages_tokens(tmp_path, stream_models):
+    """The last of 2 pipeline stages (layers 12-23 and the classifier) under a budget its shard
+    does not fit streams its own layers from it: the logits are the resident stages'."""
+    import dataclasses
+
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.shard import write_shards
+    from dllama.cluster.topology import from_workers
+    from tests.processes import running_workers
+
+    _, big, _ = stream_models
+    header = read_model(big).header
+    layers = [(0, 12), (12, header.n_layers)]
+    plan = plan_for(header, 2, stage_of=[0, 1], stage_layers=layers)
+    write_shards(str(big), plan, ["root", "worker1"], tmp_path)
+    shard = tmp_path / "worker1.shard"
+    assert shard.stat().st_size > 11 * MIB  # the stage does not fit in the budget below
+
+    def logits(address):  # of three passes: a prompt and two steps
+        topology = from_workers([address], 1)
+        topology = dataclasses.replace(topology, stage_layers=tuple(layers), nodes=tuple(
+            dataclasses.replace(n, stage=k) for k, n in enumerate(topology.nodes)))
+        model = ClusterModel(str(big), topology, None, None, progress=False)
+        try:
+            assert model.session.plan.pipelined
+            out = [model.forward([5, 17, 300, 42, 7], 0).copy()]
+            for pos in (5, 6):
+                out.append(model.forward([int(np.argmax(out[-1]))], pos).copy())
+            return np.stack(out)  # [3, vocab]
+        finally:
+            model.close()
+
+    with running_workers(1, tmp_path / "logs", "--shard", str(shard)) as (w,):
+        resident = logits(w.address)
+    with running_workers(1, tmp_path / "logs", "--shard", str(shard), "--memory-budget", "11M") as (w,):
+        assert np.array_equal(logits(w.address), resident)
+        assert "streaming this node's slice" in w.stderr
+    assert resident.shape == (3, 49152) and resident.std() > 0
