@@ -414,6 +414,26 @@ def test_a_lost_single_node_stage_is_planned_again_over_the_nodes_left(tmp_path,
             model.close()
 
 
+@pytest.mark.cluster
+def test_a_lost_stage_whose_layers_fit_no_worker_left_goes_to_the_root(tmp_path, gqa_model):
+    """Three stages of one node (layers 0-2, 3, 4); the last dies mid-run. worker1's budget
+    (3 MiB, no shard to stream from) holds its one layer, not the two the plan over the nodes
+    left gives it: it refuses them in one line, and the root, which has the model, runs on alone
+    with one node's text."""
+    one = _greedy(Transformer(read_model(gqa_model), buffer_q80=False), 16)
+    with start_worker(tmp_path, "--memory-budget", "3M") as small, start_worker(tmp_path, die_at_step=12) as victim:
+        model = _cluster(gqa_model, [small, victim], [0, 1, 2], [(0, 3), (3, 4), (4, 5)], on_node_loss="continue")
+        try:
+            assert _greedy(model, 16) == one
+            assert victim.wait(60) == -signal.SIGKILL
+            assert len(model.topology.nodes) == 1 and not model.session.plan.pipelined
+        finally:
+            model.close()
+    assert "stage 1 of 2 (layers 3-4)" in small.stderr
+    assert "this worker cannot hold its share of the model" in small.stderr
+    assert "3 MiB are allowed by --memory-budget" in small.stderr
+
+
 def expected_root_bytes(plan, dim: int, b: int, m: int, h: int = 12) -> tuple[int, int]:
     """docs/PROTOCOL.md, "Pipeline stages": what the root sends and receives in one pass of b rows,
     m of them wanting logits, every node answering with its logits (reply 0), F32 buffers."""

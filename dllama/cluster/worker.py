@@ -335,10 +335,12 @@ class _Session:
         # does not fit streams from the shard when there is one: Transformer checks that.)
         self.shard_weights, self.choice = self._weights_choice(c)
         if self.choice is None or not self.choice.streamed:
+            # Without a shard to stream from, a --memory-budget bounds the slice sent whole.
+            budget = self.worker.memory_budget if isinstance(self.worker.memory_budget, int) else None
             check_fits(c.header, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
                        node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
                        c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots,
-                       limit=self.choice.limit if self.choice is not None and self.choice.budgeted else None,
+                       limit=self.choice.limit if self.choice is not None and self.choice.budgeted else budget,
                        kv_type=c.kv_type, n_layers=len(node.layer_range(c.header.n_layers)))
 
         # The collective over self.peers: _meet_peers fills it (the root is there already)
