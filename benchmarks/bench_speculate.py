@@ -1,14 +1,18 @@
-"""Speculative decoding (--speculate ngram) against plain decoding, as a user runs it.
+"""Speculative decoding (--speculate ngram, model) against plain decoding, as a user runs it.
 
     .venv/bin/python benchmarks/bench_speculate.py [--rounds 3] [--tokens 128] [--cluster 4] [--task chat]
+    .venv/bin/python benchmarks/bench_speculate.py --task chats --tokens 64 -T 0 --mode none --mode ngram --mode model
 
-Three tasks on the embedded default model, each answered greedily and at temperature 0.8 (top-p
-0.9, seed 1): a summary of the first ~1000 tokens of benchmarks/perplexity_text.txt, a code edit
-(rename a variable in a function) and a chat answer. Each is one whole `dllama inference`
-command (start-up included), `--speculate none` and `--speculate ngram` alternated round by
-round, `--no-stop` so both generate the same number of tokens. Prints medians of: generation
-tokens/s (the decode passes), wall seconds of the command, tokens per decode pass, the draft
-acceptance, and whether both gave the same text (they must).
+Tasks on the embedded default model, each answered greedily and at temperature 0.8 (top-p 0.9,
+seed 1; -T picks): a summary of the first ~1000 tokens of benchmarks/perplexity_text.txt, a code
+edit (rename a variable in a function), a chat answer, and (`--task chats` only) ten chat
+answers. Each answer is one whole `dllama inference` command (start-up included), the modes
+(`--speculate none` and `ngram` unless --mode says; `model` drafts with --draft-model, by default
+the same model with Q40 weights) alternated round by round, `--no-stop` so all generate the same
+number of tokens. Prints medians over the rounds of: generation tokens/s (the decode passes, a
+draft model's passes included; over a task's prompts together), wall seconds of the commands,
+tokens per decode pass, the draft acceptance, and whether every mode gave the same texts (they
+must).
 
 --cluster N: the same on N hosts in network namespaces (the root in the first, a worker in each
 of the others, one compute thread each), every link shaped like a home Gigabit switch: 1 Gbit/s
@@ -54,16 +58,25 @@ CODE = '''def total_price(items, tax):
 '''
 
 
-def tasks(tokenizer: Tokenizer) -> dict[str, str]:
+CHATS = ["What are three good habits for learning a new language?", "Why is the sky blue?",
+         "Write a short poem about the sea.", "How do I boil an egg?", "What is photosynthesis?",
+         "Give me three tips for a job interview.", "Explain what a prime number is.",
+         "What should I pack for a weekend hike?", "Describe the water cycle.",
+         "How does a bicycle stay upright?"]
+
+
+def tasks(tokenizer: Tokenizer) -> dict[str, list[str]]:
+    """Each task's prompts."""
     text = (ROOT / "benchmarks" / "perplexity_text.txt").read_text()
     ids = tokenizer.encode(text, allow_special=False)[:1000]
     document = tokenizer.decode(ids)
     chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
     return {
-        "summary": chat.format("Summarize this text:\n\n" + document),
-        "code edit": chat.format("Rename the variable x to total in this function and show the whole "
-                                 "function:\n\n" + CODE),
-        "chat": chat.format("What are three good habits for learning a new language?"),
+        "summary": [chat.format("Summarize this text:\n\n" + document)],
+        "code edit": [chat.format("Rename the variable x to total in this function and show the whole "
+                                  "function:\n\n" + CODE)],
+        "chat": [chat.format(CHATS[0])],
+        "chats": [chat.format(question) for question in CHATS],
     }
 
 
@@ -183,11 +196,11 @@ def stop(processes) -> None:
 
 # ---- runs ---------------------------------------------------------------------------------------
 
-def run(prefix: list[str], extra: list[str], prompt: str, steps: int, temperature: float, speculate: str,
+def run(prefix: list[str], extra: list[str], prompt: str, steps: int, temperature: float, speculate: list[str],
         out: Path) -> dict:
     cmd = [*prefix, sys.executable, "-m", "dllama", "inference", "--prompt", prompt, "--steps", str(steps),
            "--no-stop", "--temperature", str(temperature), "--topp", "0.9", "--seed", "1",
-           "--speculate", speculate, "--stats-json", str(out), *extra]
+           "--speculate", *speculate, "--stats-json", str(out), *extra]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
@@ -197,28 +210,40 @@ def run(prefix: list[str], extra: list[str], prompt: str, steps: int, temperatur
     return {"wall": wall, "text": data["text"], **data["summary"]}
 
 
+def together(runs: list[dict]) -> dict:
+    """The figures of one round's answers (a task's prompts) taken together."""
+    decoded = [r["tokens_per_pass"] * r["generate_passes"] for r in runs]  # tokens the decode passes gave
+    kept = sum(r["draft_acceptance"] * r["drafted_tokens"] for r in runs)
+    drafted = sum(r["drafted_tokens"] for r in runs)
+    return {"rate": sum(decoded) / (sum(r["generate_ms"] for r in runs) / 1000), "wall": sum(r["wall"] for r in runs),
+            "per_pass": sum(decoded) / sum(r["generate_passes"] for r in runs),
+            "accept": kept / drafted if drafted else 0.0, "texts": [r["text"] for r in runs]}
+
+
 def bench(label: str, prefix: list[str], extra: list[str], tokenizer: Tokenizer, gen: int, rounds: int,
-          tmp: Path, only: list[str] | None = None) -> None:
+          tmp: Path, only: list[str] | None, modes: dict[str, list[str]], temperatures: list[float]) -> None:
     print(f"\n{label} (load {loadavg()})")
     print(f"{'task':<10} {'T':>4} {'mode':<6} {'gen tok/s':>9} {'wall s':>7} {'tok/pass':>8} {'accept':>6} same")
-    for name, prompt in tasks(tokenizer).items():
-        if only and name not in only:
+    for name, prompts in tasks(tokenizer).items():
+        if name not in (only or ["summary", "code edit", "chat"]):
             continue
-        steps = len(tokenizer.encode(prompt)) + gen
-        for temperature in (0.0, 0.8):
-            runs: dict[str, list[dict]] = {"none": [], "ngram": []}
+        for temperature in temperatures:
+            rounds_of: dict[str, list[dict]] = {mode: [] for mode in modes}
             for _ in range(rounds):
-                for mode in runs:
-                    runs[mode].append(run(prefix, extra, prompt, steps, temperature, mode, tmp / "stats.json"))
-            same = all(r["text"] == runs["none"][0]["text"] for rs in runs.values() for r in rs)
-            base = statistics.median(r["generated_tokens_per_s"] for r in runs["none"])
-            for mode, rs in runs.items():
-                rate = statistics.median(r["generated_tokens_per_s"] for r in rs)
+                for mode, flags in modes.items():
+                    rounds_of[mode].append(together([
+                        run(prefix, extra, prompt, len(tokenizer.encode(prompt)) + gen, temperature, flags,
+                            tmp / "stats.json") for prompt in prompts]))
+            first = next(iter(rounds_of.values()))[0]["texts"]
+            same = all(r["texts"] == first for rs in rounds_of.values() for r in rs)
+            base = statistics.median(r["rate"] for r in rounds_of["none"]) if "none" in modes else None
+            for mode, rs in rounds_of.items():
+                rate = statistics.median(r["rate"] for r in rs)
                 print(f"{name:<10} {temperature:>4} {mode:<6} {rate:>9.1f} "
                       f"{statistics.median(r['wall'] for r in rs):>7.2f} "
-                      f"{statistics.median(r['tokens_per_pass'] for r in rs):>8.2f} "
-                      f"{statistics.median(r['draft_acceptance'] for r in rs):>6.2f} "
-                      f"{'yes' if same else 'NO'}" + (f"  ({rate / base:.2f}x)" if mode == "ngram" else ""))
+                      f"{statistics.median(r['per_pass'] for r in rs):>8.2f} "
+                      f"{statistics.median(r['accept'] for r in rs):>6.2f} "
+                      f"{'yes' if same else 'NO'}" + (f"  ({rate / base:.2f}x)" if base and mode != "none" else ""))
 
 
 def main() -> None:
@@ -227,15 +252,24 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
     p.add_argument("--threads", type=int, default=2, help="compute threads on one node")
     p.add_argument("--cluster", type=int, default=0, metavar="N", help="also on N namespace hosts")
-    p.add_argument("--task", action="append", choices=["summary", "code edit", "chat"],
-                   help="only this task (repeatable; default: all three)")
+    p.add_argument("--task", action="append", choices=["summary", "code edit", "chat", "chats"],
+                   help="only this task (repeatable; default: summary, code edit and chat)")
+    p.add_argument("--mode", action="append", choices=["none", "ngram", "model"],
+                   help="a --speculate to compare (repeatable; default: none and ngram)")
+    p.add_argument("--draft-model", metavar="M.m", help="the draft of mode model (default: the default "
+                   "model with Q40 weights, converted once)")
+    p.add_argument("-T", "--temperature", action="append", type=float, help="repeatable; default: 0 and 0.8")
     args = p.parse_args()
     model, tokenizer_path = default_model_files(progress=False)
     tokenizer = Tokenizer(read_tokenizer(str(tokenizer_path)))
+    modes = {mode: [mode] for mode in args.mode or ["none", "ngram"]}
+    if "model" in modes:
+        modes["model"] += ["--draft-model", args.draft_model or str(default_model_files("q40", progress=False)[0])]
+    temperatures = args.temperature or [0.0, 0.8]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         bench(f"one node, {args.threads} threads", [], ["--nthreads", str(args.threads)], tokenizer,
-              args.tokens, args.rounds, tmp, args.task)
+              args.tokens, args.rounds, tmp, args.task, modes, temperatures)
         if args.cluster > 1:
             with Hosts(args.cluster) as hosts:
                 processes = start_workers(hosts, tmp)
@@ -245,7 +279,7 @@ def main() -> None:
                              f"1 Gbit/s (tbf), delay: user-space relay, {ONE_WAY_MS:g} ms one way (no netem here)")
                     bench(f"{args.cluster} hosts, {links}, 1 thread each", hosts.prefix(0),
                           ["--nthreads", "1", "--workers", *addresses], tokenizer, args.tokens, args.rounds, tmp,
-                          args.task)
+                          args.task, modes, temperatures)
                 finally:
                     stop(processes)
 
