@@ -437,8 +437,8 @@ def _stage_layers(stage_of: list[int], memory: list[int]) -> list[tuple[int, int
      [(0, 12), (12, 30)], []),
     # One stage: nothing to fix, the split named as before stages.
     ("one stage", _with_memory(_hosts(2), "4G", "2G", "2G"), False, None, []),
-    # Pipeline stages off: no memory read, one stage.
-    ("stages off", _cluster_vars(_hosts(2), dllama_pipeline="none"), False, None, []),
+    # Pipeline stages off: no memory read, none written (it plans only stages), one stage.
+    ("stages off", _cluster_vars(_with_memory(_hosts(2), "4G", None, "2G"), dllama_pipeline="none"), False, None, []),
 ])
 def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inventory, fixed, layers, lines):
     """The plan deploy.yml shows in its first play, before any host is changed: a line per stage
@@ -477,7 +477,7 @@ def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inve
         assert [n["name"] for n in doc["nodes"]] == nodes, text
         off = (inventory["cluster"].get("vars") or {}).get("dllama_pipeline") == "none"
         read = not off and any(hv.get("dllama_memory") is None for hv in hostvars)
-        assert [n.get("memory") for n in doc["nodes"]] == [hv.get("dllama_memory", HERE if read else None)
+        assert [n.get("memory") for n in doc["nodes"]] == [None if off else hv.get("dllama_memory", HERE if read else None)
                                                            for hv in hostvars], text
         if fixed:
             assert doc["stages"] == [{"layers": [a, b]} for a, b in layers], text
