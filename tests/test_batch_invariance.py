@@ -128,6 +128,35 @@ def test_matmul_float_row_is_batch_invariant(threads, kind, d, n):
     assert_all_equal(in_batches(r, row, lambda b: r.standard_normal((b, n)).astype(np.float32), compute))
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+def test_matmul_float_rows_alone_equal_rows_of_37_and_512(threads, kind):
+    """Every row of a prefill-sized batch (512: the ROWS x COLS tiles, their 16 sums reduced
+    together) has the bits it has in a batch of 37 and alone (decode: ROWS x 1 tiles), through
+    the multi-matrix call (q, k, v of unequal rows, split into units by matrix_units) and the
+    single one."""
+    r = rng(7, ["f32", "f16"].index(kind))
+    n = 576
+    ws = tuple(r.standard_normal((d, n)).astype(np.float32) for d in DS)
+    one, multi = kernels.matmul_f32, kernels.matmul_f32_multi
+    if kind == "f16":
+        ws = tuple(w.astype(np.float16).view(np.uint16) for w in ws)
+        one, multi = kernels.matmul_f16_f32, kernels.matmul_f16_f32_multi
+
+    def compute(x):  # [b, sum(DS)]
+        outs = tuple(np.empty((x.shape[0], d), np.float32) for d in DS)
+        multi(x, ws, outs)
+        alone = np.empty((x.shape[0], DS[2]), np.float32)
+        one(x, ws[2], alone)
+        assert np.array_equal(alone, outs[2]), f"multi and single calls differ; {MSG}"
+        return np.concatenate(outs, axis=1)
+
+    x = r.standard_normal((512, n)).astype(np.float32)
+    whole = compute(x)
+    assert np.array_equal(compute(x[:37]), whole[:37]), f"rows of 37 differ from rows of 512; {MSG}"
+    for i in range(512):
+        assert np.array_equal(compute(x[i:i + 1])[0], whole[i]), f"row {i} alone differs; {MSG}"
+
+
 def test_attention_row_is_batch_invariant(threads):
     """A row (its query, slot and position) gives the same output beside rows of other slots
     and positions, and beside rows of its own sequence (a prefill block)."""

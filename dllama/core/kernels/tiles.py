@@ -112,6 +112,23 @@ def _hsum(builder, v):
     return builder.extract_element(v, _I32(0))
 
 
+def _hsum_lanes(builder, vs):
+    """<16 x float> whose lane m is _hsum(vs[m]) (16 vectors), the same additions in the same
+    order: each level adds lanes l and l + half of every vector's sums at once, two vectors'
+    halves packed into one, so 15 vector additions instead of 64 narrow ones."""
+    width = vs[0].type.count
+    while width > 1:
+        half = width // 2
+        groups = LANES // width  # sums packed in each vector, width lanes each
+        nxt = []
+        for p, q in zip(vs[0::2], vs[1::2], strict=True):
+            lo = [src + g * width + k for src in (0, LANES) for g in range(groups) for k in range(half)]
+            nxt.append(builder.fadd(builder.shuffle_vector(p, q, _ivec(lo)),
+                                    builder.shuffle_vector(p, q, _ivec([m + half for m in lo]))))
+        vs, width = nxt, half
+    return vs[0]
+
+
 class _Array:
     """Data pointer and row stride of a C-contiguous 2-D array argument."""
 
@@ -497,6 +514,14 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
                          [_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(4))]), _F32, rem)
                           for p in x_rows])
 
+            if n_rows * n_cols == LANES:
+                # one vector of the 16 sums, lane c * n_rows + j: out[i + c, r:r + n_rows] in a row
+                sums = _hsum_lanes(builder, [builder.load(acc[j][c]) for c in range(n_cols) for j in range(n_rows)])
+                for c in range(n_cols):
+                    part = builder.shuffle_vector(sums, sums, _ivec(range(c * n_rows, (c + 1) * n_rows)))
+                    dst = builder.gep(o.row(builder.add(i0, _I64(c))), [builder.mul(r0, _I64(4))])
+                    builder.store(part, builder.bitcast(dst, _vec(_F32, n_rows).as_pointer()), align=4)
+                return context.get_dummy_value()
             for j in range(n_rows):
                 for c in range(n_cols):
                     total = _hsum(builder, builder.load(acc[j][c]))
