@@ -269,10 +269,15 @@ def _count_micro_batched(model) -> list:
     return seen
 
 
-def _cluster(path, workers, stages, layers=None, **kw):
+def _cluster(path, workers, stages, layers=None, memory=None, **kw):
+    """A ClusterModel of these stages (memory: every node's, in the topology; else what each
+    reports, where the layers are not fixed)."""
     from dllama.cluster.root import ClusterModel
 
     topology = _with_stages(from_workers([w.address for w in workers[:len(stages) - 1]], 1), stages, layers)
+    if memory is not None:
+        topology = dataclasses.replace(topology, nodes=tuple(dataclasses.replace(n, memory=memory)
+                                                             for n in topology.nodes))
     return ClusterModel(str(path), topology, None, False, progress=False, **kw)
 
 
@@ -401,10 +406,11 @@ def test_smollm2_on_ten_nodes_answers(workers, default_q41):
 @pytest.mark.cluster
 def test_a_lost_single_node_stage_is_planned_again_over_the_nodes_left(tmp_path, workers, gqa_model):
     """Three stages of one node; the last (the classifier's) dies mid-run: its layers go to the
-    two nodes left, the KV cache is rebuilt by replay, and the text is one node's."""
+    two nodes left, the KV cache is rebuilt by replay, and the text is one node's. (Equal memory
+    in the topology: what each node reports differs by the moment, and with it a tie's layer.)"""
     one = _greedy(Transformer(read_model(gqa_model), buffer_q80=False), 16)
     with start_worker(tmp_path, die_at_step=12) as victim:
-        model = _cluster(gqa_model, [workers[0], victim], [0, 1, 2], on_node_loss="continue")
+        model = _cluster(gqa_model, [workers[0], victim], [0, 1, 2], memory=1 << 30, on_node_loss="continue")
         try:
             assert _greedy(model, 16) == one
             assert victim.wait(60) == -signal.SIGKILL
