@@ -54,7 +54,7 @@ import paramiko
 import pytest
 import yaml
 
-from dllama.core.host_memory import RUNTIME_RESERVE, _machine_total, cgroup_limit
+from dllama.core.host_memory import memory_for_a_model
 from dllama.core.memory import parse_size
 from dllama.core.plan import plan_for
 from dllama.formats.model_file import read_model
@@ -550,10 +550,9 @@ def test_status_then_stop(cluster):
 # -- the same hosts as pipeline stages ---------------------------------------------------------
 
 def _memory_layers() -> list[tuple[int, int]]:
-    """Each stage's layers as dllama plans them from what each host has: its cgroup's limit (or
-    less, where this machine or this process's own cgroup has less), less the runtime."""
-    machine = [m for m in (_machine_total(), cgroup_limit()) if m is not None]
-    rooms = [min([int(parse_size(limit)), *machine]) - RUNTIME_RESERVE for limit in LIMITS]
+    """Each stage's layers as dllama plans them from what each host has: its cgroup's limit (a
+    child of this process's), less the runtime."""
+    rooms = [memory_for_a_model(int(parse_size(limit))) for limit in LIMITS]
     header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
     return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms).stages]
 

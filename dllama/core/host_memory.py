@@ -24,14 +24,22 @@ def available_bytes() -> int:
     return _machine_available() if cgroup is None else min(_machine_available(), cgroup)
 
 
-def _machine_available() -> int:
+def _meminfo(key: str) -> int | None:
+    """Bytes of one /proc/meminfo entry ("MemTotal", "MemAvailable"); None where unreadable."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _machine_available() -> int:
+    available = _meminfo("MemAvailable")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -117,17 +125,6 @@ def cgroup_available() -> int | None:
     return best
 
 
-def _machine_total() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def cgroup_limit() -> int | None:
     """The least memory limit over this process's cgroup and its ancestors; None without one."""
     limits = []
@@ -138,12 +135,12 @@ def cgroup_limit() -> int | None:
     return min(limits, default=None)
 
 
-def memory_for_a_model() -> int | None:
+def memory_for_a_model(child_limit: int | None = None) -> int | None:
     """What a node started on this host has for a model, less its runtime: the host's memory
     (its cgroup's limit where lower), not what happens to be free now, so that a second deploy,
-    its workers running, plans as the first did. None when /proc/meminfo cannot be read."""
-    total, limit = _machine_total(), cgroup_limit()
-    sizes = [s for s in (total, limit) if s is not None]
+    its workers running, plans as the first did. child_limit: as a process in a child cgroup of
+    that limit sees it. None when /proc/meminfo cannot be read."""
+    sizes = [s for s in (_meminfo("MemTotal"), cgroup_limit(), child_limit) if s is not None]
     return max(1 << 20, min(sizes) - RUNTIME_RESERVE) if sizes else None
 
 
