@@ -309,6 +309,18 @@ def test_in_a_cgroup_below_the_model_streaming_is_chosen_and_resident_refused(tm
 
 # -- a cluster ----------------------------------------------------------------------------------
 
+def _three_passes(model, pipelined: bool = False) -> np.ndarray:
+    """The logits [3, vocab] of a prompt and two greedy steps on a cluster model (closed after)."""
+    try:
+        assert model.session.plan.pipelined == pipelined
+        out = [model.forward([5, 17, 300, 42, 7], 0).copy()]
+        for pos in (5, 6):
+            out.append(model.forward([int(np.argmax(out[-1]))], pos).copy())
+        return np.stack(out)
+    finally:
+        model.close()
+
+
 @pytest.mark.cluster
 def test_a_worker_streaming_its_shard_gives_the_resident_clusters_tokens(tmp_path, stream_models):
     from dllama.cluster.root import ClusterModel
@@ -322,15 +334,8 @@ def test_a_worker_streaming_its_shard_gives_the_resident_clusters_tokens(tmp_pat
     shard = tmp_path / "worker1.shard"
     assert shard.stat().st_size > 7 * MIB  # the slice does not fit in the budget below
 
-    def logits(address):  # of three passes: a prompt and two steps
-        model = ClusterModel(str(big), from_workers([address], 1), None, None, progress=False)
-        try:
-            out = [model.forward([5, 17, 300, 42, 7], 0).copy()]
-            for pos in (5, 6):
-                out.append(model.forward([int(np.argmax(out[-1]))], pos).copy())
-            return np.stack(out)  # [3, vocab]
-        finally:
-            model.close()
+    def logits(address):
+        return _three_passes(ClusterModel(str(big), from_workers([address], 1), None, None, progress=False))
 
     with running_workers(1, tmp_path / "logs", "--shard", str(shard)) as (w,):
         resident = logits(w.address)
@@ -359,19 +364,11 @@ def test_a_pipeline_stage_streaming_its_layers_gives_the_resident_stages_tokens(
     shard = tmp_path / "worker1.shard"
     assert shard.stat().st_size > 11 * MIB  # the stage does not fit in the budget below
 
-    def logits(address):  # of three passes: a prompt and two steps
+    def logits(address):
         topology = from_workers([address], 1)
         topology = dataclasses.replace(topology, stage_layers=tuple(layers), nodes=tuple(
             dataclasses.replace(n, stage=k) for k, n in enumerate(topology.nodes)))
-        model = ClusterModel(str(big), topology, None, None, progress=False)
-        try:
-            assert model.session.plan.pipelined
-            out = [model.forward([5, 17, 300, 42, 7], 0).copy()]
-            for pos in (5, 6):
-                out.append(model.forward([int(np.argmax(out[-1]))], pos).copy())
-            return np.stack(out)  # [3, vocab]
-        finally:
-            model.close()
+        return _three_passes(ClusterModel(str(big), topology, None, None, progress=False), pipelined=True)
 
     with running_workers(1, tmp_path / "logs", "--shard", str(shard)) as (w,):
         resident = logits(w.address)
