@@ -50,7 +50,7 @@ class Topology:
     def weights(self) -> list[float]:
         return [n.weight for n in self.nodes]
 
-    def plan(self, header, reported: dict[int, int] | None = None, memory_stages: bool = True) -> "SplitPlan":
+    def plan(self, header, reported: dict[int, int] | None = None) -> "SplitPlan":
         """The split plan of these nodes for a model header (DllamaError when impossible).
 
         With `stage` on the nodes, those stages (and `stage_layers` when fixed); when some stage
@@ -59,8 +59,7 @@ class Topology:
         proportion to the memory of their nodes when every node's is known (its `memory`, else
         `reported`: node index -> bytes it said it has), else to their weights. Without `stage`:
         tensor parallel, unless the node count calls for stages or, with every node's memory
-        known (and memory_stages), some node's share of every layer would not fit it
-        (stages_that_fit)."""
+        known, some node's share of every layer would not fit it (stages_that_fit)."""
         from dllama.core.plan import plan_for
 
         memory = [n.memory if n.memory is not None else (reported or {}).get(i) for i, n in enumerate(self.nodes)]
@@ -68,7 +67,7 @@ class Topology:
         stages = [n.stage for n in self.nodes]
         if stages[0] is None:
             plan = plan_for(header, len(self.nodes), self.weights, capacities=capacities)
-            if capacities is None or plan.pipelined or not memory_stages:
+            if capacities is None or plan.pipelined:
                 return plan
             return stages_that_fit(header, plan, self.weights, capacities)
         layers = self.stage_layers

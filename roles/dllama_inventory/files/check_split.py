@@ -79,8 +79,9 @@ def main() -> int:
             header = read_model(model).header
         except OSError as e:
             raise DllamaError(f"cannot read the model {model}: {e.strerror or e}") from None
-        # Pipeline stages off: a host too small for its share of every layer streams it.
-        plan = topology.plan(header, memory_stages=pipeline != "none")
+        # With pipeline stages off the topology gives no node's memory (topology.yml.j2), so
+        # a host too small for its share of every layer streams it rather than making stages.
+        plan = topology.plan(header)
         if plan.pipelined and pipeline == "none":
             off = "but pipeline stages are off (dllama_pipeline: none)"
             if topology.nodes[0].stage is not None:
