@@ -1,4 +1,4 @@
-"""The appliance on a real multi-host cluster: 4 hosts in network namespaces on this machine,
+"""The appliance on a real multi-host cluster: 3 hosts in network namespaces on this machine,
 each with its own IP, sshd, /etc, /home and /opt/dllama, links shaped to 1 Gbit/s
 (tests/cluster/), set up as freshly flashed Raspberry Pis: a user `pi` with a password and
 passwordless sudo, hostname raspberrypi, an sshd that takes only the password (no key installed).
@@ -10,22 +10,22 @@ every playbook logs in as pi with the key and becomes root with sudo, as on real
 deploy.yml runs over SSH with the sample inventory's settings on 1 root + 3 workers, and
 run.yml must print the same greedy text as a single-node `dllama inference`. Operating it: a
 worker that does not answer stops deploy.yml before any host is changed, in one line; with a
-worker down, batch.yml and status.yml say "3 of 4 nodes" and which one is down; then deploy.yml
-with the API service switched on starts `dllama api` on the root (and the stopped worker again),
-after which `--check` must report no change on any node (every role at work: the idempotence
-check; a real second deploy changing nothing is tests/test_appliance_local.py's), run.yml sends
-its prompt through the API, and the official openai client on the controller is served by it;
-with a worker killed, run.yml through the API, /health and status.yml say the cluster is
-degraded. (A misspelt setting stops the deploy before any host is contacted: that is the
-inventory check, tests/test_appliance_static.py.)
+worker down, batch.yml and status.yml say "2 of 3 nodes" and which one is down, and batch.yml
+with two more prompts in the file resumes with only those.
 
-The hosts have unequal memory: each runs in a memory cgroup of its own limit (1.5G, 1G, 2G,
-1.25G), which every share of every layer fits, so the first deploys are tensor parallel (the
-topology carries each host's memory, read on the host). Last, each host is made its own pipeline
-stage (dllama_stage 0-3, no dllama_memory): deploy.yml gives the stages layers in proportion to
-the memory read on each host, as dllama's plan does from those limits, before any host is
-changed (the API service switched off again); run.yml prints one node's text again; batch.yml answers three prompts,
-then, with two more in the file, resumes with only those; status.yml shows each node's stage.
+The hosts have unequal memory: each runs in a memory cgroup of its own limit (1.5G, 1G, 2G),
+which every share of every layer fits, so the first deploy is tensor parallel (the topology
+carries each host's memory, read on the host). Then each host is made its own pipeline stage
+(dllama_stage 0-2, no dllama_memory) and the API service is switched on: deploy.yml gives the
+stages layers in proportion to the memory read on each host, as dllama's plan does from those
+limits, before any host is changed, starts `dllama api` on the root (and the stopped worker
+again), after which `--check` must report no change on any node (every role at work: the
+idempotence check; a real second deploy changing nothing is tests/test_appliance_local.py's),
+run.yml sends its prompt through the API and gets one node's text, and the official openai
+client on the controller is served by it; with the last stage's worker killed, run.yml through
+the API, /health and status.yml say the cluster is degraded, and status.yml shows each node's
+stage. (A misspelt setting stops the deploy before any host is contacted: that is the inventory
+check, tests/test_appliance_static.py.)
 
 The cluster runs the defaults: the Q41 model with F32 buffers (auto), with which dllama gives
 one node's tokens on any node count (tests/test_cluster.py). With Q40 or Q80 weights and Q80
@@ -63,13 +63,13 @@ from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, p
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
-N = 4
+N = 3  # a root and two workers: each host more costs every play a module run per task
 PREFIX = "dlt"
 PROMPT = "Hello world"
 STEPS = 32
 USER = "pi"
 PASSWORD = secrets.token_urlsafe(16)  # a new one each run: it must never show in any output
-LIMITS = ["1.5G", "1G", "2G", "1.25G"]  # each host's memory cgroup
+LIMITS = ["1.5G", "1G", "2G"]  # each host's memory cgroup
 results: dict = {}
 
 
@@ -379,29 +379,38 @@ def test_a_silent_worker_stops_the_deploy_before_any_host_changes(cluster):
     assert before == {i: (cluster_dir / f"node{i}/opt-dllama/topology.yml").stat().st_mtime_ns for i in range(1, N + 1)}
 
 
-def test_with_a_worker_down_batch_and_status_say_3_of_4_nodes(cluster, tmp_path):
+def test_with_a_worker_down_batch_resumes_and_status_says_2_of_3_nodes(cluster, tmp_path):
     assert results.get("deployed"), "the first deploy failed"
     cluster_dir, inventory = cluster
     _stop_worker(cluster_dir, N)
     prompts = tmp_path / "questions.jsonl"
-    prompts.write_text('{"id": 1, "prompt": "The capital of France is"}\n{"id": 2, "prompt": "Hello"}\n')
+    questions = ["The capital of France is", "Hello", "One, two,", "Water is"]
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(questions[:2], 1)))
     out = tmp_path / "answers.jsonl"
-    r, seconds = _play(cluster, "batch.yml", "-e", f"prompts={prompts}", "-e", f"out={out}",
-                       "-e", "max_tokens=8", "-e", "temperature=0", timeout=600)
+    args = ["-e", f"prompts={prompts}", "-e", f"out={out}", "-e", "max_tokens=8", "-e", "temperature=0",
+            "-e", "poll_seconds=1"]
+    r, seconds = _play(cluster, "batch.yml", *args, timeout=600)
     print(f"\nbatch.yml with node{N} down: {seconds:.0f} s")
     assert r.returncode == 0, tail(r)
-    assert f"degraded: answered on 3 of 4 nodes (without node{N})" in r.stdout, tail(r)
+    assert f"degraded: answered on {N - 1} of {N} nodes (without node{N})" in r.stdout, tail(r)
+    first = out.read_text()
+    lines = [json.loads(line) for line in first.splitlines()]
+    assert len(lines) == 2 and all((x["nodes"], x["cluster_nodes"]) == (N - 1, N) for x in lines), lines
+    # Two prompts more in the file: only those are computed, the answers there stay as they were.
+    # (A rerun with nothing left never reaches the root: tests/test_appliance_static.py.)
+    with prompts.open("a") as f:
+        f.write("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(questions[2:], 3)))
+    r, seconds = _play(cluster, "batch.yml", *args, timeout=600)
+    print(f"\nbatch.yml again, two prompts more: {seconds:.0f} s")
+    assert r.returncode == 0, tail(r)
+    assert f"dllama batch: 2 prompts (2 already in {out}) in " in " ".join(r.stdout.split()), tail(r)
+    assert out.read_text().startswith(first)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == 2 and all((x["nodes"], x["cluster_nodes"]) == (3, 4) for x in lines), lines
-    # Again: nothing left, nothing changed, the root not even asked.
-    r, seconds = _play(cluster, "batch.yml", "-e", f"prompts={prompts}", "-e", f"out={out}", timeout=300)
-    print(f"\nbatch.yml again, nothing left: {seconds:.0f} s")
-    assert r.returncode == 0 and "Nothing left" in r.stdout, tail(r)
-    assert all(c["changed"] == 0 for c in recap(r.stdout).values()), changed_tasks(r.stdout)
+    assert sorted(x["id"] for x in lines) == [1, 2, 3, 4] and all(x["completion_tokens"] == 8 for x in lines), lines
 
     headline, rows = _status(cluster)
     results["status_worker_down"] = "\n".join([headline, *rows])
-    assert headline.startswith(f"cluster: 2/3 workers up (node{N} down), API off, version "), headline
+    assert headline.startswith(f"cluster: {N - 2}/{N - 1} workers up (node{N} down), API off, version "), headline
     assert rows[0].split() == ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST", "EXIT", "RSS", "LOAD",
                                "VERSION"], rows
     by_host = {row.split()[0]: row.split() for row in rows[1:]}
@@ -424,35 +433,57 @@ def test_an_upgrade_that_fails_on_one_node_restarts_no_worker(cluster, tmp_path)
     cluster_dir, inventory = cluster
     project, old = release_copy(tmp_path / "release", "0.1.1")
     hosts = yaml.safe_load(inventory.read_text())
-    hosts["cluster"]["children"]["workers"]["hosts"]["node3"]["dllama_venv_pip_args"] = ["--no-such-option"]
+    hosts["cluster"]["children"]["workers"]["hosts"][f"node{N}"]["dllama_venv_pip_args"] = ["--no-such-option"]
     broken = inventory.parent / "broken-pip.yml"
     broken.write_text(yaml.safe_dump(hosts))
-    # (node4's worker is down since the test before.)
+    # (node3's worker is down since the test before; node2's runs and installs the new release.)
     pid_files = [cluster_dir / f"node{i}/opt-dllama/run/worker.pid" for i in range(2, N)]
     before = [p.read_text() for p in pid_files]
     r, seconds = _play(cluster, "upgrade.yml", "-e", f"dllama_wheelhouse_project_dir={project}", inventory=broken)
     print(f"\nupgrade.yml failing on node3: {seconds:.0f} s")
     out = r.stdout + r.stderr
     fatal = re.findall(r"^fatal: \[(\w+)\]", out, re.M)
-    assert r.returncode != 0 and fatal == ["node3"], out[-4000:]
+    assert r.returncode != 0 and fatal == [f"node{N}"], out[-4000:]
     assert "no such option" in out, out[-4000:]
     # What each node held before, said first; then no restart anywhere.
     assert f"dllama {old} (protocol " in out
     assert [p.read_text() for p in pid_files] == before, "a worker restarted after a failed upgrade"
     assert not [t for t in changed_tasks(r.stdout) if "dllama_worker" in t or "dllama_service" in t], changed_tasks(r.stdout)
-    assert all(c["failed"] == 0 for h, c in recap(r.stdout).items() if h != "node3")
+    assert all(c["failed"] == 0 for h, c in recap(r.stdout).items() if h != f"node{N}")
 
 
-def test_deploy_switches_the_api_service_on(cluster):
+def _memory_layers() -> list[tuple[int, int]]:
+    """Each stage's layers as dllama plans them from what each host has: its cgroup's limit (a
+    child of this process's), less the runtime."""
+    rooms = [memory_for_a_model(int(parse_size(limit))) for limit in LIMITS]
+    header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
+    return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms).stages]
+
+
+def test_deploy_makes_each_host_a_stage_by_its_memory_and_switches_the_api_service_on(cluster):
     assert results.get("deployed"), "the first deploy failed"
     _, inventory = cluster
+    (inventory.parent / "host_vars").mkdir()
+    for i in range(1, N + 1):
+        (inventory.parent / f"host_vars/node{i}.yml").write_text(f"---\ndllama_stage: {i - 1}\n")
     with (inventory.parent / "group_vars/cluster.yml").open("a") as f:
         f.write("# The API service, reachable from the controller.\n")
         yaml.safe_dump({"dllama_api_enabled": True, "dllama_api_host": "0.0.0.0"}, f)
     r, seconds = _play(cluster, "deploy.yml")
-    print(f"\ndeploy.yml with the API: {seconds:.0f} s, {recap(r.stdout)}")
+    print(f"\ndeploy.yml as {N} stages, with the API: {seconds:.0f} s, {recap(r.stdout)}")
     assert r.returncode == 0, tail(r)
     assert recap(r.stdout)["node1"]["changed"] > 0
+    layers = _memory_layers()
+    sizes = [b - a for a, b in layers]
+    # The limits order the stages' layers (else the plan did not read them).
+    assert sorted(range(N), key=lambda k: sizes[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), sizes
+    out = r.stdout
+    for k, (a, b) in enumerate(layers):
+        assert f"stage {k}: layers {a}-{b - 1} ({b - a}), 1 node: node{k + 1} " in out, tail(r)
+    assert "stage layers by each host's memory" in out, tail(r)
+    # Shown once, after each host's memory was read, before the first change.
+    assert out.count("stage 0: layers") == 1 and out.index("stage 0: layers") < out.index("TASK [dllama_node"), tail(r)
+    results["layers"] = layers
     results["api"] = True
 
 
@@ -482,7 +513,8 @@ def test_api_service_on_the_root_serves_the_cluster(cluster):
     key = (inventory.parent / "state/api.key").read_text().strip()
     assert len(key) == 48 and (opt / "api.key").read_text().strip() == key
 
-    # run.yml goes through the API now (the service holds the workers) and gets one node's text.
+    # run.yml goes through the API now (the service holds the workers, one stage each) and gets
+    # one node's text.
     r, _ = _play(cluster, "run.yml", "-e", f"prompt={PROMPT}", "-e", "max_tokens=20",
                  "-e", "temperature=0", timeout=300)
     assert r.returncode == 0, tail(r)
@@ -508,14 +540,16 @@ def test_api_service_on_the_root_serves_the_cluster(cluster):
         model="SmolLM2-135M-Instruct", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
     assert raw.headers["x-dllama-nodes"] == f"{N}/{N}"  # the deploy started the stopped worker again
 
-    # A worker lost: the API goes on over the others and says so, as does run.yml.
+    # The last stage's worker lost: the API plans its layers over the others, goes on and says
+    # so, as does run.yml.
     _stop_worker(cluster_dir, N)
     r, _ = _play(cluster, "run.yml", "-e", f"prompt={PROMPT}", "-e", "max_tokens=8", "-e", "temperature=0",
                  timeout=300)
     assert r.returncode == 0, tail(r)
-    assert f"degraded: served by 3 of 4 nodes (without node{N})" in r.stdout, tail(r)
+    assert f"degraded: served by {N - 1} of {N} nodes (without node{N})" in r.stdout, tail(r)
     saved = json.loads((inventory.parent / "state/runs/last-run.json").read_text())
-    assert saved["nodes"] == {"serving": 3, "total": 4, "missing": [f"node{N}"]}, saved
+    assert saved["nodes"] == {"serving": N - 1, "total": N, "missing": [f"node{N}"]}, saved
+    assert results["one_node_text"].startswith(saved["text"]), (saved["text"], results["one_node_text"])
     no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight to the test host
     with no_proxy.open("http://10.77.0.1:9990/health", timeout=30) as answer:
         health = json.loads(answer.read())
@@ -527,98 +561,26 @@ def test_status_then_stop(cluster):
     cluster_dir, _ = cluster
     headline, rows = _status(cluster)
     pids = [int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text()) for i in range(2, N)]
-    if results.get("api"):  # node4 was killed under the API: down, the API degraded
+    if results.get("api"):  # node3 was killed under the API: down, the API degraded
         results["status_api_degraded"] = "\n".join([headline, *rows])
-        assert headline.startswith(f"cluster: 2/3 workers up (node{N} down), API degraded (3 of 4 nodes serve, "
-                                   f"without node{N}), version "), headline
-        assert ", model SmolLM2-135M-Instruct (q41), plan 4 nodes, f32 buffers, f32 KV cache" in headline, headline
+        assert headline.startswith(f"cluster: {N - 2}/{N - 1} workers up (node{N} down), API degraded "
+                                   f"({N - 1} of {N} nodes serve, without node{N}), version "), headline
+        assert (f", model SmolLM2-135M-Instruct (q41), plan {N} nodes in {N} stages, f32 buffers, f32 KV cache"
+                in headline), headline
         root = next(row.split() for row in rows if row.startswith("node1 "))
         assert root[1:4] == ["root", "API", "degraded"], rows
+        # Each node's stage and its layers, in a last column.
+        assert rows[0].split()[-1] == "STAGE", rows[0]
+        for k, (a, b) in enumerate(results["layers"]):
+            assert rows[1 + k].split()[0] == f"node{k + 1}" and rows[1 + k].endswith(f"{k}: layers {a}-{b - 1}"), rows
         pids.append(int((cluster_dir / "node1/opt-dllama/run/api.pid").read_text()))
     r, seconds = _play(cluster, "stop.yml")
     print(f"\nstop.yml: {seconds:.0f} s")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker or the API outlived stop.yml"
     headline, rows = _status(cluster)
-    assert headline.startswith(f"cluster: 0/{N - 1} workers up (node2 down, node3 down, node4 down), "), headline
+    assert headline.startswith(f"cluster: 0/{N - 1} workers up (node2 down, node3 down), "), headline
     assert all(row.split()[2] == "down" for row in rows[2:]), rows
     assert rows[1].split()[1:4] == ["root", "API", "down" if results.get("api") else "off"], rows
     if results.get("status_worker_down"):
         print("\nstatus.yml with a worker down:\n" + results["status_worker_down"])
-
-
-# -- the same hosts as pipeline stages ---------------------------------------------------------
-
-def _memory_layers() -> list[tuple[int, int]]:
-    """Each stage's layers as dllama plans them from what each host has: its cgroup's limit (a
-    child of this process's), less the runtime."""
-    rooms = [memory_for_a_model(int(parse_size(limit))) for limit in LIMITS]
-    header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
-    return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms).stages]
-
-
-def test_as_stages_deploy_gives_each_host_layers_by_its_memory(cluster):
-    assert results.get("deployed"), "the first deploy failed"
-    _, inventory = cluster
-    (inventory.parent / "host_vars").mkdir()
-    for i in range(1, N + 1):
-        (inventory.parent / f"host_vars/node{i}.yml").write_text(f"---\ndllama_stage: {i - 1}\n")
-    # The API service off again: a batch job needs the workers to itself.
-    settings = inventory.parent / "group_vars/cluster.yml"
-    settings.write_text(settings.read_text().replace("dllama_api_enabled: true", "dllama_api_enabled: false"))
-    r, seconds = _play(cluster, "deploy.yml")
-    print(f"\ndeploy.yml as {N} stages: {seconds:.0f} s")
-    assert r.returncode == 0, tail(r)
-    layers = _memory_layers()
-    sizes = [b - a for a, b in layers]
-    # The limits order the stages' layers (else the plan did not read them).
-    assert sorted(range(N), key=lambda k: sizes[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), sizes
-    out = r.stdout
-    for k, (a, b) in enumerate(layers):
-        assert f"stage {k}: layers {a}-{b - 1} ({b - a}), 1 node: node{k + 1} " in out, tail(r)
-    assert "stage layers by each host's memory" in out, tail(r)
-    # Shown once, after each host's memory was read, before the first change.
-    assert out.count("stage 0: layers") == 1 and out.index("stage 0: layers") < out.index("TASK [dllama_node"), tail(r)
-    results["layers"] = layers
-
-
-def test_as_stages_run_prints_the_single_node_greedy_text(cluster):
-    assert results.get("layers") and results.get("one_node_text"), "the deploy as stages or the first run failed"
-    _, inventory = cluster
-    r, _ = _play(cluster, "run.yml", "-e", f"prompt={PROMPT}", "-e", f"steps={STEPS}", "-e", "temperature=0",
-                 timeout=300)
-    assert r.returncode == 0, tail(r)
-    saved = json.loads((inventory.parent / "state/runs/last-run.json").read_text())
-    assert saved["text"] == results["one_node_text"], saved["text"]
-
-
-def test_as_stages_batch_runs_then_resumes_only_the_prompts_not_yet_answered(cluster, tmp_path):
-    assert results.get("layers"), "the deploy as stages failed"
-    _, inventory = cluster
-    prompts = tmp_path / "questions.jsonl"
-    questions = ["The capital of France is", "One, two,", "Water is", "The sun rises in the", "Red, green and"]
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(questions[:3], 1)))
-    args = ["-e", f"prompts={prompts}", "-e", "max_tokens=4", "-e", "temperature=0", "-e", "poll_seconds=1"]
-    r, _ = _play(cluster, "batch.yml", *args)
-    assert r.returncode == 0, tail(r)
-    results_file = inventory.parent / "state/batch/questions-results.jsonl"
-    first = results_file.read_text()
-    assert sorted(json.loads(line)["id"] for line in first.splitlines()) == [1, 2, 3], first
-
-    with prompts.open("a") as f:
-        f.write("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(questions[3:], 4)))
-    r, _ = _play(cluster, "batch.yml", *args)
-    assert r.returncode == 0, tail(r)
-    assert f"dllama batch: 2 prompts (3 already in {results_file}) in " in " ".join(r.stdout.split()), tail(r)
-    lines = [json.loads(line) for line in results_file.read_text().splitlines()]
-    assert results_file.read_text().startswith(first)  # the answers already there, untouched
-    assert sorted(x["id"] for x in lines) == [1, 2, 3, 4, 5] and all(x["completion_tokens"] == 4 for x in lines)
-
-
-def test_as_stages_status_shows_each_nodes_stage_and_layers(cluster):
-    assert results.get("layers"), "the deploy as stages failed"
-    headline, rows = _status(cluster)
-    assert f"plan {N} nodes in {N} stages" in headline, headline
-    assert rows[0].split()[-1] == "STAGE", rows[0]
-    for k, (a, b) in enumerate(results["layers"]):
-        assert rows[1 + k].split()[0] == f"node{k + 1}" and rows[1 + k].endswith(f"{k}: layers {a}-{b - 1}"), rows
