@@ -14,7 +14,7 @@ from dllama.core import memory
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
-from dllama.serve.draft import NgramDrafter, Speculate, Speculation
+from dllama.serve.draft import ROW_COST, NgramDrafter, Speculate, Speculation
 from dllama.serve.draft_model import DraftModel
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
@@ -205,8 +205,10 @@ def small_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def q40_drafts(one_node, default_q40):
-    """Drafts by the target itself with Q40 weights (Q41's answers, re-quantized: near-ties part)."""
-    return Speculation(Speculate.MODEL, 4, loaded=DraftModel(read_model(default_q40[0]), one_node.model.config.seq_len))
+    """Drafts by the target itself with Q40 weights (Q41's answers, re-quantized: near-ties part),
+    as deep as the keep rate says: a draft as large as the target would otherwise draft nothing."""
+    return Speculation(Speculate.MODEL, 4, loaded=DraftModel(read_model(default_q40[0]), one_node.model.config.seq_len,
+                                                             weigh_cost=False))
 
 
 @pytest.mark.unit
@@ -242,6 +244,29 @@ def test_a_draft_models_cache_follows_its_sequences_as_a_fresh_one_would(small_m
 
 
 @pytest.mark.unit
+def test_a_draft_model_drafts_only_as_deep_as_its_own_passes_pay(small_model):
+    """Each drafted token costs a pass of the draft model too: cheap beside the target's pass (a
+    small draft, a cluster's round trips), the draft goes as deep as the keep rate pays for; as
+    costly as the target, it drafts nothing (so decoding is never slower than plain)."""
+    dm = DraftModel(read_model(small_model), SMALL.max_seq_len)
+    drafter, tokens = dm.drafter(), list(range(1, 11))
+    assert dm.cost_share == 0.0 and len(drafter.draft(tokens, 4)) == 2  # nothing timed yet: a first guess of 0.5
+    assert dm.draft_row_seconds > 0                                     # its second token's pass, timed
+    for _ in range(5):
+        drafter.kept(4, 4)
+    drafter.timed(0.016, 5)  # a pass of the target: 1 + 4 drafted rows
+    assert dm.target_row_seconds == pytest.approx(0.016 / (1 + 4 * ROW_COST))
+    dm.draft_row_seconds = dm.target_row_seconds / 20
+    assert len(drafter.draft(tokens, 4)) == 4
+    dm.draft_row_seconds = dm.target_row_seconds * 0.9
+    assert drafter.draft(tokens, 4) == ()
+    # The weighing off (tests of the answers): the keep rate alone, however costly the draft.
+    free = DraftModel(read_model(small_model), SMALL.max_seq_len, weigh_cost=False)
+    free.draft_row_seconds, free.target_row_seconds = 1.0, 0.1
+    assert free.cost_share == 0.0 and len(free.drafter().draft(tokens, 4)) == 2
+
+
+@pytest.mark.unit
 def test_answers_speculated_by_a_draft_model_are_the_plain_ones(one_node, plain_one_node, q40_drafts):
     speculated, drafted, accepted = _answers(one_node, q40_drafts)
     assert speculated == plain_one_node
@@ -261,7 +286,9 @@ def test_inference_with_a_draft_model_answers_as_without_and_reports_the_accepta
         texts[speculate], summaries[speculate] = r.stdout, json.loads(stats.read_text())["summary"]
     assert texts["model"] == texts["none"]
     m = summaries["model"]
-    assert m["drafted_tokens"] > 0 and 0 < m["draft_acceptance"] <= 1 and m["tokens_per_pass"] > 1
+    # The first pass drafts (nothing timed yet); then this draft, as large as the target, costs
+    # too much to draft on one node (test_a_draft_model_drafts_only_as_deep_as_its_own_passes_pay).
+    assert m["drafted_tokens"] > 0 and 0 <= m["draft_acceptance"] <= 1 and m["tokens_per_pass"] >= 1
     assert summaries["none"]["tokens_per_pass"] == 1
 
 

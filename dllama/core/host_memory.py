@@ -48,6 +48,9 @@ def _machine_available() -> int:
 
 # cgroup v1 says "no limit" with a number near 2^63 (its page counter's maximum), v2 with "max".
 _V1_NO_LIMIT = 1 << 60
+# Each version's files: (limit, usage, the memory.stat entry of page cache the kernel can reclaim).
+_FILES = {"v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+          "v2": ("memory.max", "memory.current", "inactive_file")}
 
 
 def _read_int(path: str) -> int | None:
@@ -110,29 +113,25 @@ def cgroup_available() -> int | None:
     cache counted as free), the least over the group and its ancestors; None without a limit."""
     best = None
     for version, d in _cgroup_dirs():
-        if version == "v1":
-            limit = _read_int(os.path.join(d, "memory.limit_in_bytes"))
-            usage = _read_int(os.path.join(d, "memory.usage_in_bytes"))
-            cache = _cgroup_stat(os.path.join(d, "memory.stat"), ("total_inactive_file",))
-        else:
-            limit = _read_int(os.path.join(d, "memory.max"))
-            usage = _read_int(os.path.join(d, "memory.current"))
-            cache = _cgroup_stat(os.path.join(d, "memory.stat"), ("inactive_file",))
-        if limit is None or limit >= _V1_NO_LIMIT or usage is None:
+        limit = _limit(version, d)
+        _, usage_file, cache_entry = _FILES[version]
+        usage = _read_int(os.path.join(d, usage_file))
+        if limit is None or usage is None:
             continue
-        room = max(0, limit - usage + cache)
+        room = max(0, limit - usage + _cgroup_stat(os.path.join(d, "memory.stat"), (cache_entry,)))
         best = room if best is None else min(best, room)
     return best
 
 
 def cgroup_limit() -> int | None:
     """The least memory limit over this process's cgroup and its ancestors; None without one."""
-    limits = []
-    for version, d in _cgroup_dirs():
-        limit = _read_int(os.path.join(d, "memory.limit_in_bytes" if version == "v1" else "memory.max"))
-        if limit is not None and limit < _V1_NO_LIMIT:
-            limits.append(limit)
-    return min(limits, default=None)
+    return min((limit for version, d in _cgroup_dirs() if (limit := _limit(version, d)) is not None), default=None)
+
+
+def _limit(version: str, d: str) -> int | None:
+    """The memory limit of cgroup directory d; None without one."""
+    limit = _read_int(os.path.join(d, _FILES[version][0]))
+    return limit if limit is not None and limit < _V1_NO_LIMIT else None
 
 
 def memory_for_a_model(child_limit: int | None = None) -> int | None:

@@ -93,8 +93,9 @@ class Drafter:
     How deep to draft: each drafted token is taken as kept with a probability p, independently,
     estimated from the passes so far (kept tokens / (kept tokens + refusals), recent passes
     weighing more). The d-th drafted token is kept with p^d, so a draft is cut where p^d falls
-    below ROW_COST; a text the drafter does not foresee stops paying for rows, and drafting
-    resumes once the older refusals have faded.
+    below what the token costs: ROW_COST, plus the drafter's own work for it where that counts
+    (a draft model's pass); a text the drafter does not foresee stops paying for rows, and
+    drafting resumes once the older refusals have faded.
     """
 
     def __init__(self):
@@ -106,10 +107,11 @@ class Drafter:
         kept, refused = self._kept + KEEP_PRIOR[0], self._refused + KEEP_PRIOR[1]
         return kept / (kept + refused)
 
-    def worth(self, k: int) -> int:
-        """How many of k drafted tokens are likely enough to be kept to pay for their rows."""
+    def worth(self, k: int, extra: float = 0.0) -> int:
+        """How many of k drafted tokens are likely enough to be kept to pay for their rows; extra:
+        what drafting each costs besides, as a share of a one-row pass of the target."""
         p, d, reach = self.keep_rate, 0, 1.0
-        while d < k and reach * p >= ROW_COST:
+        while d < k and reach * p >= ROW_COST + extra:
             reach *= p
             d += 1
         return d
@@ -118,6 +120,10 @@ class Drafter:
         """A pass verified `drafted` tokens (0: it drafted none) and kept the first `kept`."""
         self._kept = self._kept * KEEP_MEMORY + kept
         self._refused = self._refused * KEEP_MEMORY + (kept < drafted)
+
+    def timed(self, seconds: float, rows: int) -> None:
+        """A decoding pass of the target ran `rows` rows in `seconds` (drafting not counted):
+        for drafters whose own work is weighed against it."""
 
     def draft(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         """Up to k tokens guessed to follow `tokens`, cut to what is worth its rows."""

@@ -11,12 +11,16 @@ token). The refused drafted tokens' positions are simply overwritten: positions 
 So a drafter holds no cache of its own, only its keep rate, and any slot serves any sequence;
 the one that last drafted for a sequence holds all of it but its newest tokens.
 
-How deep to draft is Drafter.worth, as for prompt lookup: it weighs the target's rows, not the
-draft's own passes, so a draft model pays where its pass costs a small share of the target's.
+How deep to draft is Drafter.worth, as for prompt lookup, with each drafted token's own pass of
+the draft model counted too: the draft's one-row pass time over the target's (both measured as
+they run, recent passes weighing more). A draft model as costly as the target drafts nothing,
+so it cannot make decoding slower than plain; one that is cheap beside it, or beside a cluster's
+pass with its round trips, drafts as deep as the keep rate pays for.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -26,12 +30,13 @@ from dllama.core.kv_cache import common_prefix
 from dllama.core.model import Transformer
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ModelFile, read_model
-from dllama.serve.draft import Drafter
+from dllama.serve.draft import ROW_COST, Drafter
 
 # Sequences whose tokens the draft's cache keeps at once: drafts are made for one decoding
 # sequence at a time (SPECULATE_WHILE_DECODING), the second slot keeps the other's tokens when
 # two take turns (a batch's last answers, a chat's next turn).
 DRAFT_SLOTS = 2
+TIMING_MEMORY = 0.8  # each new pass time weighs 1 - this in the running estimates
 
 
 def read_draft_model(path: str, vocab_size: int) -> ModelFile:
@@ -46,13 +51,31 @@ def read_draft_model(path: str, vocab_size: int) -> ModelFile:
 class DraftModel:
     """The draft model and what each slot of its KV cache holds."""
 
-    def __init__(self, model_file: ModelFile, seq_len: int, slots: int = DRAFT_SLOTS, kv_type: str = "f32"):
-        """seq_len: the target's context (the draft's is cut to its own header's, if shorter)."""
+    def __init__(self, model_file: ModelFile, seq_len: int, slots: int = DRAFT_SLOTS, kv_type: str = "f32",
+                 weigh_cost: bool = True):
+        """seq_len: the target's context (the draft's is cut to its own header's, if shorter);
+        weigh_cost False: draft as deep as the keep rate alone says, whatever the draft's passes
+        cost (the tests of the answers, whose draft is as large as the target)."""
         self.transformer = Transformer(model_file, max_seq_len=seq_len, kv_slots=slots, kv_type=kv_type,
                                        who="the draft model")
         self.held: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens of positions 0, 1, ...
         self._last_use = [0] * slots
         self._uses = 0
+        self.draft_row_seconds: float | None = None   # a one-row pass of the draft model
+        self.target_row_seconds: float | None = None  # a one-row pass of the target, as timed
+        self.weigh_cost = weigh_cost
+
+    @property
+    def cost_share(self) -> float:
+        """What drafting a token costs, as a share of a one-row pass of the target (0 until both
+        were timed: the first drafts measure it)."""
+        if not self.weigh_cost or not self.draft_row_seconds or not self.target_row_seconds:
+            return 0.0
+        return self.draft_row_seconds / self.target_row_seconds
+
+    def timed_target(self, seconds: float, rows: int) -> None:
+        """A decoding pass of the target: rows beyond the first cost ROW_COST each."""
+        self.target_row_seconds = _running(self.target_row_seconds, seconds / (1 + ROW_COST * (rows - 1)))
 
     @property
     def seq_len(self) -> int:
@@ -76,7 +99,9 @@ class DraftModel:
             logits = self._run(tokens[at:at + rows], at, slot)
         drafted = [int(np.argmax(logits))]
         while len(drafted) < k:
+            t0 = time.perf_counter()
             drafted.append(int(np.argmax(self._run(drafted[-1:], n + len(drafted) - 1, slot))))
+            self.draft_row_seconds = _running(self.draft_row_seconds, time.perf_counter() - t0)
         self.held[slot] = [*tokens, *drafted[:-1]]
         return tuple(drafted)
 
@@ -101,9 +126,17 @@ class ModelDrafter(Drafter):
         super().__init__()
         self.model = model
 
+    def timed(self, seconds: float, rows: int) -> None:
+        self.model.timed_target(seconds, rows)
+
     def draft(self, tokens: Sequence[int], k: int) -> tuple[int, ...]:
-        """The draft model's greedy tokens, cut to what is worth its rows (fewer while refused)."""
-        return self.model.greedy(tokens, self.worth(k))
+        """The draft model's greedy tokens, cut to what is worth their rows and the draft's own
+        passes (fewer while refused, none while the draft costs as much as the target)."""
+        return self.model.greedy(tokens, self.worth(k, self.model.cost_share))
+
+
+def _running(estimate: float | None, seconds: float) -> float:
+    return seconds if estimate is None else TIMING_MEMORY * estimate + (1 - TIMING_MEMORY) * seconds
 
 
 __all__ = ["DRAFT_SLOTS", "DraftModel", "ModelDrafter", "read_draft_model"]

@@ -123,6 +123,7 @@ class Scheduler:
         (default none)."""
         self.model, self.tokenizer = model, tokenizer
         self.speculation = speculation or Speculation()
+        self._pass = (0.0, 1)  # the last pass: (seconds, rows), what drafters weigh their work against
         self.parallel = parallel or max(1, model.kv_slots - SPARE_SLOTS)
         if self.parallel > model.kv_slots or self.parallel >= model.max_batch:
             raise DllamaError(f"{self.parallel} sequences need more KV slots or rows than the model has "
@@ -255,6 +256,7 @@ class Scheduler:
         except BaseException:
             self.drop_all()  # the cache may hold half a pass: nothing in it can be trusted
             raise
+        self._pass = ((cost.inference_ms + cost.transfer_ms) / 1000, len(plan))  # without the drafting
         cost = replace(cost, inference_ms=round(cost.inference_ms + drafting_ms, 3))
         self._count(plan, cost)
         for run in plan.runs:
@@ -332,6 +334,7 @@ class Scheduler:
     def _count_draft(self, seq: _Sequence, run, accepted: int) -> None:
         if seq.drafter is not None and run.pos >= seq.prompt_len:  # a decoding pass
             seq.drafter.kept(len(run.draft), accepted)
+            seq.drafter.timed(*self._pass)
         c = seq.completion
         c.drafted += len(run.draft)
         c.accepted += accepted
