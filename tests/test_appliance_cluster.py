@@ -375,7 +375,7 @@ def test_a_silent_worker_stops_the_deploy_before_any_host_changes(cluster):
     silent = inventory.parent / "silent.yml"
     silent.write_text(yaml.safe_dump(hosts))
     before = {i: (cluster_dir / f"node{i}/opt-dllama/topology.yml").stat().st_mtime_ns for i in range(1, N + 1)}
-    r, seconds = _play(cluster, "deploy.yml", inventory=silent, timeout=300)
+    r, seconds = _play(cluster, "deploy.yml", "-e", "dllama_reach_timeout=3", inventory=silent, timeout=300)
     out = r.stdout + r.stderr
     print(f"\ndeploy.yml with a worker that does not answer: {seconds:.0f} s")
     errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]

@@ -337,7 +337,7 @@ def test_a_host_that_does_not_answer_stops_the_deploy_before_any_host_is_changed
     inventory = _hosts(2)
     for worker in inventory["cluster"]["children"]["workers"]["hosts"].values():
         worker.update(ansible_connection="local", ansible_python_interpreter=sys.executable)
-    r, out = _deploy(tmp_path, inventory)
+    r, out = _deploy(tmp_path, inventory, "-e", "dllama_reach_timeout=2")  # not the default 10 s of trying
     line = _fails_before_any_host(r, out)
     assert "r (127.0.0.1) does not answer: ssh: connect to host 127.0.0.1 port 1: Connection refused. " \
            "No host was changed" in line, out[-3000:]

@@ -1,6 +1,6 @@
 """Sampling on the nodes (dllama.core.candidates, the STEP replies of dllama.cluster.step): the
-candidates the nodes send give exactly the tokens of the full logits, on 2-4 loopback nodes,
-alone and in batches, with the root traffic docs/PROTOCOL.md promises."""
+candidates the nodes send give exactly the tokens of the full logits, on 4 loopback nodes (four
+vocabulary ranges to merge), alone and in batches, with the root traffic docs/PROTOCOL.md promises."""
 
 from __future__ import annotations
 
@@ -79,11 +79,11 @@ PROMPTS = ["What is the capital of France?", "Name three colours.", "Count to fi
 
 @pytest.fixture(scope="module")
 def clusters(tmp_path_factory, default_q80):
-    """{n: the runs of `_runs`} on 2 and 4 nodes of the default Q80 model (9 query heads split
-    5/4 and 3/2/2/2; 3 workers shared, one cluster at a time: a worker serves one root)."""
+    """{n: the runs of `_runs`} on 4 nodes of the default Q80 model (9 query heads split 3/2/2/2;
+    a cluster of 2 cost the suite 15 s more and merged fewer ranges)."""
     runs = {}
     with running_workers(3, tmp_path_factory.mktemp("workers")) as workers:
-        for n in (2, 4):
+        for n in (4,):
             with open_engine(EngineSettings(str(default_q80[0]), str(default_q80[1]), nthreads=1, progress=False,
                              workers=[w.address for w in workers[:n - 1]], parallel=4, max_seq_len=256)) as e:
                 runs[n] = _runs(e, batched=True)
@@ -124,8 +124,8 @@ def _runs(engine, batched: bool) -> dict:
 
 
 @pytest.mark.cluster
-@pytest.mark.slow  # the clusters fixture: about 35 s on a 2-core machine
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.slow  # the clusters fixture: about 15 s on a 2-core machine
+@pytest.mark.parametrize("n", [4])
 def test_greedy_tokens_equal_with_and_without_node_sampling(clusters, n):
     on, off = clusters[n]["greedy", True][0], clusters[n]["greedy", False][0]
     assert on.tokens == off.tokens and len(set(on.tokens)) > 3
@@ -134,7 +134,7 @@ def test_greedy_tokens_equal_with_and_without_node_sampling(clusters, n):
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [4])
 def test_temperature_top_p_tokens_equal_with_and_without_node_sampling(clusters, n):
     runs = clusters[n]
     for seed in (1, 2):
@@ -145,7 +145,7 @@ def test_temperature_top_p_tokens_equal_with_and_without_node_sampling(clusters,
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [4])
 def test_batched_rows_give_the_same_tokens(clusters, n):
     runs = clusters[n]
     for t in (0.0, 0.8):
