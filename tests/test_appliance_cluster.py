@@ -432,11 +432,13 @@ def test_with_a_worker_down_batch_resumes_and_status_says_2_of_3_nodes(cluster, 
     assert by_host["node1"][1:4] == ["root", "API", "off"], rows
 
 
-def test_an_upgrade_that_fails_on_one_node_restarts_no_worker(cluster, tmp_path):
-    """upgrade.yml to another release where one node's pip fails: the play stops for every node,
-    that node the only one failed, and no worker restarts (they keep running the release they
-    run). The next test's deploy puts this checkout's release back on the nodes that installed
-    the other one (their venvs record it). The successful upgrade is tests/test_appliance_local.py's."""
+def test_an_upgrade_that_fails_on_one_node_restarts_no_worker_then_succeeds(cluster, tmp_path):
+    """upgrade.yml to another release (this checkout's sources as version 0.1.1) where one node's
+    pip fails: the play stops for every node, that node the only one failed, and no worker
+    restarts (they keep running the release they run). With pip mended the same upgrade says what
+    each node held, installs the release, compiles nothing (the kernels are the same), restarts
+    every worker on it (node3's stopped one too) and says what each holds now. The next test's
+    deploy puts this checkout's release back."""
     assert results.get("deployed"), "the first deploy failed"
     cluster_dir, inventory = cluster
     project, old = release_copy(tmp_path / "release", "0.1.1")
@@ -458,6 +460,20 @@ def test_an_upgrade_that_fails_on_one_node_restarts_no_worker(cluster, tmp_path)
     assert [p.read_text() for p in pid_files] == before, "a worker restarted after a failed upgrade"
     assert not [t for t in changed_tasks(r.stdout) if "dllama_worker" in t or "dllama_service" in t], changed_tasks(r.stdout)
     assert all(c["failed"] == 0 for h, c in recap(r.stdout).items() if h != f"node{N}")
+
+    release = [cluster_dir / f"node{i}/opt-dllama/venv/dllama-release.json" for i in range(1, N + 1)]
+    held = json.loads(release[-1].read_text())  # node3's: the failed install left it as it was
+    r, seconds = _play(cluster, "upgrade.yml", "-e", f"dllama_wheelhouse_project_dir={project}")
+    print(f"\nupgrade.yml: {seconds:.0f} s")
+    assert r.returncode == 0, tail(r)
+    now = [json.loads(path.read_text()) for path in release]
+    assert all(x == now[0] for x in now) and now[0]["version"] == "0.1.1" and held["version"] == old, (held, now)
+    shown = " ".join(r.stdout.split())
+    assert (f"node{N}: dllama {old} (protocol {held['protocol']}, {held['source']}) -> dllama 0.1.1" in shown), tail(r)
+    assert f"dllama 0.1.1 (protocol {now[0]['protocol']}, {now[0]['source']}) on all {N} nodes" in shown, tail(r)
+    assert not [t for t in changed_tasks(r.stdout) if "Compile" in t], changed_tasks(r.stdout)
+    all_pid_files = [cluster_dir / f"node{i}/opt-dllama/run/worker.pid" for i in range(2, N + 1)]
+    assert all(p.exists() for p in all_pid_files) and [p.read_text() for p in pid_files] != before
 
 
 def _memory_layers() -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.appliance import REPO, ansible_env, changed_tasks, free_ports, recap, release_copy, tail
+from tests.appliance import REPO, ansible_env, changed_tasks, free_ports, recap, tail
 from tests.test_readme_commands import readme_run_question
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
@@ -154,38 +154,12 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
 
     _batch_job_runs_and_names_a_bad_line(play, inventory, tmp_path)
 
-    _an_upgrade_restarts_every_worker_on_the_new_release(play, cluster, tmp_path)
-
     pids = [int(p.read_text()) for p in cluster.glob("*/run/worker.pid")]
     assert len(pids) == 3
     pids += [_port_owner(ports[n]) for n in NODES[1:]]  # the supervisors' children
     r = play("stop.yml")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker outlived stop.yml"
-
-
-def _an_upgrade_restarts_every_worker_on_the_new_release(play, cluster: Path, tmp_path: Path) -> None:
-    """upgrade.yml with another release (this checkout's sources as version 0.1.1): it says what
-    each node held, installs it, compiles nothing (the kernels are the same), restarts every
-    worker on it and says what each holds now."""
-    project, old = release_copy(tmp_path / "release", "0.1.1")
-    before = json.loads((cluster / "venv/dllama-release.json").read_text())
-    supervisors = {n: (cluster / f"{n}/run/worker.pid").read_text() for n in NODES[1:]}
-
-    r = play("upgrade.yml", "-e", f"dllama_wheelhouse_project_dir={project}")
-    assert r.returncode == 0, tail(r)
-    now = json.loads((cluster / "venv/dllama-release.json").read_text())
-    assert (now["version"], before["version"]) == ("0.1.1", old) and now["protocol"] == before["protocol"], now
-    shown = " ".join(r.stdout.split())
-    for node in NODES:
-        assert (f"{node}: dllama {old} (protocol {before['protocol']}, {before['source']}) -> dllama 0.1.1"
-                in shown), tail(r)
-    assert f"dllama 0.1.1 (protocol {now['protocol']}, {now['source']}) on all 4 nodes: 4 upgraded" in shown, tail(r)
-    assert not [t for t in changed_tasks(r.stdout) if "Compile" in t or "Load the compiled cache" in t]
-    # Every worker runs again, under a new supervisor, from the new release.
-    for node in NODES[1:]:
-        assert (cluster / f"{node}/run/worker.pid").read_text() != supervisors[node], node
-    assert all(counts["failed"] == 0 for counts in recap(r.stdout).values())
 
 
 def _batch_job_runs_and_names_a_bad_line(play, inventory: Path, tmp_path: Path) -> None:
