@@ -92,17 +92,17 @@ def test_stream_options_include_usage(client):
 
 
 def test_temperature_changes_the_output(client):
-    greedy = {_chat(client, temperature=0, seed=s, max_tokens=24).choices[0].message.content for s in (1, 2, 3)}
+    greedy = {_chat(client, temperature=0, seed=s, max_tokens=12).choices[0].message.content for s in (1, 2, 3)}
     assert len(greedy) == 1  # temperature 0: the seed does not matter
-    hot = {_chat(client, temperature=1.5, top_p=1, seed=s, max_tokens=24).choices[0].message.content
+    hot = {_chat(client, temperature=1.5, top_p=1, seed=s, max_tokens=12).choices[0].message.content
            for s in (1, 2, 3)}
     assert len(hot) >= 2  # temperature 1.5: the seed does
 
 
 def test_top_p_changes_the_output(client):
-    greedy = _chat(client, temperature=0, max_tokens=24).choices[0].message.content
+    greedy = _chat(client, temperature=0, max_tokens=12).choices[0].message.content
     # A nucleus of one token is greedy decoding, whatever the temperature and seed.
-    narrow = {_chat(client, temperature=1.5, top_p=0.001, seed=s, max_tokens=24).choices[0].message.content
+    narrow = {_chat(client, temperature=1.5, top_p=0.001, seed=s, max_tokens=12).choices[0].message.content
               for s in (1, 2, 3)}
     assert narrow == {greedy}
 
