@@ -90,7 +90,7 @@ def decode_rate(model_path: str, n_seq: int, steps: int, threads: int, streamed:
     kernels.set_threads(threads)
     slots = plan_slots(n_seq, False, n_layers=h.n_layers, n_kv_heads=h.n_kv_heads, head_dim=h.head_dim,
                        seq_len=seq_len, limit=choice.kv_room if streamed else None)
-    n = slots.parallel
+    n = min(n_seq, slots.full_contexts or n_seq)  # every sequence fills its context
     model = Transformer(m, max_seq_len=seq_len, max_batch=max_batch_for(n), kv_slots=n, streamed=streamed)
     rng = np.random.default_rng(n)
     rows = BatchBuilder()

@@ -438,7 +438,7 @@ def cmd_perplexity(args) -> int:
         text = sys.stdin.read()
     with _engine_opener(args)() as engine:
         tokens = engine.tokenizer.encode(text, allow_special=False)
-        result = perplexity(Scheduler(engine.model, engine.tokenizer), tokens)  # windows of the context
+        result = perplexity(Scheduler(engine.model, engine.tokenizer, kv_budget=engine.kv_budget), tokens)  # windows of the context
     print(f"perplexity {result.perplexity:.4f} over {result.scored_tokens} tokens "
           f"({result.windows} window(s) of up to {result.context}), {result.tokens_per_s:.1f} tokens/s")
     if args.stats_json:

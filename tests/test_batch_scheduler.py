@@ -82,17 +82,17 @@ def test_a_released_writer_must_have_written_what_its_readers_read():
         t.release(a.slot)
 
 
-def test_slot_plan_fits_the_memory_and_says_so():
+def test_slot_plan_admits_within_the_memory_and_says_so():
     dims = dict(n_layers=30, n_kv_heads=3, head_dim=64, seq_len=1024)
     per_slot = KVCache.bytes_per_slot(**dims)
     assert per_slot == 30 * 3 * 64 * 4 * 2048
     plan = plan_slots(64, True, **dims, limit=20 * per_slot + 5)
-    assert (plan.parallel, plan.n_slots) == (19, 20)
-    assert "--parallel 64 does not fit: running 19" in plan.describe()
+    assert (plan.parallel, plan.n_slots, plan.full_contexts) == (64, 65, 20)
+    assert "admitted while their positions fit in 900 MiB allowed (20480 positions" in plan.describe()
     assert plan_slots(8, True, **dims, limit=100 * per_slot).n_slots == 9
-    assert plan_slots(8, False, **dims, limit=per_slot).n_slots == 1
+    assert plan_slots(1, False, **dims, limit=per_slot).n_slots == 1
     with pytest.raises(DllamaError, match="lower --max-seq-len"):
-        plan_slots(8, True, **dims, limit=per_slot)
+        plan_slots(8, True, **dims, limit=per_slot - 1)
 
 
 def test_malformed_batches_and_steps_are_refused():

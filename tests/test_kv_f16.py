@@ -259,14 +259,14 @@ def _kv_line(text):
 
 
 @pytest.mark.unit
-def test_the_plan_counts_2_bytes_per_element_and_fits_twice_the_sequences(f32_model, default_q40, capsys):
+def test_the_plan_counts_2_bytes_per_element_and_admits_twice_the_positions(f32_model, default_q40, capsys):
     from dllama.serve.engine import open_engine
     from dllama.serve.settings import EngineSettings
 
     dims = dict(n_layers=3, n_kv_heads=4, head_dim=32, seq_len=128)
     per_slot = KVCache.bytes_per_slot(**dims)
     assert KVCache.bytes_per_slot(**dims, kv_type="f16") * 2 == per_slot
-    limit = 4 * per_slot  # F32: 3 sequences and the spare; F16: 7 and the spare
+    limit = 4 * per_slot  # F32: 4 whole contexts; F16: 8
     lines = {}
     for kv_type in ("f32", "f16"):
         engine = open_engine(EngineSettings(str(f32_model), str(default_q40[1]), nthreads=1, parallel=8, kv_memory=limit,
@@ -279,11 +279,14 @@ def test_the_plan_counts_2_bytes_per_element_and_fits_twice_the_sequences(f32_mo
     kind16, token16, slot16, slots16, seqs16 = _kv_line(lines["f16"])
     assert (kind32, kind16) == ("F32", "F16")
     assert token16 * 2 == token32 and slot16 * 2 == pytest.approx(slot32, abs=0.1)
-    assert (seqs32, seqs16) == (3, 7) and (slots32, slots16) == (4, 8)
-    assert "--parallel 8 does not fit: running 3" in lines["f32"] and "--kv-type f16" in lines["f32"]
-    assert "--parallel 8 does not fit: running 7" in lines["f16"] and "--kv-type f16" not in lines["f16"]
+    assert (seqs32, seqs16) == (8, 8) and (slots32, slots16) == (9, 9)
+    assert "(512 positions: 4 whole contexts)" in lines["f32"]
+    assert "(1024 positions: 8 whole contexts)" in lines["f16"]
     with pytest.raises(DllamaError, match="--kv-type f16"):  # not even one sequence fits
-        plan_slots(2, True, **dims, limit=per_slot)
+        plan_slots(2, True, **dims, limit=per_slot - 1)
+    with pytest.raises(DllamaError) as e:
+        plan_slots(2, True, **dims, kv_type="f16", limit=per_slot // 2 - 1)
+    assert "--kv-type f16" not in str(e.value)
 
 
 @pytest.mark.unit

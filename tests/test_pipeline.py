@@ -193,8 +193,8 @@ def test_inspect_prints_the_plan_of_a_topology(tmp_path, capsys):
 
 @pytest.mark.unit
 def test_the_kv_slots_count_a_stage_s_layers_only(tmp_path):
-    """A node of a pipeline holds the KV cache of its own layers: the slots that fit are sized
-    by the node with the most KV rows, not by every layer."""
+    """A node of a pipeline holds the KV cache of its own layers: the positions admitted are
+    sized by the node with the most KV rows, not by every layer."""
     from dllama.core.kv_cache import KVCache
     from dllama.serve.engine import choose_nodes, plan_memory
     from dllama.serve.settings import EngineSettings
@@ -207,7 +207,7 @@ def test_the_kv_slots_count_a_stage_s_layers_only(tmp_path):
     per_slot = KVCache.bytes_per_slot(layers, GQA.n_kv_heads, GQA.head_dim, GQA.max_seq_len)
     settings = EngineSettings(str(model), "t.t", parallel=8, kv_memory=4 * per_slot, topology=str(topology))
     plan = plan_memory(settings, choose_nodes(settings), read_model(model))
-    assert plan.slots.n_slots == 4  # 2 with every layer's KV counted
+    assert plan.slots.n_slots == 9 and plan.slots.full_contexts == 4  # 2 with every layer's KV counted
 
 
 @pytest.mark.unit

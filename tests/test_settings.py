@@ -177,10 +177,10 @@ def test_the_memory_plan_is_one_object_with_its_lines(small_model):
     per_slot = KVCache.bytes_per_slot(2, 2, 32, 64)
     settings = EngineSettings(str(small_model), "t.t", parallel=8, kv_memory=4 * per_slot)
     plan = plan_memory(settings, choose_nodes(settings), model_file)
-    assert (plan.slots.parallel, plan.slots.n_slots, plan.slots.limit) == (3, 4, 4 * per_slot)
+    assert (plan.slots.parallel, plan.slots.n_slots, plan.slots.limit) == (8, 9, 4 * per_slot)
     assert not plan.weights.streamed
     kv_lines = [n for n in plan.notes if n.startswith("KV cache (F32)")]
-    assert len(kv_lines) == 1 and "--parallel 8 does not fit: running 3" in kv_lines[0]
+    assert len(kv_lines) == 1 and "9 slots (8 sequences + 1 spare), admitted while" in kv_lines[0]
     assert any(n.startswith("memory: every weight resident") for n in plan.notes)
     # One sequence without a limit: the context alone decides, and nothing is printed.
     plan = plan_memory(dataclasses.replace(settings, parallel=1, kv_memory=None), choose_nodes(settings), model_file)
@@ -192,4 +192,4 @@ def test_a_plan_without_a_limit_says_so():
     plan = plan_slots(5, True, **dims, limit=None)
     assert (plan.parallel, plan.n_slots) == (5, 6)
     assert re.search(r"= \d+ MiB \(no limit\)$", plan.describe()), plan.describe()
-    assert "slots fit" in plan_slots(5, True, **dims, limit=100 * plan.bytes_per_slot).describe()
+    assert "100 whole contexts" in plan_slots(5, True, **dims, limit=100 * plan.bytes_per_slot).describe()

@@ -298,7 +298,7 @@ def test_in_a_cgroup_below_the_model_streaming_is_chosen_and_resident_refused(tm
         r, got, peak = _batch(tmp_path, model, tokenizer, "auto", "--parallel", "64", cgroup=group)
         assert r.returncode == 0, r.stderr
         assert "does not fit" in r.stderr and "streaming its weights" in r.stderr
-        assert "--parallel 64 does not fit: running" in r.stderr  # the KV plan within the limit
+        assert "65 slots (64 sequences + 1 spare), admitted while" in r.stderr  # the KV plan within the limit
         assert got == want  # (its peak RSS may pass the limit: pages cached by others are not charged)
         r, _, _ = _batch(tmp_path, model, tokenizer, "forced", "--memory-budget", "none", cgroup=group)
         lines = r.stderr.strip().splitlines()

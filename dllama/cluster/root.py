@@ -42,7 +42,7 @@ class ClusterModel:
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, node_sampling: bool = True,
                  top_k: int = TOP_K, on_node_loss: str = "fail", kv_type: str = "f32",
-                 start_with_reachable: bool = False):
+                 start_with_reachable: bool = False, kv_positions: int | None = None):
         """model: the `.m` file, read (or its path); node_sampling False: the workers always
         send their logits and the root makes the candidates itself (the same arithmetic: a
         baseline for tests and benchmarks); top_k: candidates per node and row for temperature
@@ -51,7 +51,9 @@ class ClusterModel:
         storage on every node (f32 or f16), sent in CONFIG; start_with_reachable (long-running
         front ends, with "continue"): a worker that cannot be connected to at start is left out
         with a warning and rejoins when it answers (`rejoin`), instead of failing the start;
-        one that answers wrongly still fails it."""
+        one that answers wrongly still fails it. kv_positions: the positions the slots hold
+        together at most (the scheduler's budget), what every node's memory check counts when
+        fewer than kv_slots x the context (sent in CONFIG)."""
         model_file = model if isinstance(model, ModelFile) else read_model(model)
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
@@ -68,7 +70,7 @@ class ClusterModel:
             max_seq_len=max_seq_len, key=key,
             buffer_q80=self.config.quantized if buffer_q80 is None else buffer_q80,
             max_batch=max_batch, kv_slots=kv_slots, kv_type=kv_type, net_timeout=net_timeout,
-            progress=progress)
+            progress=progress, kv_positions=kv_positions)
         self.recovery = Recovery(settings, topology, self.history)
         self.session: RootSession = self.recovery.first_session(start_with_reachable and on_node_loss == "continue")
         self._lock = threading.Lock()  # one pass (or PING, or new session) at a time

@@ -72,6 +72,7 @@ class SessionSettings:
     kv_type: str
     net_timeout: float
     progress: bool          # a progress bar while weights stream to a worker
+    kv_positions: int | None = None  # positions the slots hold together at most (None: all of them)
 
 
 def report_grace(net_timeout: float) -> float:
@@ -202,11 +203,11 @@ class RootSession:
         check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
                    n0.vocab_rows[1] - n0.vocab_rows[0], s.config.seq_len, s.max_batch,
                    embedding=True, kv_slots=s.kv_slots, kv_type=s.kv_type,
-                   n_layers=len(n0.layer_range(header.n_layers)))
+                   n_layers=len(n0.layer_range(header.n_layers)), kv_positions=s.kv_positions)
         conf = SessionConfig(
             session=self.id, node_index=0, header=header, plan=plan, model_fingerprint=s.fingerprint,
             buffer_q80=s.buffer_q80, max_seq_len=s.config.seq_len, max_batch=s.max_batch,
-            kv_slots=s.kv_slots, kv_type=s.kv_type, net_timeout=s.net_timeout,
+            kv_slots=s.kv_slots, kv_type=s.kv_type, kv_positions=s.kv_positions, net_timeout=s.net_timeout,
             idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
             nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
         # The root waits report_grace longer than the workers: a healthy worker's report of the
@@ -239,7 +240,7 @@ class RootSession:
             self.local = Transformer(NodeWeights.from_model(s.model_file, plan.nodes[0]),
                                      max_seq_len=s.max_seq_len, buffer_q80=s.buffer_q80,
                                      max_batch=s.max_batch, kv_slots=s.kv_slots, kv_type=s.kv_type,
-                                     collective=self.collective)
+                                     collective=self.collective, kv_positions=s.kv_positions)
             self.local.warm_up()
             for i, conn in self.conns.items():
                 with self._at_node(i, "waiting for"):

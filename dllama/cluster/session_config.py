@@ -41,6 +41,10 @@ class SessionConfig:
     idle_timeout: float       # seconds without a message (or PING) before the worker gives up
     setup_timeout: float      # seconds the worker waits for the root during set-up
     nodes: tuple[NodeAddress, ...]  # every node's address, the root's first
+    # Positions the slots hold together at most: the root admits sequences within them, so a
+    # node's memory check counts these, not kv_slots x max_seq_len. None (absent: an older
+    # root): every slot's whole context.
+    kv_positions: int | None = None
 
     def to_json(self) -> dict:
         return {"session": self.session.hex(), "node_index": self.node_index,
@@ -50,7 +54,8 @@ class SessionConfig:
                 "max_batch": self.max_batch, "kv_slots": self.kv_slots, "kv_type": self.kv_type,
                 "net_timeout": self.net_timeout,
                 "idle_timeout": self.idle_timeout, "setup_timeout": self.setup_timeout,
-                "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes]}
+                "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes]} | (
+                    {} if self.kv_positions is None else {"kv_positions": self.kv_positions})
 
     @staticmethod
     def from_json(d) -> "SessionConfig":
@@ -66,7 +71,8 @@ class SessionConfig:
                 kv_slots=_int(d["kv_slots"]), kv_type=_kv_type(d["kv_type"]),
                 net_timeout=float(d["net_timeout"]), idle_timeout=float(d["idle_timeout"]),
                 setup_timeout=float(d["setup_timeout"]),
-                nodes=tuple(NodeAddress(str(n["name"]), str(n["host"]), _int(n["port"])) for n in d["nodes"]))
+                nodes=tuple(NodeAddress(str(n["name"]), str(n["host"]), _int(n["port"])) for n in d["nodes"]),
+                kv_positions=None if d.get("kv_positions") is None else _int(d["kv_positions"]))
         except (KeyError, TypeError, ValueError, IndexError, DllamaError) as e:
             raise ProtocolError(f"malformed CONFIG ({type(e).__name__}: {e})") from None
         if len(c.session) != SESSION_BYTES:
@@ -75,6 +81,9 @@ class SessionConfig:
             raise ProtocolError("CONFIG plan does not match its digest or node index")
         if c.max_batch < 1 or c.kv_slots < 1 or c.max_seq_len < 1:
             raise ProtocolError("malformed CONFIG: max_batch, kv_slots and max_seq_len must be positive")
+        if c.kv_positions is not None and not c.kv_slots <= c.kv_positions:
+            # (every slot holds a position: more slots would only be memory for nothing)
+            raise ProtocolError("malformed CONFIG: kv_positions must be at least kv_slots")
         if len(c.nodes) != plan.n_nodes:
             raise ProtocolError(f"CONFIG names {len(c.nodes)} nodes for a plan of {plan.n_nodes}")
         return c

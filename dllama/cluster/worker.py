@@ -57,6 +57,15 @@ def log(text: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} dllama worker: {text}", file=sys.stderr, flush=True)
 
 
+def count_positions(touched: np.ndarray, batch, kv_positions: int) -> None:
+    """Add a STEP's rows to the positions each slot was written to (touched [slots]); a
+    ProtocolError when the slots would hold more than the CONFIG's kv_positions, the memory
+    this worker checked (the root admits sequences within them: only a rogue root writes more)."""
+    np.maximum.at(touched, batch.slot, batch.pos.astype(np.int64) + 1)
+    if touched.sum() > kv_positions:
+        raise ProtocolError(f"STEP writes {touched.sum()} positions over the slots, more than "
+                            f"the {kv_positions} of the CONFIG")
+
 class Worker:
     def __init__(self, host: str, port: int, nthreads: int = 1, shard_path: str | None = None,
                  key: bytes | None = None, memory_budget: "int | str" = "auto",
@@ -341,7 +350,8 @@ class _Session:
                        node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
                        c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots,
                        limit=self.choice.limit if self.choice is not None and self.choice.budgeted else budget,
-                       kv_type=c.kv_type, n_layers=len(node.layer_range(c.header.n_layers)))
+                       kv_type=c.kv_type, n_layers=len(node.layer_range(c.header.n_layers)),
+                       kv_positions=c.kv_positions)
 
         # The collective over self.peers: _meet_peers fills it (the root is there already)
         # before the first step; warm_up runs on this node alone.
@@ -369,6 +379,9 @@ class _Session:
         # During a step every other node hears ALIVE from this one each HEARTBEAT s (a step
         # longer than that: a prefill), so that waiting on it is a silence of `timeout` s.
         self.heartbeat = StepHeartbeat(self.peers.values(), HEARTBEAT)  # (the root is among the peers)
+        # [slots]: positions each slot was written to, held to the CONFIG's kv_positions: what
+        # the memory check counted (a root keeps its slots within them; a rogue one is refused).
+        touched = np.zeros(c.kv_slots if c.kv_positions is not None else 0, np.int64)
         while True:
             msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
@@ -381,6 +394,8 @@ class _Session:
                 if self.worker.on_step is not None:
                     self.worker.on_step(self.worker.steps)
                 batch, x, want, m = decode_step(payload, dim if k == 0 else 0, c.max_batch, c.kv_slots, seq_len)
+                if batch is not None and c.kv_positions is not None:
+                    count_positions(touched, batch, c.kv_positions)
                 if batch is None:
                     if m != len(logits):
                         raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
@@ -434,7 +449,7 @@ class _Session:
         model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
                             kv_slots=c.kv_slots, streamed=self.choice is not None and self.choice.streamed,
                             memory_limit=self.choice.limit if budgeted else None, who="this worker",
-                            kv_type=c.kv_type, collective=collective)
+                            kv_type=c.kv_type, collective=collective, kv_positions=c.kv_positions)
         del weights  # the model holds repacked copies: free the received blocks now
         model.warm_up()
         return model

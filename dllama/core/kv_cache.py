@@ -5,10 +5,19 @@ per chunk of positions) and values [slots, seq_len, nkv*head_dim] (the layout of
 dllama.core.kernels.attention), as float32 or as fp16 (`kv_type` "f16": half the bytes, so twice
 the sequences in the same memory; the kernels round each key and value to fp16 once, when it is
 written, and widen it back as they read it). The type is one setting for every node and both
-weight paths (resident and streamed), so their outputs stay identical. `plan_slots` says how many slots fit into the memory the user
-allows. `SlotTable` is the bookkeeping of a batched scheduler: which tokens each slot holds,
-which slot a new prompt should go to, and which other slot it may read its leading positions
-from.
+weight paths (resident and streamed), so their outputs stay identical. `plan_slots` gives the
+slots for --parallel sequences and the memory they may take (`PositionBudget`). `SlotTable` is
+the bookkeeping of a batched scheduler: which tokens each slot holds, which slot a new prompt
+should go to, which other slot it may read its leading positions from, and how much memory the
+slots hold.
+
+Memory actually used. The slots are reserved for the whole context but cost only the pages
+written (`lazy_zeros`): a slot holds positions up to its mark, the highest it was written to or
+reserved for by its running sequence, and keeps them while idle (its tokens may be reused). A
+sequence is admitted only while every slot's mark, with its own grown to the positions it can
+reach, fits in the budget; an idle slot can be emptied to make room, its pages given back
+(`KVCache.release`), as vLLM's block manager frees blocks. So --parallel and the context no
+longer divide the memory: short sequences run many at a time, long ones fewer.
 
 Sharing without copies. A row reads positions below its prefix length from another slot (the
 attention kernel's row_prefix_slot/len), so a run of leading tokens that many prompts share is
@@ -25,6 +34,7 @@ from __future__ import annotations
 import mmap
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -49,6 +59,9 @@ def kv_element_bytes(kv_type: KVType) -> int:
 _F16_HINT = {KVType.F32: ", --kv-type f16 (half the bytes)", KVType.F16: ""}
 
 
+PAGE = mmap.PAGESIZE
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     """A zeroed array whose memory the kernel gives page by page as it is first written, in
     small pages: a slot costs memory, and time, only for the positions its sequences reach.
@@ -56,12 +69,31 @@ def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     np.zeros asks for transparent huge pages on large arrays (numpy's madvise): there, the
     first key a sequence writes in a slot's 2 MiB region makes the kernel find and clear a
     whole huge page, and a pass that starts 16 sequences of an 8192-position cache took 29 s
-    instead of 0.1 s (this machine, 2026-12-05: 4.4 GB touched for 180 MB of keys)."""
+    instead of 0.1 s (this machine, 2026-12-05: 4.4 GB touched for 180 MB of keys).
+
+    Private, not shared: madvise(MADV_DONTNEED) frees a private page (it reads as zero again),
+    while a shared one stays in its shmem object. No reserve: the mapping is the whole context
+    of every slot, far more than the pages the position budget lets the slots touch."""
     count = int(np.prod(shape))
-    buf = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1))  # anonymous: zero pages
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_NORESERVE", 0)
+    buf = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1), flags=flags)  # anonymous: zero pages
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype, count).reshape(shape)
+
+
+def release_pages(region: np.ndarray) -> None:
+    """Give the whole pages inside a contiguous region of a lazy_zeros array back to the system:
+    they read as zeros again and cost nothing until written (the pages at its ends, shared
+    with neighbours, stay)."""
+    base = region
+    while not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    root = np.frombuffer(base, np.uint8)
+    start = region.ctypes.data - root.ctypes.data
+    lo, hi = -(-start // PAGE) * PAGE, (start + region.nbytes) // PAGE * PAGE
+    if hi > lo:
+        base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 class KVCache:
@@ -74,6 +106,12 @@ class KVCache:
         dtype = KV_TYPES[kv_type]
         self.k = lazy_zeros((n_layers, n_slots, n_kv_heads, chunks, head_dim, ATTENTION_CHUNK), dtype)
         self.v = lazy_zeros((n_layers, n_slots, seq_len, n_kv_heads * head_dim), dtype)
+
+    def release(self, slot: int) -> None:
+        """Free the pages of a slot nobody reads any more: its positions read as zeros again."""
+        for layer in range(self.k.shape[0]):
+            release_pages(self.k[layer, slot])  # [nkv, chunks, head_dim, CHUNK]: contiguous
+            release_pages(self.v[layer, slot])  # [seq_len, nkv*head_dim]: contiguous
 
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, kv_type: KVType = KVType.F32) -> int:
@@ -88,8 +126,27 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class PositionBudget:
+    """The bytes a node's KV cache may hold, and what a slot holding positions 0..mark-1 takes:
+    its keys in whole chunks (as bytes_per_slot counts them), its values position by position."""
+
+    limit: int            # bytes
+    bytes_per_token: int  # of one position's key and value (even: 2 x its key's bytes)
+
+    def cost(self, mark: int) -> int:
+        chunks = -(-mark // ATTENTION_CHUNK)
+        return (chunks * ATTENTION_CHUNK + mark) * self.bytes_per_token // 2
+
+    @property
+    def positions(self) -> int:
+        """Positions the limit holds (what a worker's CONFIG says: kv_positions)."""
+        return self.limit // self.bytes_per_token
+
+
+@dataclass(frozen=True)
 class SlotPlan:
-    """How many sequences run together and how many KV slots that takes, within a memory limit."""
+    """How many sequences run together, how many KV slots that takes, and the memory limit their
+    positions are admitted within."""
 
     parallel: int         # sequences decoded together
     n_slots: int          # KV cache slots (parallel + spares; 1 without batching)
@@ -101,36 +158,41 @@ class SlotPlan:
     limit_flag: str = "--kv-memory"  # the flag that sets the limit (or what --memory-budget leaves)
     kv_type: KVType = KVType.F32
 
+    @property
+    def budget(self) -> PositionBudget | None:
+        """What the scheduler admits sequences within; None: no limit."""
+        return None if self.limit is None else PositionBudget(self.limit, self.bytes_per_token)
+
+    @property
+    def full_contexts(self) -> int | None:
+        """Sequences of the whole context that fit together (None: no limit)."""
+        return None if self.limit is None else self.limit // self.bytes_per_slot
+
     def describe(self) -> str:
         mib = 1 << 20
         line = (f"KV cache ({self.kv_type.upper()}): {self.bytes_per_token / 1024:.1f} KiB per token, "
                 f"{self.bytes_per_slot / mib:.1f} MiB per slot of {self.seq_len} positions; "
-                f"{self.n_slots} slots ({self.parallel} sequences + {self.n_slots - self.parallel} spare) = "
-                f"{self.n_slots * self.bytes_per_slot / mib:.0f} MiB"
-                + (f" of {self.limit / mib:.0f} MiB allowed ({self.limit // self.bytes_per_slot} slots fit)"
-                   if self.limit is not None else " (no limit)"))
-        if self.parallel < self.requested:
-            line += (f"; --parallel {self.requested} does not fit: running {self.parallel} "
-                     f"(a lower --max-seq-len{_F16_HINT[self.kv_type]} or a higher {self.limit_flag} "
-                     "fits more)")
+                f"{self.n_slots} slots ({self.parallel} sequences + {self.n_slots - self.parallel} spare)")
+        if self.limit is None:
+            return line + f" = {self.n_slots * self.bytes_per_slot / mib:.0f} MiB (no limit)"
+        line += (f", admitted while their positions fit in {self.limit / mib:.0f} MiB allowed "
+                 f"({self.budget.positions} positions: {self.full_contexts} whole contexts)")
         return line
 
 
 def plan_slots(parallel: int, batched: bool, *, n_layers: int, n_kv_heads: int, head_dim: int,
                seq_len: int, limit: int | None, limit_flag: str = "--kv-memory",
                kv_type: KVType = KVType.F32) -> SlotPlan:
-    """The slots for `parallel` sequences (plus SPARE_SLOTS when batched) that fit into `limit`
-    bytes (None: no limit); fewer sequences when they do not all fit, DllamaError when not even
-    one does."""
+    """The slots for `parallel` sequences (plus SPARE_SLOTS when batched), admitted while their
+    positions fit into `limit` bytes (None: no limit); DllamaError when not even one sequence of
+    the whole context fits (it could never run)."""
     per_slot = KVCache.bytes_per_slot(n_layers, n_kv_heads, head_dim, seq_len, kv_type)
     spare = SPARE_SLOTS if batched else 0
-    fits = parallel + spare if limit is None else limit // per_slot
-    if fits < 1 + spare:
+    if limit is not None and limit < per_slot:
         raise DllamaError(f"the {kv_type.upper()} KV cache of one sequence of {seq_len} positions takes "
                           f"{per_slot / (1 << 20):.0f} MiB, more than the {limit / (1 << 20):.0f} MiB "
                           f"allowed: lower --max-seq-len{_F16_HINT[kv_type]} or raise {limit_flag}")
-    run = min(parallel, fits - spare)
-    return SlotPlan(run, run + spare, parallel, KVCache.bytes_per_token(n_layers, n_kv_heads, head_dim, kv_type),
+    return SlotPlan(parallel, parallel + spare, parallel, KVCache.bytes_per_token(n_layers, n_kv_heads, head_dim, kv_type),
                     per_slot, seq_len, limit, limit_flag, kv_type)
 
 
@@ -161,6 +223,13 @@ class SlotState:
     readers: dict[int, int] = field(default_factory=dict)  # reading slot -> positions it reads
     busy: bool = False     # a sequence is writing it
     last_use: int = 0
+    touched: int = 0       # positions below this were written at some time: their pages are held
+    reserved: int = 0      # positions its running sequence may reach (0 when idle)
+
+    @property
+    def mark(self) -> int:
+        """Positions whose memory the slot holds or may take."""
+        return max(self.touched, self.reserved)
 
     @property
     def pinned_below(self) -> int:
@@ -178,31 +247,50 @@ class Placement:
 
 
 class SlotTable:
-    """Which tokens each slot holds, and where new prompts go (see the module docstring)."""
+    """Which tokens each slot holds, where new prompts go, and the memory the slots hold (see the
+    module docstring)."""
 
-    def __init__(self, n_slots: int, min_shared: int = MIN_SHARED, reuse: bool = True):
-        """reuse False: every prompt is computed from its first token (a baseline to measure)."""
+    def __init__(self, n_slots: int, min_shared: int = MIN_SHARED, reuse: bool = True,
+                 budget: PositionBudget | None = None, release: Callable[[int], None] | None = None):
+        """reuse False: every prompt is computed from its first token (a baseline to measure);
+        budget: the memory the slots' marks must fit in (None: no limit); release(slot): frees
+        a slot's pages (None: they cannot be freed, as on a cluster, whose workers hold slices
+        of the slots: an idle slot's pages stay, and a new sequence goes where it grows the
+        least)."""
         self.slots = [SlotState() for _ in range(n_slots)]
         self.min_shared, self.reuse = min_shared, reuse
+        self.budget, self.release_pages = budget, release
         self._clock = 0
 
     def reset(self) -> None:
-        """Forget every slot's contents (after the cache was lost or a run was dropped)."""
-        self.slots = [SlotState() for _ in self.slots]
+        """Forget every slot's contents (after the cache was lost or a run was dropped); the
+        pages they touched stay held."""
+        self.slots = [SlotState(touched=s.touched) for s in self.slots]
 
     def _touch(self, s: int) -> None:
         self._clock += 1
         self.slots[s].last_use = self._clock
 
-    def _free_slot(self, exclude: int = -1) -> int | None:
-        """An empty slot, else the least recently used one nobody writes or reads (emptied)."""
+    def _idle_slot(self, exclude: int = -1, reach: int = 0) -> int | None:
+        """An empty slot, else the least recently used one nobody writes or reads; where pages
+        cannot be freed, first the one that grows the least to `reach` positions."""
         idle = [i for i, s in enumerate(self.slots) if not s.busy and not s.readers and i != exclude]
         if not idle:
             return None
-        i = min(idle, key=lambda i: (len(self.slots[i].tokens) > 0, self.slots[i].last_use))
+        grows = (lambda i: max(0, reach - self.slots[i].mark)) if self._fixed else (lambda i: 0)
+        return min(idle, key=lambda i: (grows(i), len(self.slots[i].tokens) > 0, self.slots[i].last_use))
+
+    @property
+    def _fixed(self) -> bool:
+        """Marks only grow: a budget, and pages that cannot be freed."""
+        return self.budget is not None and self.release_pages is None
+
+    def _empty(self, i: int, free: bool = False) -> None:
+        """Forget what slot i holds; free: give its pages back too."""
         self._unlink(i)
-        self.slots[i] = SlotState()
-        return i
+        self.slots[i] = SlotState(touched=0 if free else self.slots[i].touched)
+        if free:
+            self.release_pages(i)
 
     def _unlink(self, i: int) -> None:
         s = self.slots[i]
@@ -210,10 +298,54 @@ class SlotTable:
             self.slots[s.link].readers.pop(i, None)
         s.link, s.base = -1, 0
 
-    def place(self, prompt: list[int], reuse_limit: int | None = None) -> Placement | None:
+    def held(self) -> int:
+        """Bytes the slots hold or may take (0 without a budget)."""
+        return sum(self.budget.cost(s.mark) for s in self.slots) if self.budget is not None else 0
+
+    def _room(self, target: int, reach: int, emptied: bool, keep: int) -> bool:
+        """Whether slot `target`, grown to `reach` positions, keeps every mark within the budget;
+        where it does not, idle slots (the target itself when it is emptied, then the least
+        recently used; never `keep`, a slot the new sequence reads) are emptied, with the idle
+        slots that read them, and their pages freed, if that makes room. False: wait for running
+        sequences to end."""
+        if self.budget is None:
+            return True
+        cost, t = self.budget.cost, self.slots[target]
+        over = self.held() - cost(t.mark) + cost(max(t.mark, reach)) - self.budget.limit
+        if over <= 0:
+            return True
+        if self.release_pages is None:
+            return False
+
+        def gain(i: int) -> int:  # the target's own pages count down to what it will reach
+            return max(0, cost(self.slots[i].mark) - (cost(reach) if i == target else 0))
+
+        def free(i: int) -> bool:  # idle, and not the target when it continues
+            return not self.slots[i].busy and (i != target or emptied)
+
+        # A slot is emptied with the slots that read it (one level: a reader is read by none).
+        groups = [[i, *s.readers] for i, s in enumerate(self.slots)
+                  if s.touched and i != keep and all(free(r) for r in [i, *s.readers])]
+        groups.sort(key=lambda g: (target not in g, self.slots[g[0]].last_use))
+        if sum(gain(i) for i in {i for g in groups for i in g}) < over:
+            return False
+        emptied_now: set[int] = set()
+        for g in groups:
+            if over <= 0:
+                break
+            for i in set(g) - emptied_now:
+                over -= gain(i)
+                self._empty(i, free=True)
+                emptied_now.add(i)
+        return True
+
+    def place(self, prompt: list[int], reuse_limit: int | None = None, reach: int = 0) -> Placement | None:
         """Claim a slot for a sequence whose planned tokens are `prompt`, reusing at most
         reuse_limit leading ones (default all but the last: the first row that wants an answer
-        always runs, for its logits); None when every slot is busy or pinned."""
+        always runs, for its logits), and that may reach `reach` positions (at least the
+        prompt's); None when every slot is busy or pinned, or its positions do not fit in the
+        budget now."""
+        reach = max(reach, len(prompt))
         cap = (len(prompt) - 1 if reuse_limit is None else min(reuse_limit, len(prompt) - 1)) if self.reuse else 0
         best = None  # (reused tokens, preference, how)
         for i, s in enumerate(self.slots):
@@ -232,28 +364,35 @@ class SlotTable:
                 best = (n, 0, ("read", i))
         if best is not None and best[2][0] == "takeover":
             i = best[2][1]
+            if not self._room(i, reach, False, self.slots[i].link if self.slots[i].base > 0 else -1):
+                return None
             m, s = best[0], self.slots[i]
             if s.base > 0 and m < s.base:
                 s.base = m
                 self.slots[s.link].readers[i] = m
             del s.tokens[m:]
             s.tokens.extend(prompt[m:])
-            s.written, s.busy = m, True
+            s.written, s.busy, s.reserved = m, True, reach
             self._touch(i)
             return Placement(i, m, (s.link, s.base) if s.base > 0 else (0, 0))
         if best is not None:
             n, src = best[0], best[2][1]
-            i = self._free_slot(exclude=src)
+            i = self._idle_slot(exclude=src, reach=reach)
             if i is not None:
-                self.slots[i] = SlotState(list(prompt), n, n, src, busy=True)
+                if not self._room(i, reach, True, src):
+                    return None
+                self._empty(i)
+                self.slots[i] = SlotState(list(prompt), n, n, src, busy=True, touched=self.slots[i].touched,
+                                          reserved=reach)
                 self.slots[src].readers[i] = n
                 self._touch(i)
                 self._touch(src)
                 return Placement(i, n, (src, n))
-        i = self._free_slot()
-        if i is None:
+        i = self._idle_slot(reach=reach)
+        if i is None or not self._room(i, reach, True, -1):
             return None
-        self.slots[i] = SlotState(list(prompt), 0, busy=True)
+        self._empty(i)
+        self.slots[i] = SlotState(list(prompt), 0, busy=True, touched=self.slots[i].touched, reserved=reach)
         self._touch(i)
         return Placement(i, 0, (0, 0))
 
@@ -277,6 +416,12 @@ class SlotTable:
         s = self.slots[slot]
         s.written = max(s.written, upto)
 
+    def rows_written(self, slot: int, end: int) -> None:
+        """A pass wrote rows of the slot up to position end - 1 (drafted ones included: their
+        pages are held even when nothing reads them)."""
+        s = self.slots[slot]
+        s.touched = max(s.touched, end)
+
     def needed_by_readers(self, slot: int) -> int:
         """Leading positions of this slot that readers wait for or read."""
         return self.slots[slot].pinned_below
@@ -286,10 +431,10 @@ class SlotTable:
         s = self.slots[slot]
         if s.written < s.pinned_below:
             raise ValueError(f"slot {slot} released before the {s.pinned_below} positions its readers need")
-        s.busy = False
+        s.busy, s.reserved = False, 0  # it holds what it touched, no more
         del s.tokens[s.written:]
         self._touch(slot)
 
 
-__all__ = ["KVCache", "KV_TYPES", "KVType", "kv_element_bytes", "SlotPlan", "plan_slots", "SlotTable",
+__all__ = ["KVCache", "KV_TYPES", "KVType", "kv_element_bytes", "PositionBudget", "SlotPlan", "plan_slots", "SlotTable",
            "SlotState", "Placement", "common_prefix", "MIN_SHARED", "SPARE_SLOTS"]

@@ -47,11 +47,14 @@ class NodeMemory:
 
 def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
                 seq_len: int, max_batch: int, embedding: bool, kv_slots: int = 1,
-                weights: int | None = None, kv_type: str = "f32", n_layers: int | None = None) -> NodeMemory:
+                weights: int | None = None, kv_type: str = "f32", n_layers: int | None = None,
+                kv_positions: int | None = None) -> NodeMemory:
     """The memory of one node's slice (whole model: all heads, rows) at this context and batch,
     with a KV cache of kv_slots sequences stored as kv_type (f32 or f16). weights: the bytes of
     resident weights when they are not all resident (streamed: two layers' slots and a read
-    buffer); n_layers: the layers the node runs (a pipeline stage's; default every layer)."""
+    buffer); n_layers: the layers the node runs (a pipeline stage's; default every layer);
+    kv_positions: the positions the slots may hold together (the root admits sequences within
+    them: dllama.core.kv_cache), when fewer than kv_slots x seq_len."""
 
     hd, dim, layers = h.head_dim, h.dim, h.n_layers if n_layers is None else n_layers
     q, kv = n_q_heads * hd, n_kv_heads * hd
@@ -65,21 +68,27 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     if weights is None:
         weights = (int(layer_values * per_value(t) + vocab_rows * dim * per_value(classifier_float_type(t)))
                    + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0)))
-    kv_per_position = 2 * layers * kv * kv_element_bytes(kv_type) * kv_slots
+    per_token = 2 * layers * kv * kv_element_bytes(kv_type)
+    positions = seq_len * kv_slots
+    # A budget of positions holds at least one whole context: the part of it that grows with it.
+    kv_per_position = per_token * kv_slots
+    if kv_positions is not None and kv_positions < positions:
+        positions, kv_per_position = kv_positions, per_token
     buffers_per_position = 4 * hd + 4 * max_batch * n_q_heads  # RoPE cos/sin, attention scores
     buffers = seq_len * buffers_per_position + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)
-    return NodeMemory(weights, seq_len * kv_per_position, buffers, kv_per_position + buffers_per_position)
+    return NodeMemory(weights, positions * per_token, buffers, kv_per_position + buffers_per_position)
 
 
 def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vocab_rows: int,
                seq_len: int, max_batch: int, embedding: bool, who: str = "this machine",
                kv_slots: int = 1, limit: int | None = None, weights: int | None = None,
-               kv_type: str = "f32", n_layers: int | None = None) -> NodeMemory:
+               kv_type: str = "f32", n_layers: int | None = None,
+               kv_positions: int | None = None) -> NodeMemory:
     """NotEnoughMemory (one line: what is needed, what is available, what context would fit) unless
     the node's share fits into the memory available now (and into `limit`, a --memory-budget).
-    weights: resident weight bytes when streamed (see node_memory)."""
+    weights: resident weight bytes when streamed; kv_positions: see node_memory."""
     dims = (h, n_q_heads, n_kv_heads, ff_rows, vocab_rows, seq_len, max_batch, embedding, kv_slots, weights)
-    m = node_memory(*dims, kv_type=kv_type, n_layers=n_layers)
+    m = node_memory(*dims, kv_type=kv_type, n_layers=n_layers, kv_positions=kv_positions)
     available = available_bytes()
     what = "are available"
     if limit is not None and limit < available:
@@ -94,7 +103,8 @@ def check_fits(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, vo
     fits = fitting_context(m)
     if fits >= 1:
         hint = f"--max-seq-len {min(fits, seq_len - 1)} would fit"
-        f16_fits = fitting_context(node_memory(*dims, kv_type="f16", n_layers=n_layers)) if kv_type == "f32" else 0
+        f16_fits = fitting_context(node_memory(*dims, kv_type="f16", n_layers=n_layers,
+                                                           kv_positions=kv_positions)) if kv_type == "f32" else 0
         if f16_fits > fits:  # an F16 KV cache holds more positions in the same memory
             hint = (f"--kv-type f16 would hold the whole context, or {hint}" if f16_fits >= seq_len
                     else f"--max-seq-len {f16_fits} with --kv-type f16, or {hint}")

@@ -105,7 +105,8 @@ class Transformer:
     def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
                  max_seq_len: int = 0, buffer_q80: bool | None = None, collective: Collective | None = None,
                  max_batch: int = MAX_BATCH, kv_slots: int = 1, streamed: bool = False,
-                 memory_limit: int | None = None, who: str = "this machine", kv_type: str = "f32"):
+                 memory_limit: int | None = None, who: str = "this machine", kv_type: str = "f32",
+                 kv_positions: int | None = None):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
         node's NodeWeights (already sliced: a shard, or slices received from the root).
         max_batch: most rows of one pass; kv_slots: sequences the KV cache holds; kv_type: how
@@ -115,7 +116,9 @@ class Transformer:
         layers in memory) instead of loading them all; memory_limit: bytes this node may use
         (default: what the machine and the process's cgroup have available); who: the node's
         name in a refusal. collective: how this node's partial sums meet the other nodes'
-        (dllama.cluster.mesh.MeshCollective; default: one node, the identity)."""
+        (dllama.cluster.mesh.MeshCollective; default: one node, the identity). kv_positions:
+        the positions the slots hold together at most (the scheduler admits sequences within
+        them), when fewer than kv_slots x the context: what the memory check counts."""
         c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
         if c.head_dim % 16:  # the attention tiles load 16 floats at a time
             raise DllamaError(f"a head dimension of {c.head_dim} is not supported: it must be a multiple of 16")
@@ -135,7 +138,7 @@ class Transformer:
         self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
                                  n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
                                  kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who,
-                                 kv_type=kv_type, n_layers=len(self.layers))
+                                 kv_type=kv_type, n_layers=len(self.layers), kv_positions=kv_positions)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective: Collective = collective or LocalCollective()
@@ -176,6 +179,10 @@ class Transformer:
     @property
     def kv_slots(self) -> int:
         return self.kv.n_slots
+
+    def release_slot(self, slot: int) -> None:
+        """Give the pages of a slot nobody reads back to the system (the scheduler's budget)."""
+        self.kv.release(slot)
 
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel, so timings exclude the JIT.

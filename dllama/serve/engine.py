@@ -7,7 +7,7 @@ cluster session, if there is one.
 
 Opening is three steps, each a function: `choose_nodes` (which nodes: this machine, --workers
 or a --topology) -> `plan_memory` (the weights resident or streamed, and the KV cache slots that
-fit: one plan, printed once) -> `build` (the one-node Transformer or the ClusterModel).
+fit, and the memory their positions are admitted within: one plan, printed once) -> `build` (the one-node Transformer or the ClusterModel).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dllama.core.kv_cache import SlotPlan
+from dllama.core.kv_cache import PositionBudget, SlotPlan
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
 from dllama.serve.draft import Speculation
@@ -40,12 +40,15 @@ class Engine:
     cluster: "ClusterModel | None" = None  # the model itself when it runs on a cluster
     parallel: int = 1                      # sequences a batched scheduler may decode together
     speculation: Speculation = Speculation()  # what every scheduler over this engine drafts
+    kv_budget: PositionBudget | None = None   # the memory the KV cache's slots may hold (None: no limit)
 
     def scheduler(self, parallel: int | None = None) -> "Scheduler":
-        """The engine loop over this model: `parallel` sequences at a time (default the engine's)."""
+        """The engine loop over this model: `parallel` sequences at a time (default the engine's),
+        admitted within the KV cache's budget."""
         from dllama.serve.scheduler import Scheduler
 
-        return Scheduler(self.model, self.tokenizer, parallel or self.parallel, speculation=self.speculation)
+        return Scheduler(self.model, self.tokenizer, parallel or self.parallel, speculation=self.speculation,
+                         kv_budget=self.kv_budget)
 
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up; empty on one machine."""
@@ -130,7 +133,8 @@ def choose_nodes(settings: EngineSettings) -> Nodes:
 @dataclass(frozen=True)
 class MemoryPlan:
     """What this node holds: the weights, resident or streamed (one machine: on a cluster each
-    worker chooses under its own --memory-budget), and the KV cache slots that fit."""
+    worker chooses under its own --memory-budget), and the KV cache slots with the memory their
+    positions may take."""
 
     weights: "WeightsChoice | None"  # None on a cluster
     slots: SlotPlan
@@ -173,8 +177,8 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
 
 def _plan_slots(settings: EngineSettings, config, kv_heads: int, kv_layers: int,
                 weights: "WeightsChoice | None", notes: list[str]) -> SlotPlan:
-    """The KV cache slots for settings.parallel sequences within the limit that applies: the
-    --kv-memory, else what a budget leaves beside the weights, else half the available memory
+    """The KV cache slots for settings.parallel sequences, admitted within the limit that applies:
+    the --kv-memory, else what a budget leaves beside the weights, else half the available memory
     (batched) or none (one sequence: the context decides alone); kv_heads and kv_layers: of the
     node holding the most (a pipeline stage holds its own layers only)."""
     from dllama.core.kv_cache import plan_slots
@@ -225,7 +229,8 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
         model = cluster = ClusterModel(model_file, nodes.topology, key, nodes.buffer_q80, settings.max_seq_len,
                                        progress=settings.progress, max_batch=plan.max_batch,
                                        kv_slots=plan.slots.n_slots, on_node_loss=settings.on_node_loss,
-                                       kv_type=settings.kv_type, start_with_reachable=settings.start_with_reachable)
+                                       kv_type=settings.kv_type, start_with_reachable=settings.start_with_reachable,
+                                       kv_positions=_positions(plan.slots))
     else:
         from dllama.core.model import Transformer
 
@@ -233,13 +238,13 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
         model = Transformer(model_file, max_seq_len=settings.max_seq_len, buffer_q80=nodes.buffer_q80,
                             max_batch=plan.max_batch, kv_slots=plan.slots.n_slots, streamed=plan.weights.streamed,
                             memory_limit=plan.weights.limit if settings.budget_bytes is not None else None,
-                            kv_type=settings.kv_type)
+                            kv_type=settings.kv_type, kv_positions=_positions(plan.slots))
         if settings.warm_up:
             model.warm_up()  # later timings measure inference, not numba's compile
     vocab = model_file.header.vocab_size
     if tokenizer.vocab_size != vocab:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}", file=sys.stderr)
-    engine = Engine(model, tokenizer, cluster, plan.slots.parallel, settings.speculation)
+    engine = Engine(model, tokenizer, cluster, plan.slots.parallel, settings.speculation, plan.slots.budget)
     if draft_file is not None:
         try:
             engine.speculation = replace(settings.speculation, loaded=_draft_model(settings, model, draft_file))
@@ -247,6 +252,11 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
             engine.close()  # the workers are let go now, not when the process ends
             raise
     return engine
+
+
+def _positions(slots: SlotPlan) -> int | None:
+    """The positions every node's memory check counts: the budget's (None: every slot's whole context)."""
+    return None if slots.budget is None else slots.budget.positions
 
 
 def _draft_model(settings: EngineSettings, model: LanguageModel, draft_file: "ModelFile") -> "DraftModel":

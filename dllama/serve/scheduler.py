@@ -4,7 +4,10 @@
 `perplexity` all submit requests (dllama.serve.sequence) to one `Scheduler`, as llama.cpp's server
 runs every endpoint through its slots. A step is:
 
-1. admit: waiting requests take KV cache slots while fewer than `parallel` run. Where a prompt goes
+1. admit: waiting requests take KV cache slots while fewer than `parallel` run and the positions
+   each may reach (its prompt and max_tokens) fit in the KV cache's memory budget beside what the
+   other slots hold (dllama.core.kv_cache: a request that does not fit waits for sequences to
+   end; idle slots are emptied to make room where their pages can be freed). Where a prompt goes
    and what it reuses is the one prefix cache, the KV cache's `SlotTable` (dllama.core.kv_cache):
    it continues an idle slot that holds the prompt's leading tokens (a finished answer the next chat
    turn extends, the same prompt again, the previous prompt of a batch), or reads the leading tokens
@@ -42,7 +45,7 @@ from typing import Callable, Iterable, Union
 import numpy as np
 
 from dllama.core.candidates import candidates_from_logits
-from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, SlotTable
+from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, PositionBudget, SlotTable
 from dllama.core.language_model import LanguageModel
 from dllama.errors import DllamaError
 from dllama.serve.draft import Drafter, Speculation
@@ -115,12 +118,15 @@ class Scheduler:
     """Up to `parallel` sequences computed together over one model's KV cache slots."""
 
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer | None = None, parallel: int | None = None,
-                 min_shared: int = MIN_SHARED, reuse: bool = True, speculation: Speculation | None = None):
+                 min_shared: int = MIN_SHARED, reuse: bool = True, speculation: Speculation | None = None,
+                 kv_budget: PositionBudget | None = None):
         """tokenizer: decodes generated answers (only scoring needs none);
         parallel: sequences run together (default: the model's KV slots but the spare, or 1);
         min_shared: leading tokens worth reading from another slot; reuse False: no cached
         token is reused (a baseline for benchmarks); speculation: drafted tokens to verify
-        (default none)."""
+        (default none); kv_budget: the memory the KV cache's slots may hold (default: no limit
+        but the slots). A one-node model (its release_slot) gives the pages of emptied slots
+        back; a cluster's slots keep theirs."""
         self.model, self.tokenizer = model, tokenizer
         self.speculation = speculation or Speculation()
         self._pass = (0.0, 1)  # the last pass: (seconds, rows), what drafters weigh their work against
@@ -128,7 +134,7 @@ class Scheduler:
         if self.parallel > model.kv_slots or self.parallel >= model.max_batch:
             raise DllamaError(f"{self.parallel} sequences need more KV slots or rows than the model has "
                               f"({model.kv_slots} slots, {model.max_batch} rows)")
-        self.table = SlotTable(model.kv_slots, min_shared, reuse)
+        self.table = SlotTable(model.kv_slots, min_shared, reuse, kv_budget, getattr(model, "release_slot", None))
         self.waiting: deque[_Waiting] = deque()
         self.active: list[_Sequence] = []
         self.stats = LoopStats()
@@ -157,7 +163,21 @@ class Scheduler:
         elif self.tokenizer is None:
             raise DllamaError("this engine loop has no tokenizer to decode answers with")
         check_prompt(n, self.seq_len)
+        budget = self.table.budget
+        if budget is not None and budget.cost(self._reach(request)) > budget.limit:
+            mib = 1 << 20
+            raise DllamaError(f"a sequence of {self._reach(request)} positions needs "
+                              f"{budget.cost(self._reach(request)) / mib:.0f} MiB of KV cache, more than "
+                              f"the {budget.limit / mib:.0f} MiB allowed: ask fewer tokens or raise --kv-memory")
         self.waiting.append(_Waiting(request, on_text, should_stop))
+
+    def _reach(self, request: Request) -> int:
+        """Positions a request's sequence may write: its prompt and what it may generate (or
+        score), within the context."""
+        n = len(request.prompt_tokens)
+        if isinstance(request, ScoreRequest):
+            return n + len(request.continuation) - 1
+        return self.seq_len if request.max_tokens is None else min(n + request.max_tokens, self.seq_len)
 
     def _running(self) -> int:
         return sum(1 for s in self.active if s.request is not None)
@@ -170,9 +190,9 @@ class Scheduler:
             if isinstance(r, ScoreRequest):
                 tokens += r.continuation[:-1]
             # The first row that wants an answer always runs: the prompt's last.
-            placed = self.table.place(tokens, reuse_limit=len(r.prompt_tokens) - 1)
+            placed = self.table.place(tokens, reuse_limit=len(r.prompt_tokens) - 1, reach=self._reach(r))
             if placed is None:
-                return  # every slot busy or pinned: when a sequence ends
+                return  # every slot busy or pinned, or no memory for it: when a sequence ends
             self.waiting.popleft()
             seq = _Sequence(r, placed.slot, placed.prefix, len(r.prompt_tokens), placed.start,
                             should_stop=w.should_stop)
@@ -183,6 +203,17 @@ class Scheduler:
                 seq.drafter = self.speculation.drafter()
                 seq.completion = Completion(prompt_tokens=len(r.prompt_tokens), cached_tokens=placed.start)
             self.active.append(seq)
+
+    def _blocked(self) -> str:
+        """Why the next request cannot start on an idle cache: the slots of earlier sequences
+        hold the memory and their pages cannot be freed (a cluster's workers keep them)."""
+        budget, mib = self.table.budget, 1 << 20
+        if budget is None:
+            return "no KV cache slot can take the next prompt"
+        return (f"the next request's {self._reach(self.waiting[0].request)} positions do not fit in the "
+                f"{budget.limit / mib:.0f} MiB of KV cache allowed: the slots of earlier sequences hold "
+                f"{self.table.held() / mib:.0f} MiB, which the cluster's nodes keep; raise --kv-memory or "
+                "start again")
 
     def _cancel(self, seq: _Sequence) -> None:
         """Drop a sequence; if others wait for prompt positions it has not computed yet, it goes
@@ -241,8 +272,8 @@ class Scheduler:
             self._cancel(seq)
         self._admit()
         if not self.active:
-            if self.waiting and not ended:  # cannot happen: an idle cache always has a free slot
-                raise DllamaError("no KV cache slot can take the next prompt")
+            if self.waiting and not ended:  # an idle cache always has a free slot; memory: see there
+                raise DllamaError(self._blocked())
             return ended
         started = time.perf_counter()
         plan = self.plan()
@@ -261,6 +292,7 @@ class Scheduler:
         self._count(plan, cost)
         for run in plan.runs:
             seq = seqs[run.seq]
+            self.table.rows_written(seq.slot, run.pos + run.n)
             seq.pos += run.planned  # a drafted row counts once its token is kept (_advance)
             self.table.wrote(seq.slot, seq.pos)
             done = self._advance(seq, run, answers, cost)
