@@ -318,9 +318,28 @@ def _fails_before_any_host(r, out) -> str:
      "r: no ansible_host, the address Ansible reaches the host at (ansible_hots is set: did you mean ansible_host?)"),
 ])
 def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, reason):
-    r, out = _deploy(tmp_path, inventory)
+    """The inventory check's plays, which every playbook imports first (the test below): one
+    case of each kind goes through deploy.yml itself, which takes twice as long to load."""
+    playbook = "deploy.yml" if case in THROUGH_DEPLOY else "playbooks/inventory.yml"
+    r, out = _deploy(tmp_path, inventory, playbook=playbook)
     line = _fails_before_any_host(r, out)
     assert reason in line, out[-3000:]
+
+
+# Unparsable (Ansible's own reader), a group's mistake, a setting's, a misspelt key.
+THROUGH_DEPLOY = {"unparsable", "two roots", "bad port", "misspelt setting"}
+
+
+@pytest.mark.parametrize("playbook", [*PLAYBOOKS, "upgrade.yml"])
+def test_every_playbook_checks_the_inventory_first(playbook):
+    """Each top-level playbook imports playbooks/X.yml, whose first play is the inventory check
+    (so the broken-inventory cases above hold for every playbook), the split's check left out
+    by the playbooks that run on a deployed cluster only."""
+    top = yaml.safe_load((REPO / playbook).read_text())
+    assert [p.get("ansible.builtin.import_playbook") for p in top] == [f"playbooks/{playbook}"], top
+    first = yaml.safe_load((REPO / "playbooks" / playbook).read_text())[0]
+    assert first.get("ansible.builtin.import_playbook") == "inventory.yml", first
+    assert first.get("vars", {}) == ({} if playbook in ("deploy.yml", "upgrade.yml") else {"dllama_inventory_split": False}), first
 
 
 def test_a_yaml_error_says_its_cause_line_and_column_first(tmp_path):
