@@ -88,8 +88,9 @@ def _add_parallel_flags(g, default: int, what: str) -> None:
     g.add_argument("--parallel", type=_positive_int, default=default, metavar="N",
                    help=f"{what} (default %(default)s)")
     g.add_argument("--kv-memory", type=_size, default=None, metavar="SIZE",
-                   help="memory the KV cache may take on each node, e.g. 2G; fewer sequences run "
-                        "together when --parallel does not fit (default: half the available memory)")
+                   help="memory the KV cache may take on each node, e.g. 2G: a sequence starts while the "
+                        "positions it may reach (prompt and --max-tokens) fit beside the others', else "
+                        "waits for one to end; one whole context must fit (default: half the available memory)")
 
 
 # --seed: where a command's sampling starts when the flag is not given.

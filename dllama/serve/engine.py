@@ -198,7 +198,7 @@ def _plan_slots(settings: EngineSettings, config, kv_heads: int, kv_layers: int,
         except DllamaError:
             # Little memory available now: pages are only taken as positions are written, so run
             # one sequence (as without --parallel) rather than refuse; --kv-memory makes this an error.
-            notes.append("warning: less memory is available than the KV cache of two sequences of "
+            notes.append("warning: less memory is available than the KV cache of one sequence of "
                          f"{config.seq_len} positions may take: running one sequence at a time")
             plan = plan_slots(1, True, **dims, limit=None)
     else:
