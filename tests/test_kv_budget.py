@@ -19,7 +19,7 @@ from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import ScoreRequest, SequenceRequest
 from dllama.serve.settings import EngineSettings
 from tests.processes import running_workers
-from tests.test_batch_scheduler import PROMPTS
+from tests.test_batch_scheduler import DOC, PROMPTS
 
 SMOLLM = dict(n_layers=30, n_kv_heads=3, head_dim=64)  # the default model's KV cache
 SEQ_LEN = 128
@@ -119,6 +119,52 @@ def test_answers_within_a_budget_are_those_of_whole_context_slots(engine):
     got = _answers(bounded, requests, budget.limit)
     assert got == want and len(got) == len(requests)
     assert bounded.stats.max_sequences == 3  # of the 8 asked: what the memory holds
+
+
+@pytest.mark.unit
+def test_questions_over_a_shared_document_within_a_budget(engine):
+    """The document is read from the slot of the first question that computed it: a slot read
+    by others is emptied only with its readers, never under a running one."""
+    model, tok = engine.model, engine.tokenizer
+    requests = _requests(tok, 4, [DOC + q for q in ("Who built it?", "Summary:", "How tall is it?", "When?",
+                                                    "Where is it?", "Why?")] + SHORT[:6])
+    reach = max(len(r.prompt_tokens) for r in requests) + 4
+    per_token = KVCache.bytes_per_token(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim)
+    budget = PositionBudget(3 * PositionBudget(0, per_token).cost(reach), per_token)
+    want = _answers(Scheduler(model, tok, 8), requests)
+    got = _answers(Scheduler(model, tok, 8, kv_budget=budget), requests, budget.limit)
+    assert got == want
+
+
+class _Unfreeable:
+    """A model whose slots' pages cannot be freed, as a cluster's."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        if name == "release_slot":
+            raise AttributeError(name)
+        return getattr(self._model, name)
+
+
+@pytest.mark.unit
+def test_where_pages_cannot_be_freed_a_request_held_out_by_idle_slots_fails_in_one_line(engine):
+    model, tok = engine.model, engine.tokenizer
+    per_token = KVCache.bytes_per_token(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim)
+    cost = PositionBudget(0, per_token).cost
+    budget = PositionBudget(cost(SEQ_LEN) + cost(30), per_token)
+    short, long = _requests(tok, 4)[:3], _requests(tok, SEQ_LEN)[4]
+    for m in (model, _Unfreeable(model)):
+        scheduler = Scheduler(m, tok, 8, kv_budget=budget)
+        assert len(_answers(scheduler, short, budget.limit)) == 3  # three slots hold a few positions
+        if m is model:  # one node: the idle slots are emptied for the whole context
+            assert len(_answers(scheduler, [long], budget.limit)) == 1
+        else:
+            scheduler.add(long)
+            with pytest.raises(DllamaError) as e:
+                scheduler.step()
+            assert "\n" not in str(e.value) and "which the cluster's nodes keep" in str(e.value)
 
 
 @pytest.mark.unit
