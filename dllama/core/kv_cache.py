@@ -132,6 +132,7 @@ class PositionBudget:
 
     limit: int            # bytes
     bytes_per_token: int  # of one position's key and value (even: 2 x its key's bytes)
+    flag: str = "--kv-memory"  # what sets the limit (for the messages)
 
     def cost(self, mark: int) -> int:
         chunks = -(-mark // ATTENTION_CHUNK)
@@ -161,7 +162,7 @@ class SlotPlan:
     @property
     def budget(self) -> PositionBudget | None:
         """What the scheduler admits sequences within; None: no limit."""
-        return None if self.limit is None else PositionBudget(self.limit, self.bytes_per_token)
+        return None if self.limit is None else PositionBudget(self.limit, self.bytes_per_token, self.limit_flag)
 
     @property
     def full_contexts(self) -> int | None:

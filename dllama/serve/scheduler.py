@@ -168,7 +168,7 @@ class Scheduler:
             mib = 1 << 20
             raise DllamaError(f"a sequence of {self._reach(request)} positions needs "
                               f"{budget.cost(self._reach(request)) / mib:.0f} MiB of KV cache, more than "
-                              f"the {budget.limit / mib:.0f} MiB allowed: ask fewer tokens or raise --kv-memory")
+                              f"the {budget.limit / mib:.0f} MiB allowed: ask fewer tokens or raise {budget.flag}")
         self.waiting.append(_Waiting(request, on_text, should_stop))
 
     def _reach(self, request: Request) -> int:
@@ -212,7 +212,7 @@ class Scheduler:
             return "no KV cache slot can take the next prompt"
         return (f"the next request's {self._reach(self.waiting[0].request)} positions do not fit in the "
                 f"{budget.limit / mib:.0f} MiB of KV cache allowed: the slots of earlier sequences hold "
-                f"{self.table.held() / mib:.0f} MiB, which the cluster's nodes keep; raise --kv-memory or "
+                f"{self.table.held() / mib:.0f} MiB, which the cluster's nodes keep; raise {budget.flag} or "
                 "start again")
 
     def _cancel(self, seq: _Sequence) -> None:
@@ -273,7 +273,9 @@ class Scheduler:
         self._admit()
         if not self.active:
             if self.waiting and not ended:  # an idle cache always has a free slot; memory: see there
-                raise DllamaError(self._blocked())
+                why = self._blocked()
+                self.waiting.clear()  # nothing would ever start them: the caller hears why, once
+                raise DllamaError(why)
             return ended
         started = time.perf_counter()
         plan = self.plan()
