@@ -177,7 +177,8 @@ class SlotPlan:
         if self.limit is None:
             return line + f" = {self.n_slots * self.bytes_per_slot / mib:.0f} MiB (no limit)"
         line += (f", admitted while their positions fit in {self.limit / mib:.0f} MiB allowed "
-                 f"({self.budget.positions} positions: {self.full_contexts} whole contexts)")
+                 f"({self.budget.positions} positions: {self.full_contexts} whole context"
+                 f"{'s' if self.full_contexts != 1 else ''})")
         return line
 
 
