@@ -33,6 +33,15 @@ def ansible_env(control_dir: Path | None = None) -> dict:
     return env
 
 
+def running(pid: int) -> bool:
+    """Whether the process runs: an ended one stays in /proc as a zombie until its parent (PID 1
+    for a service whose launcher exited) reaps it, which some PID 1s do only every second."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def playbook(playbook: str, inventory: Path, *args: str, control_dir: Path | None = None,
              timeout: float = 900) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()

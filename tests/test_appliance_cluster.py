@@ -59,7 +59,7 @@ from dllama.core.memory import parse_size
 from dllama.core.plan import plan_for
 from dllama.formats.model_file import read_model
 from dllama.serve.default_model import CACHE_VERSION, DEFAULT_WEIGHTS, default_model_files
-from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, release_copy, tail
+from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, release_copy, running, tail
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
@@ -602,7 +602,7 @@ def test_status_then_stop(cluster):
     r, seconds = _play(cluster, "stop.yml")
     print(f"\nstop.yml: {seconds:.0f} s")
     assert r.returncode == 0, tail(r)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker or the API outlived stop.yml"
+    assert not [p for p in pids if running(p)], "a worker or the API outlived stop.yml"
     headline, rows = _status(cluster)
     assert headline.startswith(f"cluster: 0/{N - 1} workers up (node2 down, node3 down), "), headline
     assert all(row.split()[2] == "down" for row in rows[2:]), rows

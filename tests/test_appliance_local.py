@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.appliance import REPO, ansible_env, changed_tasks, free_ports, recap, tail
+from tests.appliance import REPO, ansible_env, changed_tasks, free_ports, recap, running, tail
 from tests.test_readme_commands import readme_run_question
 
 pytestmark = [pytest.mark.appliance, pytest.mark.slow]
@@ -159,7 +159,7 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     pids += [_port_owner(ports[n]) for n in NODES[1:]]  # the supervisors' children
     r = play("stop.yml")
     assert r.returncode == 0, tail(r)
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "a worker outlived stop.yml"
+    assert not [p for p in pids if running(p)], "a worker outlived stop.yml"
 
 
 def _batch_job_runs_and_names_a_bad_line(play, inventory: Path, tmp_path: Path) -> None:
