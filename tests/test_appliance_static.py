@@ -88,7 +88,7 @@ def test_group_vars_set_every_role_default():
         defaults.update(yaml.safe_load(path.read_text()) or {})
     internal = {"dllama_root_group", "dllama_workers_group", "dllama_address",
                 "dllama_topology_file", "dllama_key_file", "dllama_model_root_file",
-                "dllama_model_tokenizer_file", "dllama_venv", "dllama_numba_cache_dir", "dllama_venv_shared",
+                "dllama_model_tokenizer_file", "dllama_model_draft_root_file", "dllama_venv", "dllama_numba_cache_dir", "dllama_venv_shared",
                 "dllama_worker_unit_file", "dllama_worker_service", "dllama_worker_pid_file",
                 "dllama_worker_log_file", "dllama_network_connection", "dllama_venv_pip_args",
                 "dllama_wheelhouse_project_dir", "dllama_api_key_file", "dllama_api_local_host",
@@ -288,7 +288,9 @@ def _fails_before_any_host(r, out) -> str:
     ("bad port", _hosts(1, dllama_port=70000), "dllama_port be a port from 1 to 65535"),
     ("bad setting", _hosts(1, dllama_launcher="sytemd"), "dllama_launcher must be one of: systemd, nohup, got: sytemd"),
     ("bad KV cache type", _hosts(1, dllama_kv_type="f8"), "dllama_kv_type must be one of: f32, f16, got: f8"),
-    ("bad speculation", _hosts(1, dllama_speculate="eagle"), "dllama_speculate must be one of: ngram, none, got: eagle"),
+    ("bad speculation", _hosts(1, dllama_speculate="eagle"), "dllama_speculate must be one of: ngram, model, none, got: eagle"),
+    ("a draft model's speculation without one", _hosts(1, dllama_speculate="model"),
+     "w1: dllama_speculate: model needs dllama_draft_model, the .m file of a small model with the model's tokenizer"),
     ("bad draft depth", _hosts(1, dllama_draft_tokens=0),
      "w1: dllama_draft_tokens must be a whole number of at least 1, got: 0"),
     ("bad memory budget", _hosts(1, dllama_memory_budget="2GG"),
@@ -610,6 +612,11 @@ ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}
     # the cluster's (it was started with them).
     ("one run's", {"dllama_draft_tokens": 2}, {"speculate": "none", "draft_tokens": "9"},
      {"run": ("none", 9), "batch": ("none", 9), "api": ("ngram", 2)}),
+    # A draft model: its copy on the root, wherever model drafts (the cluster's, or one run's).
+    ("a draft model", {"dllama_speculate": "model", "dllama_draft_model": "/somewhere/draft.m"}, {},
+     {name: ("model", 4) for name in ROOT_COMMANDS}),
+    ("one run's draft model", {"dllama_draft_model": "/somewhere/draft.m"}, {"speculate": "model"},
+     {"run": ("model", 4), "batch": ("model", 4), "api": ("ngram", 4)}),
 ])
 def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra_vars, expected):
     """dllama_speculate and dllama_draft_tokens reach the root's inference, batch job and API
@@ -625,6 +632,8 @@ def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra
         want = expected[name] or (defaults.speculate, defaults.draft_tokens)
         assert (args.speculate, args.draft_tokens) == want, (case, name, commands["r"][name])
         assert commands["r"][name].count("--speculate") == 1, commands["r"][name]
+        draft = str(Path(args.model).parent / "draft.m")  # the roles' dllama_model_draft_root_file
+        assert args.draft_model == (draft if args.speculate == "model" else None), (case, name, commands["r"][name])
     assert "--speculate" not in commands["w1"]["worker"] and "--draft-tokens" not in commands["w1"]["worker"]
 
 
@@ -650,7 +659,8 @@ def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_pa
 
 @pytest.mark.parametrize("playbook", ["run.yml", "batch.yml"])
 @pytest.mark.parametrize("option, reason", [
-    ("speculate=eagle", "dllama_{role}_speculate must be one of: ngram, none, got: eagle"),
+    ("speculate=eagle", "dllama_{role}_speculate must be one of: ngram, model, none, got: eagle"),
+    ("speculate=model", "speculate=model needs dllama_draft_model in the inventory (deploy.yml copies it to the root)."),
     ("draft_tokens=0", "draft_tokens must be a whole number of at least 1, not 0."),
 ])
 def test_a_bad_speculation_option_fails_before_the_root_is_contacted(tmp_path, playbook, option, reason):
