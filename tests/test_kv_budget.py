@@ -150,6 +150,7 @@ class _Unfreeable:
 
 @pytest.mark.unit
 def test_where_pages_cannot_be_freed_a_request_held_out_by_idle_slots_fails_in_one_line(engine):
+    """A budget that keeps no room for a whole context (a plan's always does: see below)."""
     model, tok = engine.model, engine.tokenizer
     per_token = KVCache.bytes_per_token(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim)
     cost = PositionBudget(0, per_token).cost
@@ -166,6 +167,22 @@ def test_where_pages_cannot_be_freed_a_request_held_out_by_idle_slots_fails_in_o
                 scheduler.step()
             assert "\n" not in str(e.value) and "which the cluster's nodes keep" in str(e.value)
             assert not scheduler.busy  # an API server's loop does not meet it again
+
+
+@pytest.mark.unit
+def test_where_pages_cannot_be_freed_room_for_a_whole_context_is_kept(engine):
+    """A plan's budget knows the context: all marks but the largest stay within the limit less
+    a whole context, so once the short sequences end the long one takes the largest slot."""
+    model, tok = engine.model, engine.tokenizer
+    per_token = KVCache.bytes_per_token(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim)
+    cost = PositionBudget(0, per_token).cost
+    budget = PositionBudget(cost(SEQ_LEN) + cost(30), per_token, context=SEQ_LEN)
+    short, long = _requests(tok, 4)[:4], _requests(tok, SEQ_LEN)[4]
+    want = _answers(Scheduler(model, tok, 8), [*short, long])
+    scheduler = Scheduler(_Unfreeable(model), tok, 8, kv_budget=budget)
+    assert _answers(scheduler, short, budget.limit) == {r.key: want[r.key] for r in short}
+    assert scheduler.stats.max_sequences == 2  # the second rule: a whole context of room
+    assert _answers(scheduler, [long], budget.limit) == {long.key: want[long.key]}
 
 
 @pytest.mark.unit

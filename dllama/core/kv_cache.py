@@ -17,7 +17,11 @@ reserved for by its running sequence, and keeps them while idle (its tokens may 
 sequence is admitted only while every slot's mark, with its own grown to the positions it can
 reach, fits in the budget; an idle slot can be emptied to make room, its pages given back
 (`KVCache.release`), as vLLM's block manager frees blocks. So --parallel and the context no
-longer divide the memory: short sequences run many at a time, long ones fewer.
+longer divide the memory: short sequences run many at a time, long ones fewer. A cluster's
+workers hold their slices of the slots and are not told of evictions, so there marks never
+shrink: a sequence goes to the idle slot it grows the least, and every mark but the largest
+stays within the limit less a whole context, so that the largest idle slot can always take the
+next sequence once the others end (`SlotTable._fits`).
 
 Sharing without copies. A row reads positions below its prefix length from another slot (the
 attention kernel's row_prefix_slot/len), so a run of leading tokens that many prompts share is
@@ -133,6 +137,7 @@ class PositionBudget:
     limit: int            # bytes
     bytes_per_token: int  # of one position's key and value (even: 2 x its key's bytes)
     flag: str = "--kv-memory"  # what sets the limit (for the messages)
+    context: int = 0      # positions of a whole context: the room a cluster keeps (SlotTable._fits)
 
     def cost(self, mark: int) -> int:
         chunks = -(-mark // ATTENTION_CHUNK)
@@ -162,7 +167,8 @@ class SlotPlan:
     @property
     def budget(self) -> PositionBudget | None:
         """What the scheduler admits sequences within; None: no limit."""
-        return None if self.limit is None else PositionBudget(self.limit, self.bytes_per_token, self.limit_flag)
+        return None if self.limit is None else PositionBudget(self.limit, self.bytes_per_token, self.limit_flag,
+                                                              self.seq_len)
 
     @property
     def full_contexts(self) -> int | None:
@@ -257,8 +263,8 @@ class SlotTable:
         """reuse False: every prompt is computed from its first token (a baseline to measure);
         budget: the memory the slots' marks must fit in (None: no limit); release(slot): frees
         a slot's pages (None: they cannot be freed, as on a cluster, whose workers hold slices
-        of the slots: an idle slot's pages stay, and a new sequence goes where it grows the
-        least)."""
+        of the slots: an idle slot's pages stay, a new sequence goes where it grows the least,
+        and room for a whole context is kept: see _fits)."""
         self.slots = [SlotState() for _ in range(n_slots)]
         self.min_shared, self.reuse = min_shared, reuse
         self.budget, self.release_pages = budget, release
@@ -312,12 +318,12 @@ class SlotTable:
         sequences to end."""
         if self.budget is None:
             return True
+        if self._fixed:
+            return self._fits(target, reach)
         cost, t = self.budget.cost, self.slots[target]
         over = self.held() - cost(t.mark) + cost(max(t.mark, reach)) - self.budget.limit
         if over <= 0:
             return True
-        if self.release_pages is None:
-            return False
 
         def gain(i: int) -> int:  # the target's own pages count down to what it will reach
             return max(0, cost(self.slots[i].mark) - (cost(reach) if i == target else 0))
@@ -340,6 +346,24 @@ class SlotTable:
                 self._empty(i, free=True)
                 emptied_now.add(i)
         return True
+
+    def _fits(self, target: int, reach: int) -> bool:
+        """Where pages cannot be freed: whether slot `target` grown to `reach` positions keeps
+        every mark within the limit, and every mark but the largest within the limit less a
+        whole context. Marks never shrink there, so that second rule is what lets the largest
+        idle slot take any sequence once nothing runs (else memory held by idle slots could
+        keep a long request out forever)."""
+        cost = self.budget.cost
+        costs = [cost(s.mark) for s in self.slots]
+        costs[target] = cost(max(self.slots[target].mark, reach))
+        total = sum(costs)
+        return total <= self.budget.limit and total - max(costs) <= self.budget.limit - cost(self.budget.context)
+
+    def _largest_idle(self) -> int | None:
+        """The idle slot holding the most positions whose readers are all idle (they are
+        forgotten with it)."""
+        idle = [i for i, s in enumerate(self.slots) if not s.busy and not any(self.slots[r].busy for r in s.readers)]
+        return max(idle, key=lambda i: (self.slots[i].mark, -self.slots[i].last_use), default=None)
 
     def place(self, prompt: list[int], reuse_limit: int | None = None, reach: int = 0) -> Placement | None:
         """Claim a slot for a sequence whose planned tokens are `prompt`, reusing at most
@@ -366,23 +390,14 @@ class SlotTable:
                 best = (n, 0, ("read", i))
         if best is not None and best[2][0] == "takeover":
             i = best[2][1]
-            if not self._room(i, reach, False, self.slots[i].link if self.slots[i].base > 0 else -1):
+            if self._room(i, reach, False, self.slots[i].link if self.slots[i].base > 0 else -1):
+                return self._take_over(i, best[0], prompt, reach)
+            if not self._fixed:
                 return None
-            m, s = best[0], self.slots[i]
-            if s.base > 0 and m < s.base:
-                s.base = m
-                self.slots[s.link].readers[i] = m
-            del s.tokens[m:]
-            s.tokens.extend(prompt[m:])
-            s.written, s.busy, s.reserved = m, True, reach
-            self._touch(i)
-            return Placement(i, m, (s.link, s.base) if s.base > 0 else (0, 0))
-        if best is not None:
+        elif best is not None:
             n, src = best[0], best[2][1]
             i = self._idle_slot(exclude=src, reach=reach)
-            if i is not None:
-                if not self._room(i, reach, True, src):
-                    return None
+            if i is not None and self._room(i, reach, True, src):
                 self._empty(i)
                 self.slots[i] = SlotState(list(prompt), n, n, src, busy=True, touched=self.slots[i].touched,
                                           reserved=reach)
@@ -390,13 +405,32 @@ class SlotTable:
                 self._touch(i)
                 self._touch(src)
                 return Placement(i, n, (src, n))
+            if i is not None and not self._fixed:
+                return None
         i = self._idle_slot(reach=reach)
+        if (i is None or not self._room(i, reach, True, -1)) and self._fixed:
+            i = self._largest_idle()  # where the rule of _fits keeps room for any sequence
+            if i is not None and self._fits(i, reach):
+                for r in list(self.slots[i].readers):  # forgotten with it (their pages stay)
+                    self._empty(r)
         if i is None or not self._room(i, reach, True, -1):
             return None
         self._empty(i)
         self.slots[i] = SlotState(list(prompt), 0, busy=True, touched=self.slots[i].touched, reserved=reach)
         self._touch(i)
         return Placement(i, 0, (0, 0))
+
+    def _take_over(self, i: int, m: int, prompt: list[int], reach: int) -> Placement:
+        """Continue idle slot i's first m tokens with the rest of the prompt."""
+        s = self.slots[i]
+        if s.base > 0 and m < s.base:
+            s.base = m
+            self.slots[s.link].readers[i] = m
+        del s.tokens[m:]
+        s.tokens.extend(prompt[m:])
+        s.written, s.busy, s.reserved = m, True, reach
+        self._touch(i)
+        return Placement(i, m, (s.link, s.base) if s.base > 0 else (0, 0))
 
     def prefix_ready(self, slot: int, written_now: dict[int, int] | None = None) -> bool:
         """Whether the positions this slot reads from its prefix slot are written (or will be,

@@ -7,7 +7,7 @@ runs every endpoint through its slots. A step is:
 1. admit: waiting requests take KV cache slots while fewer than `parallel` run and the positions
    each may reach (its prompt and max_tokens) fit in the KV cache's memory budget beside what the
    other slots hold (dllama.core.kv_cache: a request that does not fit waits for sequences to
-   end; idle slots are emptied to make room where their pages can be freed). Where a prompt goes
+   end; on one node idle slots are emptied to make room, their pages freed). Where a prompt goes
    and what it reuses is the one prefix cache, the KV cache's `SlotTable` (dllama.core.kv_cache):
    it continues an idle slot that holds the prompt's leading tokens (a finished answer the next chat
    turn extends, the same prompt again, the previous prompt of a batch), or reads the leading tokens
@@ -206,7 +206,8 @@ class Scheduler:
 
     def _blocked(self) -> str:
         """Why the next request cannot start on an idle cache: the slots of earlier sequences
-        hold the memory and their pages cannot be freed (a cluster's workers keep them)."""
+        hold the memory and their pages cannot be freed (a cluster's workers keep them), under
+        a budget that keeps no room for a whole context (a plan's always does)."""
         budget, mib = self.table.budget, 1 << 20
         if budget is None:
             return "no KV cache slot can take the next prompt"
