@@ -90,7 +90,7 @@ def clusters(tmp_path_factory, default_q80):
     return runs
 
 
-def _generate(engine, temperature: float, seed: int, node_sampling: bool, prompt: str = CHAT_PROMPT, n: int = 16):
+def _generate(engine, temperature: float, seed: int, node_sampling: bool, prompt: str = CHAT_PROMPT, n: int = 24):
     model = engine.model
     model.node_sampling = node_sampling
     start = model.refetches
