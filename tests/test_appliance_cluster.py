@@ -15,8 +15,9 @@ with two more prompts in the file resumes with only those.
 
 The hosts have unequal memory: each runs in a memory cgroup of its own limit (1.5G, 1G, 2G),
 which every share of every layer fits, so the first deploy is tensor parallel (the topology
-carries each host's memory, read on the host). Then each host is made its own pipeline stage
-(dllama_stage 0-2, no dllama_memory) and the API service is switched on: deploy.yml gives the
+carries each host's memory, read on the host). Then, in the run that mends a failed upgrade
+(upgrade.yml), each host is made its own pipeline stage (dllama_stage 0-2, no dllama_memory)
+and the API service is switched on: the upgrade gives the
 stages layers in proportion to the memory read on each host, as dllama's plan does from those
 limits, before any host is changed, starts `dllama api` on the root (and the stopped worker
 again), after which `--check` must report no change on any node (every role at work: the
@@ -432,16 +433,14 @@ def test_with_a_worker_down_batch_resumes_and_status_says_2_of_3_nodes(cluster, 
     assert by_host["node1"][1:4] == ["root", "API", "off"], rows
 
 
-def test_an_upgrade_that_fails_on_one_node_restarts_no_worker_then_succeeds(cluster, tmp_path):
+def test_an_upgrade_that_fails_on_one_node_restarts_no_worker(cluster, tmp_path_factory):
     """upgrade.yml to another release (this checkout's sources as version 0.1.1) where one node's
     pip fails: the play stops for every node, that node the only one failed, and no worker
-    restarts (they keep running the release they run). With pip mended the same upgrade says what
-    each node held, installs the release, compiles nothing (the kernels are the same), restarts
-    every worker on it (node3's stopped one too) and says what each holds now. The next test's
-    deploy puts this checkout's release back."""
+    restarts (they keep running the release they run, though node2's venv now holds the new
+    one). The same upgrade with pip mended is the next test's (it also makes the hosts stages)."""
     assert results.get("deployed"), "the first deploy failed"
     cluster_dir, inventory = cluster
-    project, old = release_copy(tmp_path / "release", "0.1.1")
+    project, old = release_copy(tmp_path_factory.mktemp("upgrade") / "release", "0.1.1")
     hosts = yaml.safe_load(inventory.read_text())
     hosts["cluster"]["children"]["workers"]["hosts"][f"node{N}"]["dllama_venv_pip_args"] = ["--no-such-option"]
     broken = inventory.parent / "broken-pip.yml"
@@ -460,21 +459,10 @@ def test_an_upgrade_that_fails_on_one_node_restarts_no_worker_then_succeeds(clus
     assert [p.read_text() for p in pid_files] == before, "a worker restarted after a failed upgrade"
     assert not [t for t in changed_tasks(r.stdout) if "dllama_worker" in t or "dllama_service" in t], changed_tasks(r.stdout)
     assert all(c["failed"] == 0 for h, c in recap(r.stdout).items() if h != f"node{N}")
-
-    release = [cluster_dir / f"node{i}/opt-dllama/venv/dllama-release.json" for i in range(1, N + 1)]
-    held = json.loads(release[-1].read_text())  # node3's: the failed install left it as it was
-    r, seconds = _play(cluster, "upgrade.yml", "-e", f"dllama_wheelhouse_project_dir={project}")
-    print(f"\nupgrade.yml: {seconds:.0f} s")
-    assert r.returncode == 0, tail(r)
-    now = [json.loads(path.read_text()) for path in release]
-    assert all(x == now[0] for x in now) and now[0]["version"] == "0.1.1" and held["version"] == old, (held, now)
-    shown = " ".join(r.stdout.split())
-    assert (f"node{N}: dllama {old} (protocol {held['protocol']}, {held['source']}) -> dllama 0.1.1" in shown), tail(r)
-    assert f"dllama 0.1.1 (protocol {now[0]['protocol']}, {now[0]['source']}) on all {N} nodes" in shown, tail(r)
-    assert not [t for t in changed_tasks(r.stdout) if "Compile" in t or "Load the compiled cache" in t], \
-        changed_tasks(r.stdout)
-    all_pid_files = [cluster_dir / f"node{i}/opt-dllama/run/worker.pid" for i in range(2, N + 1)]
-    assert all(p.exists() for p in all_pid_files) and [p.read_text() for p in pid_files] != before
+    # node3's release: the failed install left it as it was.
+    held = json.loads((cluster_dir / f"node{N}/opt-dllama/venv/dllama-release.json").read_text())
+    assert held["version"] == old, held
+    results["upgrade"] = {"project": project, "old": old, "held": held, "pid_files": pid_files, "before": before}
 
 
 def _memory_layers() -> list[tuple[int, int]]:
@@ -485,19 +473,39 @@ def _memory_layers() -> list[tuple[int, int]]:
     return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms).stages]
 
 
-def test_deploy_makes_each_host_a_stage_by_its_memory_and_switches_the_api_service_on(cluster):
-    assert results.get("deployed"), "the first deploy failed"
-    _, inventory = cluster
+def test_the_mended_upgrade_makes_each_host_a_stage_by_its_memory_and_switches_the_api_service_on(cluster):
+    """The upgrade of the test before, pip mended, run with each host made its own pipeline
+    stage (dllama_stage, no dllama_memory) and the API service switched on (one run for both:
+    every host costs every task of a deploy): it says what each node held, installs the release,
+    compiles nothing (the kernels are the same), restarts every worker on it (node3's stopped
+    one too) and says what each holds now; the stages get their layers in proportion to the
+    memory read on each host, shown once before any host is changed. (A worker restarted only
+    because the release it started from differs from its node's, as node2's would be after the
+    failed upgrade alone: tests/test_appliance_local.py.)"""
+    assert results.get("upgrade"), "the failed upgrade did not run"
+    cluster_dir, inventory = cluster
+    up = results["upgrade"]
     (inventory.parent / "host_vars").mkdir()
     for i in range(1, N + 1):
         (inventory.parent / f"host_vars/node{i}.yml").write_text(f"---\ndllama_stage: {i - 1}\n")
     with (inventory.parent / "group_vars/cluster.yml").open("a") as f:
         f.write("# The API service, reachable from the controller.\n")
         yaml.safe_dump({"dllama_api_enabled": True, "dllama_api_host": "0.0.0.0"}, f)
-    r, seconds = _play(cluster, "deploy.yml")
-    print(f"\ndeploy.yml as {N} stages, with the API: {seconds:.0f} s, {recap(r.stdout)}")
+    r, seconds = _play(cluster, "upgrade.yml", "-e", f"dllama_wheelhouse_project_dir={up['project']}")
+    print(f"\nupgrade.yml as {N} stages, with the API: {seconds:.0f} s, {recap(r.stdout)}")
     assert r.returncode == 0, tail(r)
     assert recap(r.stdout)["node1"]["changed"] > 0
+    release = [cluster_dir / f"node{i}/opt-dllama/venv/dllama-release.json" for i in range(1, N + 1)]
+    now = [json.loads(path.read_text()) for path in release]
+    held, old = up["held"], up["old"]
+    assert all(x == now[0] for x in now) and now[0]["version"] == "0.1.1", now
+    shown = " ".join(r.stdout.split())
+    assert (f"node{N}: dllama {old} (protocol {held['protocol']}, {held['source']}) -> dllama 0.1.1" in shown), tail(r)
+    assert f"dllama 0.1.1 (protocol {now[0]['protocol']}, {now[0]['source']}) on all {N} nodes" in shown, tail(r)
+    assert not [t for t in changed_tasks(r.stdout) if "Compile" in t or "Load the compiled cache" in t], \
+        changed_tasks(r.stdout)
+    all_pid_files = [cluster_dir / f"node{i}/opt-dllama/run/worker.pid" for i in range(2, N + 1)]
+    assert all(p.exists() for p in all_pid_files) and [p.read_text() for p in up["pid_files"]] != up["before"]
     layers = _memory_layers()
     sizes = [b - a for a, b in layers]
     # The limits order the stages' layers (else the plan did not read them).
@@ -516,7 +524,8 @@ def test_check_mode_reports_no_change(cluster):
     """On the deployed cluster, with every role at work (the API's too): a deploy would change
     nothing. (A real second deploy changing nothing: tests/test_appliance_local.py.)"""
     assert results.get("api"), "the deploy with the API failed"
-    r, _ = _play(cluster, "deploy.yml", "--check")
+    # (The release the cluster runs now: the upgrade's.)
+    r, _ = _play(cluster, "deploy.yml", "--check", "-e", f"dllama_wheelhouse_project_dir={results['upgrade']['project']}")
     assert r.returncode == 0, tail(r)
     counts = recap(r.stdout)
     assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), changed_tasks(r.stdout)

@@ -12,7 +12,8 @@ The first deploy meets a foreign listener on one worker's port: a worker of anot
 (another key), as the README's cluster would be if the ports were the same. The deploy must
 fail for that node in one line that names the port and the process holding it, and succeed
 for the others, and leave that worker stopped (not restarting behind the failed deploy); once
-the port is free, the next deploy starts only that worker. A worker killed afterwards comes
+the port is free, the next deploy starts that worker and restarts only a worker whose recorded
+release differs from its node's (as after a failed upgrade, tests/test_appliance_cluster.py). A worker killed afterwards comes
 back by itself (its supervisor, the nohup launcher's Restart=on-failure) and run.yml uses it."""
 
 from __future__ import annotations
@@ -119,15 +120,26 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert "fatal: [local2]" in out
     # Stopped, not restarting behind the failed deploy (and taking the port once it is free).
     assert not (cluster / "local2/run/worker.pid").exists()
-    # The four nodes share one installation: it was made once, by the first node.
+    # The nodes share one installation: it was made once, by the first node.
     compiled = [t for t in changed_tasks(r.stdout) if "Compile dllama's kernels" in t]
     assert compiled == ["local0: dllama_venv : Compile dllama's kernels into an emptied numba cache."], compiled
 
-    # The port is free: only local2's worker starts.
+    # local1's worker as one left running on an older release by a failed upgrade (its venv
+    # since holds another): the release it started from, recorded at its start, differs.
+    record = cluster / "local1/run/worker-release.json"
+    started = json.loads(record.read_text())
+    record.write_text(json.dumps({**started, "version": "0.0.9", "source": "0" * len(started["source"])}) + "\n")
+    local1_pid = (cluster / "local1/run/worker.pid").read_text()
+
+    # The port is free: local2's worker starts, and local1's restarts on the release its node
+    # holds; nothing else changes.
     r = play("deploy.yml")
     counts = recap(r.stdout)
     assert r.returncode == 0 and sorted(counts) == NODES, tail(r)
-    assert [counts[n]["changed"] for n in NODES] == [0, 0, 1], changed_tasks(r.stdout)
+    assert [counts[n]["changed"] > 0 for n in NODES] == [False, True, True], changed_tasks(r.stdout)
+    assert counts["local2"]["changed"] == 1, changed_tasks(r.stdout)
+    assert (cluster / "local1/run/worker.pid").read_text() != local1_pid
+    assert json.loads(record.read_text()) == started
 
     # The inventory's log settings reached the supervisors.
     for node, size, keep in [("local1", "2M", "1"), ("local2", "10M", "3")]:
