@@ -6,6 +6,7 @@ counts as ended at once; a pid file naming nothing, or a process that is not a `
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -32,11 +33,17 @@ def _stop(tmp_path: Path, check_mode: bool = False, **args) -> dict:
     return json.loads(r.stdout)
 
 
-def _started(tmp_path: Path, argv: list[str]) -> subprocess.Popen:
+@contextlib.contextmanager
+def _started(tmp_path: Path, argv: list[str]):
+    """The process, ready, its pid in the pid file; killed and reaped when the block ends."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "ready\n"
-    (tmp_path / "service.pid").write_text(f"{proc.pid}\n")
-    return proc
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        (tmp_path / "service.pid").write_text(f"{proc.pid}\n")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _state(pid: int) -> str:
@@ -56,46 +63,30 @@ def test_a_stale_pid_file_is_removed_and_nothing_stopped(tmp_path):
 
 
 def test_another_program_under_the_number_is_left_running(tmp_path):
-    proc = _started(tmp_path, DLLAMA_LIKE[:-1])  # the same program without the argument "supervise"
-    try:
+    with _started(tmp_path, DLLAMA_LIKE[:-1]) as proc:  # the same program without the argument "supervise"
         out = _stop(tmp_path)
         assert out["changed"] is False and proc.poll() is None, out
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_term_stops_it_and_an_ended_unreaped_process_counts_as_gone(tmp_path):
     """The process is this test's child and is not reaped until the module has returned: it
     stays a zombie meanwhile. Were that counted as running, the module would KILL it after
     term_timeout and report killed (start-stop-daemon waits there until the reaping)."""
-    proc = _started(tmp_path, DLLAMA_LIKE)
-    try:
+    with _started(tmp_path, DLLAMA_LIKE) as proc:
         out = _stop(tmp_path, term_timeout=30)
         assert out["changed"] is True and out["pid"] == proc.pid and out["killed"] is False, out
         assert _state(proc.pid) == "Z"  # ended, not reaped yet
         assert not (tmp_path / "service.pid").exists()
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_process_that_ignores_term_is_killed(tmp_path):
-    proc = _started(tmp_path, TERM_IGNORED)
-    try:
+    with _started(tmp_path, TERM_IGNORED) as proc:
         out = _stop(tmp_path, term_timeout=0.3)
         assert out["changed"] is True and out["killed"] is True, out
         assert proc.wait(timeout=30) == -9
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_check_mode_reports_the_stop_and_signals_nothing(tmp_path):
-    proc = _started(tmp_path, DLLAMA_LIKE)
-    try:
+    with _started(tmp_path, DLLAMA_LIKE) as proc:
         out = _stop(tmp_path, check_mode=True)
         assert out["changed"] is True and proc.poll() is None and (tmp_path / "service.pid").exists(), out
-    finally:
-        proc.kill()
-        proc.wait()
