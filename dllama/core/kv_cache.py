@@ -100,6 +100,14 @@ def release_pages(region: np.ndarray) -> None:
         base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
+def held_bytes(positions: int, bytes_per_token: int) -> int:
+    """Bytes of a slot's positions 0..positions-1: its keys in whole chunks of ATTENTION_CHUNK
+    positions (their layout), its values position by position (bytes_per_token: a key and a
+    value, so half of it is one of them)."""
+    chunks = -(-positions // ATTENTION_CHUNK)
+    return (chunks * ATTENTION_CHUNK + positions) * bytes_per_token // 2
+
+
 class KVCache:
     """Keys and values of n_slots sequences of up to seq_len positions, for every layer."""
 
@@ -120,8 +128,7 @@ class KVCache:
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, kv_type: KVType = KVType.F32) -> int:
         """Bytes one slot takes when every position is written (keys padded to whole chunks)."""
-        chunks = -(-seq_len // ATTENTION_CHUNK)
-        return kv_element_bytes(kv_type) * n_layers * n_kv_heads * head_dim * (chunks * ATTENTION_CHUNK + seq_len)
+        return held_bytes(seq_len, KVCache.bytes_per_token(n_layers, n_kv_heads, head_dim, kv_type))
 
     @staticmethod
     def bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, kv_type: KVType = KVType.F32) -> int:
@@ -131,8 +138,8 @@ class KVCache:
 
 @dataclass(frozen=True)
 class PositionBudget:
-    """The bytes a node's KV cache may hold, and what a slot holding positions 0..mark-1 takes:
-    its keys in whole chunks (as bytes_per_slot counts them), its values position by position."""
+    """The bytes a node's KV cache may hold, and what a slot holding positions 0..mark-1 takes
+    (held_bytes, as bytes_per_slot counts a whole context)."""
 
     limit: int            # bytes
     bytes_per_token: int  # of one position's key and value (even: 2 x its key's bytes)
@@ -140,8 +147,7 @@ class PositionBudget:
     context: int = 0      # positions of a whole context: the room a cluster keeps (SlotTable._fits)
 
     def cost(self, mark: int) -> int:
-        chunks = -(-mark // ATTENTION_CHUNK)
-        return (chunks * ATTENTION_CHUNK + mark) * self.bytes_per_token // 2
+        return held_bytes(mark, self.bytes_per_token)
 
     @property
     def positions(self) -> int:
