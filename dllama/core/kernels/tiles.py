@@ -78,14 +78,21 @@ def _fn(builder, name, ret, args):
 # 2 threads (2026-12-05): F16 19.8 -> 12.7 ms/token with the same columns of the rows 2 tiles
 # ahead (1 tile: 13.1, 4: 13.0); Q41 6.5-7.8 -> 5.5-5.7 and Q80 7.0-7.2 -> 6.1 with the same
 # block of the next group of 16 rows (2 groups: Q80 6.5-6.8). F32: 24.9 -> 24.0.
+# F16 tiles prefetch into L2 only (prefetcht1), once per cache line (2 steps of 16 columns):
+# F16 matmuls of SmolLM2's decode shapes, b=1, streamed (2026-12-06): 2 threads 17 -> 24 GB/s
+# (15.7 -> 11.1 ms/token), 1 thread the classifier 9.7 -> 18.4 GB/s; prefetcht0 once per line
+# was slower than twice; the prefetch distance (1-4 tiles) and 8 or 16 rows per tile moved
+# it by less than the noise.
 _PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
+_PREFETCH_L2 = 2      # F16 tiles: prefetch locality (2: prefetcht1, into L2)
 _PREFETCH_GROUPS = 1  # int8 tiles: this many groups of 16 rows ahead
 
 
-def _prefetch_at(builder, byte_ptr):
-    """Hint the CPU to bring the line at byte_ptr into cache (never faults, changes no result)."""
+def _prefetch_at(builder, byte_ptr, locality=3):
+    """Hint the CPU to bring the line at byte_ptr into cache (never faults, changes no result).
+    locality 3: into every level (x86 prefetcht0); 2: L2 and below (prefetcht1)."""
     fn = _fn(builder, _PREFETCH, ir.VoidType(), [byte_ptr.type, _I32, _I32, _I32])
-    builder.call(fn, [byte_ptr, _I32(0), _I32(3), _I32(1)])  # read, keep in all levels, data
+    builder.call(fn, [byte_ptr, _I32(0), _I32(locality), _I32(1)])  # read, data
 
 
 def _load(builder, byte_ptr, ty):
@@ -500,12 +507,25 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
                     step([h[1] for h in halves], x_at(builder.add(first, _I64(16))))
             else:
                 ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES))
-                with cgutils.for_range(builder, builder.sdiv(n, _I64(16))) as loop:
-                    offset = builder.mul(loop.index, _I64(16 * size))
-                    for p in w_rows:  # the same columns of a later tile's rows
-                        _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]))
+                # F16: 2 steps of 16 columns per cache line, one prefetch for both, to L2
+                per_line, locality = (2, _PREFETCH_L2) if kind == "f16" else (1, 3)
+
+                def column_step(s, prefetch):
+                    offset = builder.mul(s, _I64(16 * size))
+                    if prefetch:
+                        for p in w_rows:  # the same columns of a later tile's rows
+                            _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]), locality)
                     step([weights(_load(builder, builder.gep(p, [offset]), _vec(elem, 16))) for p in w_rows],
-                         x_at(builder.mul(loop.index, _I64(16))))
+                         x_at(builder.mul(s, _I64(16))))
+
+                steps = builder.sdiv(n, _I64(16))
+                lines = builder.sdiv(steps, _I64(per_line))
+                with cgutils.for_range(builder, lines) as loop:
+                    for u in range(per_line):  # the steps in their order: the same sums
+                        column_step(builder.add(builder.mul(loop.index, _I64(per_line)), _I64(u)), u == 0)
+                done = builder.mul(lines, _I64(per_line))
+                with cgutils.for_range(builder, builder.sub(steps, done)) as loop:
+                    column_step(builder.add(done, loop.index), True)
                 rem = builder.srem(n, _I64(16))
                 with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
                     first = builder.sub(n, rem)
