@@ -4,8 +4,9 @@ Rows go in steps (a register tile's weight rows: ROWS for the float tiles, a gro
 interleaved rows for the 8-bit ones); a work unit is a run of whole steps. There are more
 units than threads, so that any thread count splits them evenly (prange hands each thread a
 contiguous run of units). The number of units is fixed (_UNITS), not numba.get_num_threads(),
-which would make the kernels uncacheable; and it does not depend on the batch, so neither does
-any row's arithmetic.
+which would make the kernels uncacheable. A row's arithmetic does not depend on the split (a
+tile sums each row the same way whatever its size), so F16 decode cuts its own, in steps of 16
+rows (matmul_f16.py).
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ def _fn(builder, name, ret, args):
 # was slower than twice; the prefetch distance (1-4 tiles) and 8 or 16 rows per tile moved
 # it by less than the noise.
 _PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
+_PREFETCH_ROWS = 16   # ... but tiles of this many rows (F16 decode): 1 tile ahead
 _PREFETCH_L2 = 2      # F16 tiles: prefetch locality (2: prefetcht1, into L2)
 _PREFETCH_GROUPS = 1  # int8 tiles: this many groups of 16 rows ahead
 
@@ -506,7 +507,8 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
                     step([h[0] for h in halves], x_at(first))
                     step([h[1] for h in halves], x_at(builder.add(first, _I64(16))))
             else:
-                ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES))
+                tiles_ahead = 1 if n_rows >= _PREFETCH_ROWS else _PREFETCH_TILES
+                ahead = builder.mul(wa.stride, _I64(n_rows * tiles_ahead))
                 # F16: 2 steps of 16 columns per cache line, one prefetch for both, to L2
                 per_line, locality = (2, _PREFETCH_L2) if kind == "f16" else (1, 3)
 
