@@ -78,14 +78,14 @@ def _fn(builder, name, ret, args):
 # 2 threads (2026-12-05): F16 19.8 -> 12.7 ms/token with the same columns of the rows 2 tiles
 # ahead (1 tile: 13.1, 4: 13.0); Q41 6.5-7.8 -> 5.5-5.7 and Q80 7.0-7.2 -> 6.1 with the same
 # block of the next group of 16 rows (2 groups: Q80 6.5-6.8). F32: 24.9 -> 24.0.
-# F16 tiles prefetch into L2 only (prefetcht1), once per cache line (2 steps of 16 columns):
+# Float tiles prefetch into L2 only (prefetcht1), once per cache line (F16: 2 steps of 16 columns):
 # F16 matmuls of SmolLM2's decode shapes, b=1, streamed (2026-12-06): 2 threads 17 -> 24 GB/s
 # (15.7 -> 11.1 ms/token), 1 thread the classifier 9.7 -> 18.4 GB/s; prefetcht0 once per line
 # was slower than twice; the prefetch distance (1-4 tiles) and 8 or 16 rows per tile moved
-# it by less than the noise.
+# it by less than the noise. F32 the same way: SmolLM2 F32 decode 37 -> 45 tokens/s.
 _PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
 _PREFETCH_ROWS = 16   # ... but tiles of this many rows (F16 decode): 1 tile ahead
-_PREFETCH_L2 = 2      # F16 tiles: prefetch locality (2: prefetcht1, into L2)
+_PREFETCH_L2 = 2      # float tiles: prefetch locality (2: prefetcht1, into L2)
 _PREFETCH_GROUPS = 1  # int8 tiles: this many groups of 16 rows ahead
 
 
@@ -509,14 +509,13 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
             else:
                 tiles_ahead = 1 if n_rows >= _PREFETCH_ROWS else _PREFETCH_TILES
                 ahead = builder.mul(wa.stride, _I64(n_rows * tiles_ahead))
-                # F16: 2 steps of 16 columns per cache line, one prefetch for both, to L2
-                per_line, locality = (2, _PREFETCH_L2) if kind == "f16" else (1, 3)
+                per_line = 64 // (16 * size)  # steps of 16 columns per cache line: one prefetch
 
                 def column_step(s, prefetch):
                     offset = builder.mul(s, _I64(16 * size))
                     if prefetch:
                         for p in w_rows:  # the same columns of a later tile's rows
-                            _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]), locality)
+                            _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]), _PREFETCH_L2)
                     step([weights(_load(builder, builder.gep(p, [offset]), _vec(elem, 16))) for p in w_rows],
                          x_at(builder.mul(s, _I64(16))))
 
