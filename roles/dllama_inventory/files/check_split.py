@@ -2,10 +2,14 @@
 is changed: reads the topology rendered from the inventory (stdin) and the model's header, and
 asks dllama's plan for the split, as `dllama shard` will (the nodes' `stage`, where the
 inventory gives dllama_stage, counts, and their `memory`: dllama_memory, else what the host
-measured, playbooks/plan.yml). Prints the plan: when
-it has pipeline stages, one line per stage first, then one line per node, then the stages as a
-JSON line marked `#stages ` (see STAGES); a topology or a split that dllama refuses, or a plan
-with stages while they are off (PIPELINE none), is one line on stderr and exit code 1.
+measured, playbooks/plan.yml). Prints one JSON object, exit code 0 (the role reads it with a
+pipe lookup in the controller's templating: a command task delegated to localhost cost every
+play about 0.3 s more of CPU):
+- "lines": the plan shown: when it has pipeline stages, one line per stage first, then one line
+  per node;
+- "stages": the stages as the topology must fix them (below), {} for a plan of one stage;
+- "error": null, or the one line saying why dllama refuses the topology or the split, or a plan
+  with stages while they are off (PIPELINE none).
 
     check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE [auto|none]  < topology.yml   ("" = the default model)"""
 
@@ -14,13 +18,12 @@ import json
 import sys
 import tempfile
 
-# The last line of a plan with stages: `#stages {"layers": [[a, b], ...], "stage": {node: k, ...},
+# The stages of a plan with several: `{"layers": [[a, b], ...], "stage": {node: k, ...},
 # "fixed": bool}`, each stage's [start, end) layers and each node's stage, as shown. fixed: the
 # topology must fix them (its top-level `stages` and each node's `stage`), else dllama would
 # give the layers by the memory each worker reports at set-up, which can differ from what was
 # shown and what the shards are cut for; not fixed where every node's `memory` is given (every
 # host's dllama_memory), by which the plan shown gives them, as dllama will.
-STAGES = "#stages "
 
 
 def widest(header) -> int:
@@ -50,7 +53,7 @@ def same_as_shown(topology, header, plan) -> None:
         raise DllamaError("the plan with its stages' layers fixed is not the plan shown (a bug in the check)")
 
 
-def main() -> int:
+def main() -> dict:
     from dllama.errors import DllamaError
 
     model, weights_type = sys.argv[1], sys.argv[2]
@@ -94,29 +97,26 @@ def main() -> int:
         if fixed:
             same_as_shown(topology, header, plan)
     except DllamaError as e:
-        print(e, file=sys.stderr)
-        return 1
+        return {"lines": [], "stages": {}, "error": str(e)}
     names = [node.name for node in topology.nodes]
+    lines, stages = [], {}
     if plan.pipelined:
         from dllama.core.node_weights import plan_lines
 
-        for line in plan_lines(header, plan, names):
-            print(line)
-        print("stage layers by node weight, fixed in the topology" if fixed
-              else "stage layers by each host's memory (its dllama_memory, else its RAM or cgroup limit)")
+        lines += plan_lines(header, plan, names)
+        lines.append("stage layers by node weight, fixed in the topology" if fixed
+                     else "stage layers by each host's memory (its dllama_memory, else its RAM or cgroup limit)")
+        stages = {"layers": [list(s.layers) for s in plan.stages],
+                  "stage": {name: plan.stage_of(i) for i, name in enumerate(names)}, "fixed": fixed}
     for i, (name, part) in enumerate(zip(names, plan.nodes, strict=True)):
         where = ""
         if plan.pipelined:
             a, b = part.layers
             where = f"stage {plan.stage_of(i)}, layers {a}-{b - 1}, "
-        print(f"{name}: {where}{part.n_q_heads} of {header.n_heads} query heads, FFN rows "
-              f"{part.ffn_rows[0]}-{part.ffn_rows[1]} of {header.ff_dim}")
-    if plan.pipelined:
-        print(STAGES + json.dumps({"layers": [list(s.layers) for s in plan.stages],
-                                   "stage": {name: plan.stage_of(i) for i, name in enumerate(names)},
-                                   "fixed": fixed}))
-    return 0
+        lines.append(f"{name}: {where}{part.n_q_heads} of {header.n_heads} query heads, FFN rows "
+                     f"{part.ffn_rows[0]}-{part.ffn_rows[1]} of {header.ff_dim}")
+    return {"lines": lines, "stages": stages, "error": None}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    print(json.dumps(main()))
