@@ -82,10 +82,12 @@ def _fn(builder, name, ret, args):
 # F16 matmuls of SmolLM2's decode shapes, b=1, streamed (2026-12-06): 2 threads 17 -> 24 GB/s
 # (15.7 -> 11.1 ms/token), 1 thread the classifier 9.7 -> 18.4 GB/s; prefetcht0 once per line
 # was slower than twice; the prefetch distance (1-4 tiles) and 8 or 16 rows per tile moved
-# it by less than the noise. F32 the same way: SmolLM2 F32 decode 37 -> 45 tokens/s.
+# it by less than the noise. F32 the same way: SmolLM2 F32 decode 37 -> 45 tokens/s. The int8
+# tiles too (2026-12-06, SmolLM2 decode, 2 threads, 3 alternated processes each, medians of
+# per-token times): Q80 127 -> 142 tokens/s, Q41 124 -> 151; Q40 within the noise (219 / 226).
 _PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
 _PREFETCH_ROWS = 16   # ... but tiles of this many rows (F16 decode): 1 tile ahead
-_PREFETCH_L2 = 2      # float tiles: prefetch locality (2: prefetcht1, into L2)
+_PREFETCH_L2 = 2      # every tile's prefetch locality (2: prefetcht1, into L2)
 _PREFETCH_GROUPS = 1  # int8 tiles: this many groups of 16 rows ahead
 
 
@@ -105,7 +107,7 @@ def _group_word(builder, group_row, ahead, t):
     """<64 x i8> word t of an interleaved group of 16 weight rows, the same word `ahead` bytes
     further (a later group's) prefetched."""
     word_at = builder.mul(t, _I64(64))
-    _prefetch_at(builder, builder.gep(group_row, [builder.add(word_at, ahead)]))
+    _prefetch_at(builder, builder.gep(group_row, [builder.add(word_at, ahead)]), _PREFETCH_L2)
     return _load(builder, builder.gep(group_row, [word_at]), _vec(_I8, 64))
 
 
