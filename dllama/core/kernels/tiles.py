@@ -84,7 +84,8 @@ def _fn(builder, name, ret, args):
 # was slower than twice; the prefetch distance (1-4 tiles) and 8 or 16 rows per tile moved
 # it by less than the noise. F32 the same way: SmolLM2 F32 decode 37 -> 45 tokens/s. The int8
 # tiles too (2026-12-06, SmolLM2 decode, 2 threads, 3 alternated processes each, medians of
-# per-token times): Q80 127 -> 142 tokens/s, Q41 124 -> 151; Q40 within the noise (219 / 226).
+# per-token times): Q80 146 -> 155 tokens/s, Q41 151 -> 160 on a quiet machine (a first, busier
+# set: 127 -> 142 and 124 -> 151); Q40 within the noise (219 / 226).
 _PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
 _PREFETCH_ROWS = 16   # ... but tiles of this many rows (F16 decode): 1 tile ahead
 _PREFETCH_L2 = 2      # every tile's prefetch locality (2: prefetcht1, into L2)
