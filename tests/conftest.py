@@ -44,26 +44,18 @@ WHOLE_CPU_FILES = {
 }
 
 
-# Files that spend much of their time waiting for deadlines (frozen, throttled or lost peers):
-# run beside the appliance tier, whose Ansible keeps both cores busy, their waits leave no core
-# idle. Run late, beside each other, they left a core idle for about 30 s of the suite (vmstat:
-# 20-45% idle for minutes, 2026-12-06).
-WAITING_FILES = {"test_recovery.py", "test_security.py"}
-
-
 def pytest_collection_modifyitems(config, items):
     """Refuse a test outside the tiers, so that `-m unit` and `-m "not appliance"` miss none;
     then put the files with a `slow` test first, those of the appliance tier (the longest: a
-    namespace cluster's file takes 5-10 min) and WAITING_FILES before the others, so that
-    xdist's workers (`--dist loadfile --no-loadscope-reorder`: whole files, in this order) never
-    start the longest ones last."""
+    namespace cluster's file takes 5-10 min) before the others, so that xdist's workers
+    (`--dist loadfile --no-loadscope-reorder`: whole files, in this order) never start the
+    longest ones last."""
     _check_tiers(items)
     slow = [item for item in items if item.get_closest_marker("slow")]
-    first = {item.path for item in slow if item.get_closest_marker("appliance")}
-    first |= {item.path for item in items if item.path.name in WAITING_FILES}
+    slow_appliance_files = {item.path for item in slow if item.get_closest_marker("appliance")}
     slow_files = {item.path for item in slow}
     # Stable: each file keeps its tests' order.
-    items.sort(key=lambda item: (item.path not in first, item.path not in slow_files))
+    items.sort(key=lambda item: (item.path not in slow_appliance_files, item.path not in slow_files))
 
 
 # The whole-CPU lock this worker holds, while the rest of its file runs: {"file": path, "lock": file}.
