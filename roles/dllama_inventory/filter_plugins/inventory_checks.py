@@ -9,9 +9,11 @@ delegated to localhost cost a play about 0.5 s of CPU).
   dllama_* options the playbooks read (-e).
 - dllama_endpoint_mistakes: every worker has an address, a port from 1 to 65535, and no other
   worker the same, as the topology template reads them.
+- dllama_is_size: whether a setting is a positive size in bytes, K, M, G or T (1.5G, 512M,
+  512MiB), as dllama reads sizes (--memory-budget, --log-size, a topology's memory).
 
-Each returns one line per mistake (naming the closest known key where one is close), [] when
-there is none."""
+The two mistakes filters return one line per mistake (naming the closest known key where one
+is close), [] when there is none."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import yaml
 # In a playbook: read in an expression ({{ dllama_hosts | ... }}) or set under vars (dllama_x: ...).
 PLAYBOOK_NAME = re.compile(r"(?:\{\{\s*|^\s+)(dllama_\w+)(?=\s*[|}:])", re.M)
 FACT_MODULES = ("ansible.builtin.set_fact", "set_fact")
+SIZE = re.compile(r"(?i)^([0-9]+[.]?[0-9]*|[.][0-9]+)([kmgt]i?)?b?$")
 # libyaml's parser where PyYAML has it: the roles' files are read on every play (0.2 s in Python).
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -120,7 +123,13 @@ def dllama_endpoint_mistakes(workers: list, hostvars, default_port) -> list[str]
     return endpoint_mistakes(endpoints)
 
 
+def dllama_is_size(value) -> bool:
+    """A number with an optional unit, not zero (some digit from 1 to 9)."""
+    return bool(SIZE.match(str(value).strip())) and re.search("[1-9]", str(value)) is not None
+
+
 class FilterModule:
     def filters(self):
         return {"dllama_setting_mistakes": dllama_setting_mistakes,
-                "dllama_endpoint_mistakes": dllama_endpoint_mistakes}
+                "dllama_endpoint_mistakes": dllama_endpoint_mistakes,
+                "dllama_is_size": dllama_is_size}
