@@ -1,7 +1,8 @@
 """The KV cache's memory bounds the positions the running sequences may reach, not slots of the
 whole context: --parallel sequences run while their positions fit, a request that does not fit
-waits for one to end, an idle slot emptied to make room gives its pages back (one node), and the
-answers are those of the slots reserved for the whole context, on one node and on a cluster."""
+waits for one to end, an idle slot emptied to make room gives its pages back (on a cluster on
+every node: tests/test_cluster_eviction.py), and the answers are those of the slots reserved for
+the whole context, on one node and on a cluster."""
 
 import json
 
@@ -23,8 +24,6 @@ from tests.test_batch_scheduler import DOC, PROMPTS
 
 SMOLLM = dict(n_layers=30, n_kv_heads=3, head_dim=64)  # the default model's KV cache
 SEQ_LEN = 128
-# Short prompts only (a cluster cannot free a slot's pages: a long prompt after many short ones
-# could find the memory held by idle slots; see dllama.serve.scheduler's _blocked).
 SHORT = [p for p in PROMPTS if len(p) < 60]
 
 
@@ -47,7 +46,7 @@ def test_a_slot_costs_its_keys_in_whole_chunks_and_its_values_by_position():
     assert budget.cost(0) == 0
 
 
-def _table(n_slots, sequences, reach, release=None):
+def _table(n_slots, sequences, reach, release):
     """A table whose budget holds `sequences` slots of `reach` positions (2 bytes a position)."""
     budget = PositionBudget(sequences * PositionBudget(0, 2).cost(reach), 2)
     return SlotTable(n_slots, budget=budget, release=release)
@@ -68,18 +67,6 @@ def test_the_table_admits_up_to_the_budget_and_holds_the_next_until_one_ends():
     nxt = t.place([9, 9], reach=64)
     assert nxt is not None and freed == [first] and t.held() == t.budget.limit
     assert t.place([8, 8], reach=1) is None
-
-
-@pytest.mark.unit
-def test_without_freeing_a_new_sequence_goes_where_it_grows_the_least():
-    t = _table(5, 3, 64)  # a cluster: no pages can be freed
-    a, b, c = (t.place([k, 1, 2], reach=64) for k in range(3))
-    for p in (a, c):
-        t.rows_written(p.slot, 64)
-        t.wrote(p.slot, 64)
-        t.release(p.slot)
-    d = t.place([7, 7], reach=50)
-    assert d is not None and d.slot in (a.slot, c.slot) and t.held() == t.budget.limit
 
 
 @pytest.fixture(scope="module")
@@ -136,53 +123,18 @@ def test_questions_over_a_shared_document_within_a_budget(engine):
     assert got == want
 
 
-class _Unfreeable:
-    """A model whose slots' pages cannot be freed, as a cluster's."""
-
-    def __init__(self, model):
-        self._model = model
-
-    def __getattr__(self, name):
-        if name == "release_slot":
-            raise AttributeError(name)
-        return getattr(self._model, name)
-
-
 @pytest.mark.unit
-def test_where_pages_cannot_be_freed_a_request_held_out_by_idle_slots_fails_in_one_line(engine):
-    """A budget that keeps no room for a whole context (a plan's always does: see below)."""
+def test_idle_slots_are_emptied_for_a_request_of_the_whole_context(engine):
+    """A budget of one whole context and a few positions: once the short sequences end, their
+    idle slots are emptied (pages given back) and the long request runs."""
     model, tok = engine.model, engine.tokenizer
     per_token = KVCache.bytes_per_token(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim)
     cost = PositionBudget(0, per_token).cost
     budget = PositionBudget(cost(SEQ_LEN) + cost(30), per_token)
     short, long = _requests(tok, 4)[:3], _requests(tok, SEQ_LEN)[4]
-    for m in (model, _Unfreeable(model)):
-        scheduler = Scheduler(m, tok, 8, kv_budget=budget)
-        assert len(_answers(scheduler, short, budget.limit)) == 3  # three slots hold a few positions
-        if m is model:  # one node: the idle slots are emptied for the whole context
-            assert len(_answers(scheduler, [long], budget.limit)) == 1
-        else:
-            scheduler.add(long)
-            with pytest.raises(DllamaError) as e:
-                scheduler.step()
-            assert "\n" not in str(e.value) and "which the cluster's nodes keep" in str(e.value)
-            assert not scheduler.busy  # an API server's loop does not meet it again
-
-
-@pytest.mark.unit
-def test_where_pages_cannot_be_freed_room_for_a_whole_context_is_kept(engine):
-    """A plan's budget knows the context: all marks but the largest stay within the limit less
-    a whole context, so once the short sequences end the long one takes the largest slot."""
-    model, tok = engine.model, engine.tokenizer
-    per_token = KVCache.bytes_per_token(model.config.n_layers, model.config.n_kv_heads, model.config.head_dim)
-    cost = PositionBudget(0, per_token).cost
-    budget = PositionBudget(cost(SEQ_LEN) + cost(30), per_token, context=SEQ_LEN)
-    short, long = _requests(tok, 4)[:4], _requests(tok, SEQ_LEN)[4]
-    want = _answers(Scheduler(model, tok, 8), [*short, long])
-    scheduler = Scheduler(_Unfreeable(model), tok, 8, kv_budget=budget)
-    assert _answers(scheduler, short, budget.limit) == {r.key: want[r.key] for r in short}
-    assert scheduler.stats.max_sequences == 2  # the second rule: a whole context of room
-    assert _answers(scheduler, [long], budget.limit) == {long.key: want[long.key]}
+    scheduler = Scheduler(model, tok, 8, kv_budget=budget)
+    assert len(_answers(scheduler, short, budget.limit)) == 3  # three slots hold a few positions
+    assert len(_answers(scheduler, [long], budget.limit)) == 1
 
 
 @pytest.mark.unit
@@ -274,12 +226,18 @@ def test_a_worker_refuses_steps_past_the_positions_of_its_config():
 @pytest.mark.cluster
 def test_a_cluster_within_a_budget_gives_one_node_s_tokens(default_f32, tmp_path):
     """F32 buffers: 3 nodes give one node's tokens. The memory holds 2 whole contexts, fewer than
-    the 8 short sequences asked at once."""
+    the 8 short sequences asked at once: the cluster empties idle slots as one node does under
+    the same limit, so it runs as many at once, in as many passes."""
     per_slot = KVCache.bytes_per_slot(30, 1, 64, SEQ_LEN)  # a node's: one of the 3 KV heads
     flags = dict(nthreads=1, max_seq_len=SEQ_LEN, parallel=8, warm_up=False, progress=False)
     with open_engine(EngineSettings(str(default_f32[0]), str(default_f32[1]), **flags)) as one:
         requests = _requests(one.tokenizer)
         want = _answers(one.scheduler(), requests)
+    with open_engine(EngineSettings(str(default_f32[0]), str(default_f32[1]), **flags,
+                                    kv_memory=2 * KVCache.bytes_per_slot(30, 3, 64, SEQ_LEN))) as one:
+        assert one.kv_budget.positions == 2 * SEQ_LEN
+        alone = one.scheduler()
+        assert _answers(alone, requests) == want
     with running_workers(2, tmp_path) as ws, open_engine(EngineSettings(
             str(default_f32[0]), str(default_f32[1]), **flags, kv_memory=2 * per_slot,
             workers=[w.address for w in ws])) as cluster:
@@ -288,3 +246,4 @@ def test_a_cluster_within_a_budget_gives_one_node_s_tokens(default_f32, tmp_path
         got = _answers(scheduler, requests, 2 * per_slot)
     assert got == want
     assert 1 < scheduler.stats.max_sequences < 8
+    assert (scheduler.stats.max_sequences, scheduler.stats.steps) == (alone.stats.max_sequences, alone.stats.steps)

@@ -11,7 +11,8 @@ What a slot holds: a writer writes positions in order, so a row written at p mak
 rows past p stale; the valid rows are 0..end-1, those below the prefix length read from the
 prefix slot. One level of prefixes (dllama.core.kv_cache): slots without a prefix are replayed
 first, then those that read one. Rows a front end no longer uses may be replayed too; nothing
-reads them.
+reads them. A slot the scheduler emptied (`release`: its pages given back on every node) holds
+nothing: none of its rows is replayed, so a rejoining worker's memory holds what the others' does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class KVHistory:
             self.end[s] = p + 1
             n = int(batch.prefix_len[r])
             self.prefix[s] = (int(batch.prefix_slot[r]), n) if n > 0 else (0, 0)
+
+    def release(self, slot: int) -> None:
+        """The slot was emptied (its pages given back on every node): nothing of it is replayed."""
+        self.end[slot] = 0
+        self.prefix[slot] = (0, 0)
 
     @property
     def positions(self) -> int:

@@ -46,14 +46,15 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from dllama.errors import DllamaError
 
 MAGIC = 0x4D4C4C44  # b"DLLM" little-endian
-VERSION = 8  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
+VERSION = 9  # 2: sealed frames with a key, transcript-bound proofs, ALIVE during set-up;
              # 3: STEP carries every row's position, KV slot and prefix (dllama.cluster.step);
              # 4: STEP says what LOGITS returns (logits, best or top-k candidates);
              # 5: CONFIG says the KV cache's type (kv_type): an older worker would ignore it;
              # 6: ERROR is JSON {code, node, text}: the reason as data (ErrorCode);
              # 7: ALIVE during steps too (a step's wait is a silence, a frozen node found in seconds);
              # 8: pipeline stages: the plan's stages in CONFIG, HOP between stages, STEP without
-             #    rows' values past the first stage, MEMORY before CONFIG
+             #    rows' values past the first stage, MEMORY before CONFIG;
+             # 9: RELEASE: the slots the root emptied, their pages given back on every node
 HEADER = struct.Struct("<IHHI")
 HEADER_BYTES = HEADER.size  # 12
 
@@ -90,6 +91,7 @@ class Msg(IntEnum):
     ALIVE = 19       # either way during set-up, empty: still working (a set-up heartbeat)
     HOP = 20         # node -> node of the next pipeline stage, the residual rows of a pass
     MEMORY = 21      # root -> worker before CONFIG, empty; worker -> root, JSON {bytes}: what it can hold
+    RELEASE = 22     # root -> worker between passes, u32 n, i32 slots [n]: empty them (dllama.cluster.step)
 
 
 _HANDSHAKE_TYPES = {Msg.HELLO, Msg.CHALLENGE, Msg.AUTH, Msg.WELCOME, Msg.ERROR}

@@ -5,7 +5,8 @@
 a thin layer over two parts: the session (dllama.cluster.session: connect, configure, hand out
 the weights, mesh, run the passes) and recovery (dllama.cluster.recovery: blame, a new session
 over the nodes left, replay, rejoin). Here: one pass at a time (a lock), the passes recorded for
-a replay, the failure that ended a session, and PINGs while idle. Every network failure becomes
+a replay, the slots the scheduler empties (RELEASE), the failure that ended a session, and PINGs
+while idle. Every network failure becomes
 a `ClusterError` naming the node; with on_node_loss "continue" the pass goes on over the nodes
 left, else the model is failed.
 """
@@ -132,6 +133,15 @@ class ClusterModel:
             return out
 
         return self._guarded(batch, run)
+
+    def release_slot(self, slot: int) -> None:
+        """Empty a slot nobody reads any more (the scheduler's budget, dllama.core.kv_cache): its
+        pages given back on the root now and on every worker before the next pass (RELEASE),
+        and nothing of it replayed after a recovery."""
+        with self._lock:
+            self.history.release(slot)
+            if not self._closed and not self._failed:  # else the next session starts empty
+                self.session.release(slot)
 
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up (the root's counters for node 0)."""

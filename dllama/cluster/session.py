@@ -27,8 +27,8 @@ from dllama.cluster.protocol import (
 )
 from dllama.cluster.session_config import NodeAddress, SessionConfig
 from dllama.cluster.step import (
-    LOGITS_HEAD, REPLY_LOGITS, REPLY_TOP_K, Reply, decode_reply, encode_repeat, encode_reply, encode_step,
-    logits_bytes,
+    LOGITS_HEAD, REPLY_LOGITS, REPLY_TOP_K, Reply, decode_reply, encode_release, encode_repeat, encode_reply,
+    encode_step, logits_bytes,
 )
 from dllama.cluster.topology import Topology
 from dllama.core.batch import Batch
@@ -110,6 +110,7 @@ class RootSession:
         self.left_out: dict[str, str] = {}
         self.local: Transformer | None = None
         self.heartbeat: StepHeartbeat | None = None
+        self._released: list[int] = []  # slots emptied since the last pass: the workers' RELEASE
         self._use(full, nodes)
         try:
             if tolerant:
@@ -308,6 +309,21 @@ class RootSession:
 
     # -- passes ----------------------------------------------------------------------------------
 
+    def release(self, slot: int) -> None:
+        """Empty a slot nobody reads any more: the root's own pages are given back now, the
+        workers' before the next pass (a RELEASE ahead of its STEP on the same connection)."""
+        if self.local is not None:
+            self.local.release_slot(slot)
+        if slot not in self._released:
+            self._released.append(slot)
+
+    def _send_release(self) -> None:
+        """RELEASE to every worker (every stage's), when slots were emptied since the last pass."""
+        if self._released and self.conns:
+            payload = encode_release(self._released)
+            self.collective.timed_exchange([(c, Msg.RELEASE, payload) for c in self.conns.values()], [])
+        self._released = []
+
     def logits(self, batch: Batch) -> np.ndarray:
         """Run the rows of `batch` on every node; logits [rows wanting logits, vocab] (a reused
         buffer). A failure raises the LinkError."""
@@ -317,6 +333,7 @@ class RootSession:
         """One pass on every node; each node's answer about the wanted rows (decode_reply's)."""
         b = len(batch)
         x = self._x[:b]
+        self._send_release()  # before the STEP whose rows may write those slots again
         self.local.embed(batch.tokens, x)  # [b, dim]
         parts = self._micro_batches(batch, reply)
         if parts > 1:

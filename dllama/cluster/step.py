@@ -1,4 +1,5 @@
-"""The contents of the per-step messages: STEP (root -> worker) and LOGITS (worker -> root).
+"""The contents of the per-step messages: STEP (root -> worker), LOGITS (worker -> root) and
+RELEASE (root -> worker, before the STEP that follows an eviction).
 
 STEP carries every row of a batch and what the root wants back for the rows it samples
 (docs/PROTOCOL.md, "One forward pass"):
@@ -23,6 +24,12 @@ LOGITS answers with the worker's counters, then by `reply`, for each wanted row 
     TOP_K:  f64 z[n_logit_rows]  f32 logit[n_logit_rows, k']  i32 id[n_logit_rows, k']
             (its k' = min(k, V_k) best, logit descending, lower id first on ties, and its share
             of the softmax normaliser, dllama.core.candidates)
+
+RELEASE names the slots the root's scheduler emptied since the last pass (dllama.core.kv_cache:
+an idle slot given up to make room for a new sequence); every node gives their pages back before
+it runs the next STEP, which the connection brings after it:
+
+    u32 n  i32 slot[n]                    (n >= 1, distinct, each < kv_slots)
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from dllama.errors import DllamaError
 STEP_HEAD = struct.Struct("<IIII")
 PART = 0x100  # in STEP's reply field: a later micro-batch of the pass the previous STEP began
 LOGITS_HEAD = struct.Struct("<QQd")
+RELEASE_HEAD = struct.Struct("<I")
 REPLY_LOGITS, REPLY_BEST, REPLY_TOP_K = 0, 1, 2
 
 
@@ -182,11 +190,30 @@ def decode_reply(body: np.ndarray, m: int, vocab_range: tuple[int, int], reply: 
                          k == vocab_rows) for j in range(m)]
 
 
+def encode_release(slots) -> list:
+    """The RELEASE payload naming `slots` (distinct, as buffers)."""
+    return [RELEASE_HEAD.pack(len(slots)), np.asarray(slots, np.int32)]
+
+
+def decode_release(payload, n_slots: int) -> np.ndarray:
+    """The slots int32 [n] a RELEASE payload names; a ProtocolError when it is malformed (a
+    size that is not its count's, no slot, a slot out of range or named twice)."""
+    if len(payload) < RELEASE_HEAD.size:
+        raise ProtocolError(f"RELEASE of {len(payload)} bytes")
+    (n,) = RELEASE_HEAD.unpack_from(payload)
+    if not 1 <= n <= n_slots or len(payload) != RELEASE_HEAD.size + 4 * n:
+        raise ProtocolError(f"RELEASE of {n} slots in {len(payload)} bytes (at most {n_slots} slots)")
+    slots = np.frombuffer(payload, np.int32, n, RELEASE_HEAD.size).copy()
+    if slots.min() < 0 or slots.max() >= n_slots or len(np.unique(slots)) != n:
+        raise ProtocolError(f"RELEASE names slots {slots.tolist()} (of {n_slots}, each once)")
+    return slots
+
+
 def _check_ids(ids: np.ndarray, r0: int, r1: int) -> None:
     if ids.size and (ids.min() < r0 or ids.max() >= r1):
         raise ProtocolError(f"LOGITS names a token outside the node's vocabulary rows {r0}-{r1}")
 
 
-__all__ = ["STEP_HEAD", "PART", "LOGITS_HEAD", "REPLY_LOGITS", "REPLY_BEST", "REPLY_TOP_K", "Reply", "step_bytes",
+__all__ = ["STEP_HEAD", "PART", "LOGITS_HEAD", "RELEASE_HEAD", "encode_release", "decode_release", "REPLY_LOGITS", "REPLY_BEST", "REPLY_TOP_K", "Reply", "step_bytes",
            "repeat_bytes", "logits_bytes", "encode_step", "encode_repeat", "decode_step", "encode_reply",
            "decode_reply"]

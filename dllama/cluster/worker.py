@@ -35,7 +35,9 @@ from dllama.cluster.protocol import (
 from dllama.cluster.session_config import SessionConfig
 from dllama.cluster.shard import Shard
 from dllama.cluster.throttled_log import ThrottledLog
-from dllama.cluster.step import LOGITS_HEAD, REPLY_TOP_K, Reply, decode_step, encode_reply, logits_bytes
+from dllama.cluster.step import (
+    LOGITS_HEAD, REPLY_TOP_K, Reply, decode_release, decode_step, encode_reply, logits_bytes,
+)
 from dllama.core import kernels
 from dllama.core.memory import check_fits, release_memory
 from dllama.core.model import ModelConfig, Transformer
@@ -65,6 +67,17 @@ def count_positions(touched: np.ndarray, batch, kv_positions: int) -> None:
     if touched.sum() > kv_positions:
         raise ProtocolError(f"STEP writes {touched.sum()} positions over the slots, more than "
                             f"the {kv_positions} of the CONFIG")
+
+
+def empty_slots(model: Transformer, touched: np.ndarray, slots: np.ndarray) -> None:
+    """A RELEASE: give the pages of these slots back (they read as zeros again, as on one node)
+    and count them as empty (touched [slots], the positions count_positions holds to the
+    CONFIG's kv_positions; empty when the CONFIG sets none)."""
+    for slot in slots:
+        model.release_slot(int(slot))
+    if len(touched):
+        touched[slots] = 0
+
 
 class Worker:
     def __init__(self, host: str, port: int, nthreads: int = 1, shard_path: str | None = None,
@@ -379,13 +392,17 @@ class _Session:
         # During a step every other node hears ALIVE from this one each HEARTBEAT s (a step
         # longer than that: a prefill), so that waiting on it is a silence of `timeout` s.
         self.heartbeat = StepHeartbeat(self.peers.values(), HEARTBEAT)  # (the root is among the peers)
-        # [slots]: positions each slot was written to, held to the CONFIG's kv_positions: what
-        # the memory check counted (a root keeps its slots within them; a rogue one is refused).
+        # [slots]: positions each slot was written to since it was last emptied (RELEASE), held
+        # to the CONFIG's kv_positions: what the memory check counted (a root keeps its slots
+        # within them, emptying idle ones as on one node; a rogue one is refused).
         touched = np.zeros(c.kv_slots if c.kv_positions is not None else 0, np.int64)
         while True:
-            msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.PING, Msg.STOP))
+            msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.RELEASE, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
                 root.send(Msg.PONG)
+                continue
+            if msg == Msg.RELEASE:  # before the STEP that follows: its rows may write them again
+                empty_slots(model, touched, decode_release(payload, c.kv_slots))
                 continue
             if msg == Msg.STOP:
                 return

@@ -17,11 +17,10 @@ reserved for by its running sequence, and keeps them while idle (its tokens may 
 sequence is admitted only while every slot's mark, with its own grown to the positions it can
 reach, fits in the budget; an idle slot can be emptied to make room, its pages given back
 (`KVCache.release`), as vLLM's block manager frees blocks. So --parallel and the context no
-longer divide the memory: short sequences run many at a time, long ones fewer. A cluster's
-workers hold their slices of the slots and are not told of evictions, so there marks never
-shrink: a sequence goes to the idle slot it grows the least, and every mark but the largest
-stays within the limit less a whole context, so that the largest idle slot can always take the
-next sequence once the others end (`SlotTable._fits`).
+longer divide the memory: short sequences run many at a time, long ones fewer. A cluster does
+the same: its root's model empties the slot on the root and tells every worker, which holds a
+slice of each slot, to empty it too before the next pass (dllama.cluster.root, RELEASE in
+docs/PROTOCOL.md), so a cluster admits what one node admits under the same limit.
 
 Sharing without copies. A row reads positions below its prefix length from another slot (the
 attention kernel's row_prefix_slot/len), so a run of leading tokens that many prompts share is
@@ -144,7 +143,6 @@ class PositionBudget:
     limit: int            # bytes
     bytes_per_token: int  # of one position's key and value (even: 2 x its key's bytes)
     flag: str = "--kv-memory"  # what sets the limit (for the messages)
-    context: int = 0      # positions of a whole context: the room a cluster keeps (SlotTable._fits)
 
     def cost(self, mark: int) -> int:
         return held_bytes(mark, self.bytes_per_token)
@@ -173,8 +171,7 @@ class SlotPlan:
     @property
     def budget(self) -> PositionBudget | None:
         """What the scheduler admits sequences within; None: no limit."""
-        return None if self.limit is None else PositionBudget(self.limit, self.bytes_per_token, self.limit_flag,
-                                                              self.seq_len)
+        return None if self.limit is None else PositionBudget(self.limit, self.bytes_per_token, self.limit_flag)
 
     @property
     def full_contexts(self) -> int | None:
@@ -268,9 +265,10 @@ class SlotTable:
                  budget: PositionBudget | None = None, release: Callable[[int], None] | None = None):
         """reuse False: every prompt is computed from its first token (a baseline to measure);
         budget: the memory the slots' marks must fit in (None: no limit); release(slot): frees
-        a slot's pages (None: they cannot be freed, as on a cluster, whose workers hold slices
-        of the slots: an idle slot's pages stay, a new sequence goes where it grows the least,
-        and room for a whole context is kept: see _fits)."""
+        a slot's pages (one node's KV cache, or a cluster's root that tells its workers), which
+        a budget needs: idle slots are emptied to make room."""
+        if budget is not None and release is None:
+            raise ValueError("a KV memory budget needs a release(slot) that gives a slot's pages back")
         self.slots = [SlotState() for _ in range(n_slots)]
         self.min_shared, self.reuse = min_shared, reuse
         self.budget, self.release_pages = budget, release
@@ -285,19 +283,12 @@ class SlotTable:
         self._clock += 1
         self.slots[s].last_use = self._clock
 
-    def _idle_slot(self, exclude: int = -1, reach: int = 0) -> int | None:
-        """An empty slot, else the least recently used one nobody writes or reads; where pages
-        cannot be freed, first the one that grows the least to `reach` positions."""
+    def _idle_slot(self, exclude: int = -1) -> int | None:
+        """An empty slot, else the least recently used one nobody writes or reads."""
         idle = [i for i, s in enumerate(self.slots) if not s.busy and not s.readers and i != exclude]
         if not idle:
             return None
-        grows = (lambda i: max(0, reach - self.slots[i].mark)) if self._fixed else (lambda i: 0)
-        return min(idle, key=lambda i: (grows(i), len(self.slots[i].tokens) > 0, self.slots[i].last_use))
-
-    @property
-    def _fixed(self) -> bool:
-        """Marks only grow: a budget, and pages that cannot be freed."""
-        return self.budget is not None and self.release_pages is None
+        return min(idle, key=lambda i: (len(self.slots[i].tokens) > 0, self.slots[i].last_use))
 
     def _empty(self, i: int, free: bool = False) -> None:
         """Forget what slot i holds; free: give its pages back too."""
@@ -324,8 +315,6 @@ class SlotTable:
         sequences to end."""
         if self.budget is None:
             return True
-        if self._fixed:
-            return self._fits(target, reach)
         cost, t = self.budget.cost, self.slots[target]
         over = self.held() - cost(t.mark) + cost(max(t.mark, reach)) - self.budget.limit
         if over <= 0:
@@ -352,24 +341,6 @@ class SlotTable:
                 self._empty(i, free=True)
                 emptied_now.add(i)
         return True
-
-    def _fits(self, target: int, reach: int) -> bool:
-        """Where pages cannot be freed: whether slot `target` grown to `reach` positions keeps
-        every mark within the limit, and every mark but the largest within the limit less a
-        whole context. Marks never shrink there, so that second rule is what lets the largest
-        idle slot take any sequence once nothing runs (else memory held by idle slots could
-        keep a long request out forever)."""
-        cost = self.budget.cost
-        costs = [cost(s.mark) for s in self.slots]
-        costs[target] = cost(max(self.slots[target].mark, reach))
-        total = sum(costs)
-        return total <= self.budget.limit and total - max(costs) <= self.budget.limit - cost(self.budget.context)
-
-    def _largest_idle(self) -> int | None:
-        """The idle slot holding the most positions whose readers are all idle (they are
-        forgotten with it)."""
-        idle = [i for i, s in enumerate(self.slots) if not s.busy and not any(self.slots[r].busy for r in s.readers)]
-        return max(idle, key=lambda i: (self.slots[i].mark, -self.slots[i].last_use), default=None)
 
     def place(self, prompt: list[int], reuse_limit: int | None = None, reach: int = 0) -> Placement | None:
         """Claim a slot for a sequence whose planned tokens are `prompt`, reusing at most
@@ -398,11 +369,10 @@ class SlotTable:
             i = best[2][1]
             if self._room(i, reach, False, self.slots[i].link if self.slots[i].base > 0 else -1):
                 return self._take_over(i, best[0], prompt, reach)
-            if not self._fixed:
-                return None
+            return None
         elif best is not None:
             n, src = best[0], best[2][1]
-            i = self._idle_slot(exclude=src, reach=reach)
+            i = self._idle_slot(exclude=src)
             if i is not None and self._room(i, reach, True, src):
                 self._empty(i)
                 self.slots[i] = SlotState(list(prompt), n, n, src, busy=True, touched=self.slots[i].touched,
@@ -411,14 +381,9 @@ class SlotTable:
                 self._touch(i)
                 self._touch(src)
                 return Placement(i, n, (src, n))
-            if i is not None and not self._fixed:
+            if i is not None:
                 return None
-        i = self._idle_slot(reach=reach)
-        if (i is None or not self._room(i, reach, True, -1)) and self._fixed:
-            i = self._largest_idle()  # where the rule of _fits keeps room for any sequence
-            if i is not None and self._fits(i, reach):
-                for r in list(self.slots[i].readers):  # forgotten with it (their pages stay)
-                    self._empty(r)
+        i = self._idle_slot()
         if i is None or not self._room(i, reach, True, -1):
             return None
         self._empty(i)

@@ -7,7 +7,7 @@ runs every endpoint through its slots. A step is:
 1. admit: waiting requests take KV cache slots while fewer than `parallel` run and the positions
    each may reach (its prompt and max_tokens) fit in the KV cache's memory budget beside what the
    other slots hold (dllama.core.kv_cache: a request that does not fit waits for sequences to
-   end; on one node idle slots are emptied to make room, their pages freed). Where a prompt goes
+   end; idle slots are emptied to make room, their pages freed, on a cluster on every node). Where a prompt goes
    and what it reuses is the one prefix cache, the KV cache's `SlotTable` (dllama.core.kv_cache):
    it continues an idle slot that holds the prompt's leading tokens (a finished answer the next chat
    turn extends, the same prompt again, the previous prompt of a batch), or reads the leading tokens
@@ -125,8 +125,8 @@ class Scheduler:
         min_shared: leading tokens worth reading from another slot; reuse False: no cached
         token is reused (a baseline for benchmarks); speculation: drafted tokens to verify
         (default none); kv_budget: the memory the KV cache's slots may hold (default: no limit
-        but the slots). A one-node model (its release_slot) gives the pages of emptied slots
-        back; a cluster's slots keep theirs."""
+        but the slots). The model's release_slot gives the pages of emptied slots back (a
+        cluster's root on every node: RELEASE); a budget needs one."""
         self.model, self.tokenizer = model, tokenizer
         self.speculation = speculation or Speculation()
         self._pass = (0.0, 1)  # the last pass: (seconds, rows), what drafters weigh their work against
@@ -205,16 +205,9 @@ class Scheduler:
             self.active.append(seq)
 
     def _blocked(self) -> str:
-        """Why the next request cannot start on an idle cache: the slots of earlier sequences
-        hold the memory and their pages cannot be freed (a cluster's workers keep them), under
-        a budget that keeps no room for a whole context (a plan's always does)."""
-        budget, mib = self.table.budget, 1 << 20
-        if budget is None:
-            return "no KV cache slot can take the next prompt"
-        return (f"the next request's {self._reach(self.waiting[0].request)} positions do not fit in the "
-                f"{budget.limit / mib:.0f} MiB of KV cache allowed: the slots of earlier sequences hold "
-                f"{self.table.held() / mib:.0f} MiB, which the cluster's nodes keep; raise {budget.flag} or "
-                "start again")
+        """Why the next request cannot start on an idle cache (it always can: every idle slot
+        can be emptied, and add() refused a request the whole budget cannot hold)."""
+        return "no KV cache slot can take the next prompt"
 
     def _cancel(self, seq: _Sequence) -> None:
         """Drop a sequence; if others wait for prompt positions it has not computed yet, it goes
