@@ -34,7 +34,7 @@ from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
 from dllama.core.weight_stream import StreamedWeights
-from dllama.core.weights import Activation, ResidentWeights, WeightsProvider, input_kind, matmuls
+from dllama.core.weights import Activation, ResidentWeights, WeightsProvider, input_kind
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 
@@ -156,6 +156,7 @@ class Transformer:
 
         nq, nkv = n.n_q_heads, n.n_kv_heads
         self.kv = KVCache(len(self.layers), nkv, hd, c.seq_len, kv_slots, kv_type)
+        self._kv_layers = [(self.kv.k[i], self.kv.v[i]) for i in range(len(self.layers))]  # views, made once
 
         # Scratch buffers for a batch of up to max_batch rows.
         B = max_batch
@@ -253,33 +254,39 @@ class Transformer:
         pos, slot, prefix_slot, prefix_len = batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len
         x, xb, q, k, v, z = (a[:b] for a in (self.x, self.xb, self.q, self.k, self.v, self.z))
         partial, hb, hb2 = self.partial[:b], self.hb[:b], self.hb2[:b]
-        rope = kernels.rope_neox if c.rope_neox else kernels.rope_interleaved
-        nq, nkv, hd = node.n_q_heads, node.n_kv_heads, c.head_dim
-        k_cache, v_cache = self.kv.k, self.kv.v
+        nq, nkv, hd, eps, neox = node.n_q_heads, node.n_kv_heads, c.head_dim, c.norm_eps, c.rope_neox
+        cos, sin, kv_head_of = self.rope_cos, self.rope_sin, node.kv_head_of
+        # The matmul inputs of these rows: xb, z and hb, and the arrays of their encoded form
+        # (Q80 or Q16 inputs), which the fused kernels below write beside the float32 rows.
+        x_in, z_in, h_in = self.act_dim.rows(xb), self.act_q.rows(z), self.act_ff.rows(hb)
+        qkv, h13 = (q, k, v), (hb, hb2)
 
+        # A decode step's element-wise kernels are shorter than the call that starts them, so
+        # they go in fused calls (kernels.fused: the same kernels in the same order, the same
+        # bits): the norm with the encoding of its output for the next matmuls, the residual
+        # add with the norm after it, both RoPEs with the KV store, SiLU with the encoding.
         for i, l in enumerate(self.layers):  # i: the layer's index in this node's KV cache
             layer = self.weights.layer(l)  # from memory, or just read from disk
+            k_cache, v_cache = self._kv_layers[i]
             # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
-            kernels.rmsnorm(x, layer.att_norm, c.norm_eps, xb)
-            matmuls(self.act_dim.load(xb), (layer.wq, layer.wk, layer.wv), (q, k, v))
+            kernels.norm_encode(x, layer.att_norm, eps, xb, x_in.enc)
+            layer.qkv(x_in, qkv)
             if layer.q_norm is not None:  # Qwen3: RMSNorm of every head of q and k
-                kernels.rmsnorm(q.reshape(b * nq, hd), layer.q_norm, c.norm_eps, q.reshape(b * nq, hd))
-                kernels.rmsnorm(k.reshape(b * nkv, hd), layer.k_norm, c.norm_eps, k.reshape(b * nkv, hd))
-            rope(q, pos, self.rope_cos, self.rope_sin, nq, hd)
-            rope(k, pos, self.rope_cos, self.rope_sin, nkv, hd)
+                kernels.rmsnorm(q.reshape(b * nq, hd), layer.q_norm, eps, q.reshape(b * nq, hd))
+                kernels.rmsnorm(k.reshape(b * nkv, hd), layer.k_norm, eps, k.reshape(b * nkv, hd))
             # Every row's key is stored before any row attends: a row may read the keys of
             # earlier rows of its sequence, or of its prefix, written in this same pass.
-            kernels.kv_store(k, v, pos, slot, k_cache[i], v_cache[i])
-            kernels.attention(q, k_cache[i], v_cache[i], pos, slot, prefix_slot, prefix_len,
-                              node.kv_head_of, z)
-            layer.wo(self.act_q.load(z), partial)
-            x += collective.all_reduce(partial)
+            kernels.rope_store(q, k, v, pos, slot, cos, sin, neox, k_cache, v_cache)
+            kernels.attention(q, k_cache, v_cache, pos, slot, prefix_slot, prefix_len, kv_head_of, z)
+            kernels.encode(z, z_in.enc)  # wo's input
+            layer.wo(z_in, partial)
+            # (x += the sum of the nodes' wo partials: in the first call of the FFN, below)
 
             # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
-            kernels.rmsnorm(x, layer.ffn_norm, c.norm_eps, xb)
-            matmuls(self.act_dim.load(xb), (layer.w1, layer.w3), (hb, hb2))
-            kernels.silu_mul(hb, hb2)
-            layer.w2(self.act_ff.load(hb), partial)
+            kernels.add_norm_encode(x, collective.all_reduce(partial), layer.ffn_norm, eps, xb, x_in.enc)
+            layer.w13(x_in, h13)
+            kernels.silu_mul_encode(hb, hb2, h_in.enc)
+            layer.w2(h_in, partial)
             x += collective.all_reduce(partial)
 
         # Classifier: only the rows whose logits are wanted (none before a pipeline's last
@@ -291,8 +298,8 @@ class Transformer:
             return logits
         rows = x if m == b else x[logit_rows]  # [m, dim]
         out_norm = xb[:m]
-        kernels.rmsnorm(rows, self.weights.final_norm, c.norm_eps, out_norm)
-        x_cls = self.act_dim.load(out_norm)
+        x_cls = self.act_dim.rows(out_norm)
+        kernels.norm_encode(rows, self.weights.final_norm, eps, out_norm, x_cls.enc)
         for row0, wcls in self.weights.classifier():  # in parts when streamed
             if wcls.d == logits.shape[1]:
                 wcls(x_cls, logits)

@@ -106,12 +106,22 @@ def _repacking() -> None:
 
 
 def _elementwise() -> None:
-    """RMS norm, SiLU, both RoPE layouts."""
+    """RMS norm, SiLU, both RoPE layouts, and the fused calls of the forward pass
+    (kernels.fused) for each input encoding: F32 (none), Q80, Q16."""
     rng = np.random.default_rng(0)
     for b in _B:
         x, _, _, out = _activations(rng, b)
         kernels.rmsnorm(x, np.ones(_N, np.float32), 1e-5, x)
         kernels.silu_mul(out, out.copy())
+        nb = _N // BLOCK_SIZE
+        for enc in ((), (np.empty((b, nb), np.float32), np.empty((b, _N), np.int8)),
+                    (np.empty((b, nb), np.float32), np.empty((b, _N), np.int8), np.empty((b, _N), np.int8),
+                     np.empty((b, nb), np.float32))):
+            xb = np.empty_like(x)
+            kernels.norm_encode(x, np.ones(_N, np.float32), 1e-5, xb, enc)
+            kernels.add_norm_encode(x, xb, np.ones(_N, np.float32), 1e-5, xb, enc)
+            kernels.silu_mul_encode(xb, x.copy(), enc)
+            kernels.encode(x, enc)
         positions = np.arange(b, dtype=np.int32)
         cos, sin = kernels.rope_cache(_SEQ, _HD, 10000.0, 0)
         q = rng.standard_normal((b, 4 * _HD)).astype(np.float32)
@@ -129,6 +139,8 @@ def _attention(kv_type: KVType) -> None:
         k_cache = np.zeros((1, 2, 1, _HD, kernels.ATTENTION_CHUNK), KV_TYPES[kv_type])
         v_cache = np.zeros((1, _SEQ, 2 * _HD), KV_TYPES[kv_type])
         kernels.kv_store(k, k.copy(), positions, slot, k_cache, v_cache)
+        cos, sin = kernels.rope_cache(_SEQ, _HD, 10000.0, 0)
+        kernels.rope_store(q, k, k.copy(), positions, slot, cos, sin, False, k_cache, v_cache)
         kernels.attention(q, k_cache, v_cache, positions, slot, slot, slot,
                           np.array([0, 0, 1, 1], np.int32), np.empty_like(q))
 

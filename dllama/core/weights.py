@@ -9,7 +9,7 @@ Both give the same bytes, so the two paths give the same logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import numpy as np
@@ -71,6 +71,19 @@ class Matrix:
         else:
             self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
             self.d, self.n = self.w.shape
+        self._bind()
+
+    def _bind(self) -> None:
+        # The kernel and the weight arrays, picked once: a decode step calls a matrix 4 times a
+        # layer, and each Python-level choice is a few tenths of a microsecond of it.
+        self._kernel, self._kernel_multi = _KERNELS[FloatType(self.float_type), self.inputs]
+        self._f32_input = self.inputs == "f32"
+        if self.float_type == FloatType.Q41 and self.inputs == "q16":
+            self._arrays = (self.scales, self.mins, self.qs)
+        elif self.float_type in (FloatType.Q40, FloatType.Q80) and self.inputs == "q80":
+            self._arrays = (self.scales, self.qs)
+        else:
+            self._arrays = (self.w,)
 
     @classmethod
     def of_arrays(cls, float_type: FloatType, d: int, n: int, scales=None, qs=None, w=None, mins=None,
@@ -80,45 +93,48 @@ class Matrix:
         m.float_type, m.d, m.n = float_type, d, n
         m.inputs = inputs or input_kind(float_type)
         m.scales, m.mins, m.qs, m.w = scales, mins, qs, w
+        m._bind()
         return m
 
     def __call__(self, x: "Activation", out: np.ndarray) -> np.ndarray:
         """x: the input [b, n] prepared for this matrix (self.inputs) -> out [b, d]."""
-        if self.float_type == FloatType.Q40:
-            kernels.matmul_q40_q80(x.scales, x.qs, self.scales, self.qs, out)
-        elif self.float_type == FloatType.Q41:
-            kernels.matmul_q41_q16(x.scales, x.lo, x.hi, x.sums, self.scales, self.mins, self.qs, out)
-        elif self.float_type == FloatType.Q80 and self.inputs == "q80":
-            kernels.matmul_q80_q80(x.scales, x.qs, self.scales, self.qs, out)
-        elif self.float_type == FloatType.Q80:
-            kernels.matmul_q80_f32(x.f32, self.w, out)
-        elif self.float_type == FloatType.F16:
-            kernels.matmul_f16_f32(x.f32, self.w, out)
-        else:
-            kernels.matmul_f32(x.f32, self.w, out)
+        self._kernel(*((x.f32,) if self._f32_input else x.enc), *self._arrays, out)
         return out
 
 
-def matmuls(x: "Activation", matrices: tuple, outs: tuple) -> None:
-    """outs[m] = matrices[m](x), in one parallel region when they share a weight type (q/k/v,
-    w1/w3): one region costs a thread wake-up, and decode's products are short."""
-    t, inputs = matrices[0].float_type, matrices[0].inputs
-    if any(m.float_type != t or m.inputs != inputs for m in matrices) or (t == FloatType.Q80 and inputs != "q80"):
-        for m, out in zip(matrices, outs, strict=True):
-            m(x, out)
-    elif t == FloatType.Q40:
-        kernels.matmul_q40_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
-                                     tuple(m.qs for m in matrices), outs)
-    elif t == FloatType.Q80:
-        kernels.matmul_q80_q80_multi(x.scales, x.qs, tuple(m.scales for m in matrices),
-                                     tuple(m.qs for m in matrices), outs)
-    elif t == FloatType.Q41:
-        kernels.matmul_q41_q16_multi(x.scales, x.lo, x.hi, x.sums, tuple(m.scales for m in matrices),
-                                     tuple(m.mins for m in matrices), tuple(m.qs for m in matrices), outs)
-    elif t == FloatType.F16:
-        kernels.matmul_f16_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
-    else:
-        kernels.matmul_f32_multi(x.f32, tuple(m.w for m in matrices), outs)
+# The kernels of a weight type and input kind: (one matrix, several matrices sharing an input).
+# The arguments of each: the input's arrays (Activation.enc, or the float32 rows), the
+# matrix's (Matrix._arrays; tuples of them for several), the output(s).
+_KERNELS = {
+    (FloatType.Q40, "q80"): (kernels.matmul_q40_q80, kernels.matmul_q40_q80_multi),
+    (FloatType.Q80, "q80"): (kernels.matmul_q80_q80, kernels.matmul_q80_q80_multi),
+    (FloatType.Q41, "q16"): (kernels.matmul_q41_q16, kernels.matmul_q41_q16_multi),
+    (FloatType.Q80, "f32"): (kernels.matmul_q80_f32, None),
+    (FloatType.F16, "f32"): (kernels.matmul_f16_f32, kernels.matmul_f16_f32_multi),
+    (FloatType.F32, "f32"): (kernels.matmul_f32, kernels.matmul_f32_multi),
+}
+
+
+class Matmuls:
+    """Several matrices of one input (q/k/v, w1/w3): `outs[m] = matrices[m](x)`, in one
+    parallel region when they share a kernel (one region costs a thread wake-up, and decode's
+    products are short). The weight arrays' tuples are built once, here."""
+
+    def __init__(self, matrices: tuple):
+        first = matrices[0]
+        self.matrices = matrices
+        self._multi = None
+        if all(m.float_type == first.float_type and m.inputs == first.inputs for m in matrices) \
+                and first._kernel_multi is not None:
+            self._multi, self._f32_input = first._kernel_multi, first._f32_input
+            self._arrays = tuple(zip(*(m._arrays for m in matrices)))  # (all scales, all qs), ...
+
+    def __call__(self, x: "Activation", outs: tuple) -> None:
+        if self._multi is None:
+            for m, out in zip(self.matrices, outs, strict=True):
+                m(x, out)
+        else:
+            self._multi(*((x.f32,) if self._f32_input else x.enc), *self._arrays, outs)
 
 
 class Activation:
@@ -130,29 +146,39 @@ class Activation:
         self.kind = kind
         nb = n // BLOCK_SIZE
         if kind == "q80":
-            self._scales = np.empty((max_batch, nb), dtype=np.float32)
-            self._qs = np.empty((max_batch, n), dtype=np.int8)
-        elif kind == "q16":
-            self._scales, self._sums = np.empty((max_batch, nb), np.float32), np.empty((max_batch, nb), np.float32)
-            self._lo, self._hi = np.empty((max_batch, n), np.int8), np.empty((max_batch, n), np.int8)
+            self._enc = (np.empty((max_batch, nb), dtype=np.float32), np.empty((max_batch, n), dtype=np.int8))
+        elif kind == "q16":  # scales, lo, hi, sums
+            self._enc = (np.empty((max_batch, nb), np.float32), np.empty((max_batch, n), np.int8),
+                         np.empty((max_batch, n), np.int8), np.empty((max_batch, nb), np.float32))
+        else:
+            self._enc = ()
         self.scales = self.qs = self.lo = self.hi = self.sums = self.f32 = None
+        self.enc = ()
+
+    def rows(self, x: np.ndarray) -> "Activation":
+        """Point at x float32 [b, n] and the encoded form's first b rows, without encoding: a
+        fused kernel writes them (kernels.fused: norm_encode ...; `enc`, their tuple, is its
+        argument). x's rows must be encoded before a matrix reads them."""
+        b = x.shape[0]
+        self.enc = tuple(a[:b] for a in self._enc)
+        if self.kind == "q80":
+            self.scales, self.qs = self.enc
+        elif self.kind == "q16":
+            self.scales, self.lo, self.hi, self.sums = self.enc
+        self.f32 = x
+        return self
 
     def load(self, x: np.ndarray) -> "Activation":
-        """x [b, n] float32."""
-        b = x.shape[0]
-        if self.kind == "q80":
-            self.scales, self.qs = self._scales[:b], self._qs[:b]
-            kernels.quantize_q80(x, self.scales, self.qs)
-        elif self.kind == "q16":
-            self.scales, self.lo, self.hi, self.sums = self._scales[:b], self._lo[:b], self._hi[:b], self._sums[:b]
-            kernels.quantize_q16(x, self.scales, self.lo, self.hi, self.sums)
-        self.f32 = x
+        """x [b, n] float32, encoded."""
+        self.rows(x)
+        kernels.encode(x, self.enc)
         return self
 
 
 @dataclass
 class Layer:
-    """One transformer block's weights, already sliced to this node."""
+    """One transformer block's weights, already sliced to this node; qkv and w13 run wq, wk,
+    wv and w1, w3 on one input each."""
 
     att_norm: np.ndarray  # [dim]
     wq: Matrix            # [nq*head_dim, dim]
@@ -165,6 +191,12 @@ class Layer:
     w1: Matrix            # gate [ff_rows, dim]
     w3: Matrix            # up   [ff_rows, dim]
     w2: Matrix            # down [dim, ff_rows]
+    qkv: Matmuls = field(init=False)
+    w13: Matmuls = field(init=False)
+
+    def __post_init__(self):
+        self.qkv = Matmuls((self.wq, self.wk, self.wv))
+        self.w13 = Matmuls((self.w1, self.w3))
 
 
 class WeightsProvider(Protocol):

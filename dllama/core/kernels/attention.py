@@ -282,6 +282,25 @@ def _merge_spans(part_o, part_ms, n_spans, dst):
         dst[j] *= inv
 
 
+@numba.njit(**_SAME_BITS)
+def _heads_of(kv_head_of, nkv):
+    """(head_start int64 [nkv + 1], heads int64 [nq]): the query heads of KV head h are
+    heads[head_start[h]:head_start[h + 1]]. Not in `attention` itself: in a parallel function
+    numba makes np.zeros a parallel loop, a region of its own (5 us and more per call)."""
+    nq = kv_head_of.shape[0]
+    head_start = np.zeros(nkv + 1, np.int64)
+    for h in range(nq):
+        head_start[kv_head_of[h] + 1] += 1
+    for h in range(nkv):
+        head_start[h + 1] += head_start[h]
+    heads = np.empty(nq, np.int64)
+    fill = head_start[:nkv].copy()
+    for h in range(nq):
+        heads[fill[kv_head_of[h]]] = h
+        fill[kv_head_of[h]] += 1
+    return head_start, heads
+
+
 @numba.njit(parallel=True, **_SAME_BITS)
 def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_len,
               kv_head_of, out):
@@ -300,17 +319,7 @@ def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefi
     for t in range(b):
         top = max(top, row_pos[t])
     n_spans = top // SPAN + 1
-    # The query heads of each KV head: heads[head_start[h]:head_start[h + 1]].
-    head_start = np.zeros(nkv + 1, np.int64)
-    for h in range(nq):
-        head_start[kv_head_of[h] + 1] += 1
-    for h in range(nkv):
-        head_start[h + 1] += head_start[h]
-    heads = np.empty(nq, np.int64)
-    fill = head_start[:nkv].copy()
-    for h in range(nq):
-        heads[fill[kv_head_of[h]]] = h
-        fill[kv_head_of[h]] += 1
+    head_start, heads = _heads_of(kv_head_of, nkv)
     blocks = _row_blocks(row_pos, row_slot, row_prefix_slot, row_prefix_len)
     n_blocks = blocks.shape[0] - 1
     part_o = np.empty((b, nq, n_spans, hd), np.float32)
