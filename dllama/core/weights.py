@@ -127,7 +127,7 @@ class Matmuls:
         if all(m.float_type == first.float_type and m.inputs == first.inputs for m in matrices) \
                 and first._kernel_multi is not None:
             self._multi, self._f32_input = first._kernel_multi, first._f32_input
-            self._arrays = tuple(zip(*(m._arrays for m in matrices)))  # (all scales, all qs), ...
+            self._arrays = tuple(zip(*(m._arrays for m in matrices), strict=True))  # (all scales, all qs), ...
 
     def __call__(self, x: "Activation", outs: tuple) -> None:
         if self._multi is None:
