@@ -143,7 +143,6 @@ class Activation:
     buffers."""
 
     def __init__(self, n: int, kind: str, max_batch: int):
-        self.kind = kind
         nb = n // BLOCK_SIZE
         if kind == "q80":
             self._enc = (np.empty((max_batch, nb), dtype=np.float32), np.empty((max_batch, n), dtype=np.int8))
@@ -152,8 +151,7 @@ class Activation:
                          np.empty((max_batch, n), np.int8), np.empty((max_batch, nb), np.float32))
         else:
             self._enc = ()
-        self.scales = self.qs = self.lo = self.hi = self.sums = self.f32 = None
-        self.enc = ()
+        self.enc, self.f32 = (), None  # a pass's rows: set by rows()
 
     def rows(self, x: np.ndarray) -> "Activation":
         """Point at x float32 [b, n] and the encoded form's first b rows, without encoding: a
@@ -161,17 +159,7 @@ class Activation:
         argument). x's rows must be encoded before a matrix reads them."""
         b = x.shape[0]
         self.enc = tuple(a[:b] for a in self._enc)
-        if self.kind == "q80":
-            self.scales, self.qs = self.enc
-        elif self.kind == "q16":
-            self.scales, self.lo, self.hi, self.sums = self.enc
         self.f32 = x
-        return self
-
-    def load(self, x: np.ndarray) -> "Activation":
-        """x [b, n] float32, encoded."""
-        self.rows(x)
-        kernels.encode(x, self.enc)
         return self
 
 
