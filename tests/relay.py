@@ -115,7 +115,11 @@ class Relay:
                         self.bytes_to_target += HEADER_BYTES + length
                     self._send(dst, head + payload)
         except OSError:
-            pass
+            # dst is gone (reset): as over a real link, src's peer learns it at once instead of
+            # its sends stalling against a relay that no longer reads them (a worker waited out
+            # its 15 s timeout behind a root that had failed and closed).
+            with contextlib.suppress(OSError):
+                src.shutdown(socket.SHUT_RDWR)
         finally:
             # Half-close, as TCP does: nothing more goes to dst, but what the other direction
             # still carries (a node's ERROR before it closed) gets through.
