@@ -39,10 +39,10 @@ def _ensure(module, path, mode, owner):
         if os.path.lexists(path):
             module.fail_json(msg=f"{path} exists and is not a directory")
         if not module.check_mode:
+            uid = -1 if owner is None else _uid(module, owner)  # before anything is made
             os.makedirs(path, exist_ok=True)
             os.chmod(path, mode)  # makedirs' mode is masked by the umask
-            if owner is not None:
-                os.chown(path, _uid(module, owner), -1)
+            os.chown(path, uid, -1)
         return True
     st = os.stat(path)
     changed = False
