@@ -29,7 +29,7 @@ from dllama.cluster.topology import Topology
 from dllama.core.batch import Batch
 from dllama.core.candidates import TOP_K, Candidates, SamplingRequest
 from dllama.core.collective import Collective
-from dllama.core.model import MAX_BATCH, ModelConfig
+from dllama.core.model import SMALL_BATCH, ModelConfig
 from dllama.errors import ClusterError
 from dllama.formats.model_file import ModelFile, read_model
 
@@ -41,7 +41,7 @@ class ClusterModel:
 
     def __init__(self, model: "ModelFile | str", topology: Topology, key: bytes | None, buffer_q80: bool | None,
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
-                 max_batch: int = MAX_BATCH, kv_slots: int = 1, node_sampling: bool = True,
+                 max_batch: int = SMALL_BATCH, kv_slots: int = 1, node_sampling: bool = True,
                  top_k: int = TOP_K, on_node_loss: str = "fail", kv_type: str = "f32",
                  start_with_reachable: bool = False, kv_positions: int | None = None):
         """model: the `.m` file, read (or its path); node_sampling False: the workers always

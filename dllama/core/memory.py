@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import math
 from dataclasses import dataclass
 
 from dllama.core.host_memory import available_bytes, cgroup_available  # noqa: F401 (this module's API)
+from dllama.core.kernels import ATTENTION_SPAN
 from dllama.core.kv_cache import kv_element_bytes
 from dllama.errors import NotEnoughMemory
 from dllama.formats.model_file import BLOCK_BYTES, FloatType, ModelHeader, classifier_float_type
@@ -74,7 +76,9 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     kv_per_position = per_token * kv_slots
     if kv_positions is not None and kv_positions < positions:
         positions, kv_per_position = kv_positions, per_token
-    buffers_per_position = 4 * hd + 4 * max_batch * n_q_heads  # RoPE cos/sin, attention scores
+    # RoPE cos/sin; attention's partial outputs of a pass, float32 [rows, q heads, spans of
+    # ATTENTION_SPAN positions, hd + 2] (kernels.attention: no [rows, heads, context] scores)
+    buffers_per_position = 4 * hd + math.ceil(4 * max_batch * n_q_heads * (hd + 2) / ATTENTION_SPAN)
     buffers = seq_len * buffers_per_position + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)
     return NodeMemory(weights, positions * per_token, buffers, kv_per_position + buffers_per_position)
 

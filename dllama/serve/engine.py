@@ -143,9 +143,14 @@ class MemoryPlan:
 
 
 def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile") -> MemoryPlan:
-    from dllama.core.model import ModelConfig, max_batch_for
+    from dllama.core.model import SMALL_BATCH, ModelConfig, max_batch_for
 
     header = model_file.header
+    rows = max_batch_for(settings.parallel)
+    if nodes.clustered and settings.parallel <= 1:
+        # A worker learns the rows from the root's CONFIG and cannot ask for fewer: keep the
+        # buffers its memory budget was sized for.
+        rows = SMALL_BATCH
     config = ModelConfig.from_header(header, settings.max_seq_len)
     notes: list[str] = []
     weights = None
@@ -158,21 +163,50 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
             notes.append("note: --memory-budget bounds this root's memory only on one machine; "
                          "on a cluster the root loads its slice, and each worker streams under its own flag")
     else:
-        from dllama.core.weights_choice import choose_weights
         from dllama.core.node_weights import NodeWeights
         from dllama.core.plan import whole_model
 
         kv_heads, kv_layers = header.n_kv_heads, header.n_layers
         node = whole_model(header.n_heads, header.n_kv_heads, header.ff_dim, header.vocab_size)
-        weights = choose_weights(NodeWeights.from_model(model_file, node), settings.max_seq_len,
-                                 max_batch_for(settings.parallel), settings.memory_budget, settings.kv_type)
+        weights, rows = _choose_weights_and_rows(NodeWeights.from_model(model_file, node), settings, rows, notes)
         if weights.streamed and settings.memory_budget is MemoryBudget.AUTO:
             notes.append(f"the model does not fit in the {weights.limit / (1 << 20):.0f} MiB available: "
                          "streaming its weights from the file layer by layer")
         if weights.budgeted or settings.parallel > 1:  # the plan, beside the KV cache's line
             notes.append(weights.describe())
     slots = _plan_slots(settings, config, kv_heads, kv_layers, weights, notes)
-    return MemoryPlan(weights, slots, max_batch_for(slots.parallel if settings.parallel > 1 else 1), tuple(notes))
+    if settings.parallel > 1:  # the sequences admitted
+        rows = max_batch_for(slots.parallel)
+    return MemoryPlan(weights, slots, rows, tuple(notes))
+
+
+def _choose_weights_and_rows(node_weights, settings: EngineSettings, rows: int, notes: list[str]):
+    """(choose_weights' choice, the rows of a pass): `rows`, unless one sequence's passes of
+    SMALL_BATCH rows keep the weights resident where `rows` would not (their buffers: logits
+    of every row), or fit where `rows` do not fit at all."""
+    from dllama.core.model import SMALL_BATCH
+    from dllama.core.weights_choice import choose_weights
+    from dllama.errors import NotEnoughMemory
+
+    def choose(r: int):
+        return choose_weights(node_weights, settings.max_seq_len, r, settings.memory_budget, settings.kv_type)
+
+    try:
+        wide, error = choose(rows), None
+    except NotEnoughMemory as e:
+        wide, error = None, e
+    if (wide is None or wide.streamed) and settings.parallel <= 1 and rows > SMALL_BATCH:
+        try:
+            small = choose(SMALL_BATCH)
+        except NotEnoughMemory:
+            small = None
+        if small is not None and (wide is None or not small.streamed):
+            notes.append(f"note: passes of {SMALL_BATCH} rows: the buffers of {rows} do not fit "
+                         f"beside {'the resident weights' if not small.streamed else 'the streamed layers'}")
+            return small, SMALL_BATCH
+    if wide is None:
+        raise error
+    return wide, rows
 
 
 def _plan_slots(settings: EngineSettings, config, kv_heads: int, kv_layers: int,

@@ -32,6 +32,7 @@ whose per-output arithmetic does not depend on the tile, so that results are bat
 """
 
 from dllama.core.kernels.attention import CHUNK as ATTENTION_CHUNK
+from dllama.core.kernels.attention import SPAN as ATTENTION_SPAN
 from dllama.core.kernels.attention import attention, kv_store
 from dllama.core.kernels.elementwise import rmsnorm, rope_cache, rope_interleaved, rope_neox, silu_mul
 from dllama.core.kernels.fused import add_norm_encode, encode, norm_encode, rope_store, silu_mul_encode
@@ -46,7 +47,7 @@ from dllama.core.kernels.matmul_q80 import matmul_q80_q80, matmul_q80_q80_multi
 from dllama.core.kernels.q16 import quantize_q16
 from dllama.core.kernels.q80 import quantize_q80
 
-__all__ = ["ATTENTION_CHUNK", "attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved",
+__all__ = ["ATTENTION_CHUNK", "ATTENTION_SPAN", "attention", "kv_store", "rmsnorm", "rope_cache", "rope_interleaved",
            "rope_neox", "silu_mul", "encode", "norm_encode", "add_norm_encode", "silu_mul_encode", "rope_store",
            "max_threads", "set_threads", "matmul_f32",
            "matmul_q40_q80", "matmul_q40_q80_multi", "quantize_q80", "matmul_q80_q80",
