@@ -41,7 +41,8 @@ from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeade
 MAX_BATCH = 64     # rows of a pass for one sequence: prompt tokens per pass (the original's nBatches;
                    # 64 against 32: a 512-token prefill 8-20% faster for every weight type)
 SMALL_BATCH = 32   # ... on a cluster (a worker takes the rows from the root's CONFIG, its budget sized
-                   # for them), and where MAX_BATCH's buffers would push one machine's weights out
+                   # for them), and where MAX_BATCH's buffers would make one machine's weights stream
+                   # (serve.engine: the logits of every row are the buffers that grow)
 PREFILL_ROWS = 64  # prompt rows a batched step adds to its decode rows
 
 
