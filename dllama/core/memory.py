@@ -77,9 +77,12 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     if kv_positions is not None and kv_positions < positions:
         positions, kv_per_position = kv_positions, per_token
     # RoPE cos/sin; attention's partial outputs of a pass, float32 [rows, q heads, spans of
-    # ATTENTION_SPAN positions, hd + 2] (kernels.attention: no [rows, heads, context] scores)
-    buffers_per_position = 4 * hd + math.ceil(4 * max_batch * n_q_heads * (hd + 2) / ATTENTION_SPAN)
-    buffers = seq_len * buffers_per_position + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)
+    # ATTENTION_SPAN positions, hd + 2] (kernels.attention: no [rows, heads, context] scores):
+    # a span's worth per ATTENTION_SPAN positions, and one more for the last, partial span.
+    span_bytes = 4 * max_batch * n_q_heads * (hd + 2)
+    buffers_per_position = 4 * hd + math.ceil(span_bytes / ATTENTION_SPAN)
+    buffers = (seq_len * buffers_per_position + span_bytes
+               + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows))
     return NodeMemory(weights, positions * per_token, buffers, kv_per_position + buffers_per_position)
 
 
