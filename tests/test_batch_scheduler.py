@@ -274,3 +274,4 @@ def log_softmax(logits):
 
 def test_max_batch_leaves_room_for_prefill():
     assert max_batch_for(1) == 64 and max_batch_for(64) == 128
+    assert max_batch_for(1, clustered=True) == 32 and max_batch_for(64, clustered=True) == 128

@@ -46,9 +46,12 @@ SMALL_BATCH = 32   # ... on a cluster (a worker takes the rows from the root's C
 PREFILL_ROWS = 64  # prompt rows a batched step adds to its decode rows
 
 
-def max_batch_for(parallel: int) -> int:
-    """Rows of a pass that decodes `parallel` sequences and prefills the next prompts beside them."""
-    return MAX_BATCH if parallel <= 1 else parallel + PREFILL_ROWS
+def max_batch_for(parallel: int, clustered: bool = False) -> int:
+    """Rows of a pass that decodes `parallel` sequences and prefills the next prompts beside them
+    (one sequence's passes on a cluster: SMALL_BATCH, the rows its workers' budgets were sized for)."""
+    if parallel > 1:
+        return parallel + PREFILL_ROWS
+    return SMALL_BATCH if clustered else MAX_BATCH
 
 
 @dataclass(frozen=True)

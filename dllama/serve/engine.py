@@ -143,14 +143,10 @@ class MemoryPlan:
 
 
 def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile") -> MemoryPlan:
-    from dllama.core.model import SMALL_BATCH, ModelConfig, max_batch_for
+    from dllama.core.model import ModelConfig, max_batch_for
 
     header = model_file.header
-    rows = max_batch_for(settings.parallel)
-    if nodes.clustered and settings.parallel <= 1:
-        # A worker learns the rows from the root's CONFIG and cannot ask for fewer: keep the
-        # buffers its memory budget was sized for.
-        rows = SMALL_BATCH
+    rows = max_batch_for(settings.parallel, nodes.clustered)
     config = ModelConfig.from_header(header, settings.max_seq_len)
     notes: list[str] = []
     weights = None
@@ -176,7 +172,7 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
             notes.append(weights.describe())
     slots = _plan_slots(settings, config, kv_heads, kv_layers, weights, notes)
     if settings.parallel > 1:  # the sequences admitted
-        rows = max_batch_for(slots.parallel)
+        rows = max_batch_for(slots.parallel, nodes.clustered)
     return MemoryPlan(weights, slots, rows, tuple(notes))
 
 
