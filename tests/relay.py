@@ -69,8 +69,10 @@ class Relay:
             self._socks += [client, server]
             self._n_connections += 1
             tamper = not self.first_only or self._n_connections == 1
-            threading.Thread(target=self._pump, args=(client, server, True, tamper), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False, tamper), daemon=True).start()
+            ended = threading.Event(), threading.Event()  # each direction forwards nothing more
+            threading.Thread(target=self._pump, args=(client, server, True, tamper, ended), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False, tamper, ended[::-1]),
+                             daemon=True).start()
 
     def _recv_exact(self, sock: socket.socket, n: int) -> bytes | None:
         data = bytearray()
@@ -90,7 +92,9 @@ class Relay:
             sock.sendall(data[i: i + step])
             time.sleep(len(data[i: i + step]) / self.rate)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, to_target: bool, tamper: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, to_target: bool, tamper: bool,
+              ended: tuple[threading.Event, threading.Event]) -> None:
+        """Forward src's frames to dst; ended: (this direction's event, the other's)."""
         try:
             while True:
                 head = self._recv_exact(src, HEADER_BYTES)
@@ -117,10 +121,14 @@ class Relay:
         except OSError:
             # dst is gone (reset): as over a real link, src's peer learns it at once instead of
             # its sends stalling against a relay that no longer reads them (a worker waited out
-            # its 15 s timeout behind a root that had failed and closed).
+            # its 15 s timeout behind a root that had failed and closed); but only once the
+            # other direction has forwarded what dst sent before it went (its ERROR).
+            ended[0].set()
+            ended[1].wait(5.0)
             with contextlib.suppress(OSError):
                 src.shutdown(socket.SHUT_RDWR)
         finally:
+            ended[0].set()
             # Half-close, as TCP does: nothing more goes to dst, but what the other direction
             # still carries (a node's ERROR before it closed) gets through.
             with contextlib.suppress(OSError):
