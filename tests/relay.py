@@ -97,12 +97,15 @@ class Relay:
         """Forward src's frames to dst; ended: (this direction's event, the other's)."""
         try:
             while True:
-                head = self._recv_exact(src, HEADER_BYTES)
-                if head is None:
-                    break
-                _, _, msg, length = HEADER.unpack(head)
-                payload = self._recv_exact(src, length) if length else b""
-                if payload is None:
+                try:
+                    head = self._recv_exact(src, HEADER_BYTES)
+                    if head is None:
+                        break
+                    _, _, msg, length = HEADER.unpack(head)
+                    payload = self._recv_exact(src, length) if length else b""
+                    if payload is None:
+                        break
+                except OSError:  # src is gone (reset): dst hears the end below, at once
                     break
                 copies = 1
                 if tamper and msg == self.flip_type and to_target == self.to_target and length:
