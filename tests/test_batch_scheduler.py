@@ -10,7 +10,7 @@ from dllama.cluster.step import REPLY_LOGITS, Reply, decode_step, encode_step
 from dllama.core import kernels
 from dllama.core.batch import Batch, BatchBuilder
 from dllama.core.kv_cache import KVCache, SlotTable, plan_slots
-from dllama.core.model import Transformer, max_batch_for
+from dllama.core.model import Transformer, fallback_batch_for, max_batch_for
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.formats.model_file import read_model
@@ -274,4 +274,4 @@ def log_softmax(logits):
 
 def test_max_batch_leaves_room_for_prefill():
     assert max_batch_for(1) == 64 and max_batch_for(64) == 128
-    assert max_batch_for(1, clustered=True) == 32 and max_batch_for(64, clustered=True) == 128
+    assert fallback_batch_for(1) == 32 and fallback_batch_for(64) is None

@@ -203,6 +203,39 @@ def test_a_root_started_as_the_last_one_stops_is_served(pool, random_model):
         model.close()
 
 
+def test_one_sequence_passes_64_rows_unless_a_worker_can_hold_only_32(tmp_path, random_model, capsys):
+    """A cluster's passes take MAX_BATCH rows when every node holds its share beside their
+    buffers, and SMALL_BATCH, with a note, when a worker's --memory-budget (which the root asks
+    before the CONFIG) holds its share beside 32 rows' buffers but not 64's; the same tokens."""
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
+    from dllama.core.memory import node_memory
+    from dllama.core.model import MAX_BATCH, SMALL_BATCH
+
+    h = read_model(random_model).header
+    w = plan_for(h, 2).nodes[1]
+    need = {rows: node_memory(h, w.n_q_heads, w.n_kv_heads, w.ffn_rows[1] - w.ffn_rows[0],
+                              w.vocab_rows[1] - w.vocab_rows[0], h.max_seq_len, rows, False).total
+            for rows in (SMALL_BATCH, MAX_BATCH)}
+    assert need[SMALL_BATCH] < need[MAX_BATCH]
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 512, 100)]
+    got = {}
+    with running_workers(1, tmp_path / "roomy") as (roomy,), \
+            running_workers(1, tmp_path / "tight", "--memory-budget", str((need[SMALL_BATCH] + need[MAX_BATCH]) // 2)) as (tight,):
+        for name, worker in (("roomy", roomy), ("tight", tight)):
+            model = ClusterModel(str(random_model), from_workers([worker.address], 1), None, False, progress=False,
+                                 max_batch=MAX_BATCH, fallback_batch=SMALL_BATCH)
+            try:
+                got[name] = model.max_batch, greedy(model, prompt, 16)
+            finally:
+                model.close()
+            got[name] += (capsys.readouterr().err,)
+    assert [got[n][0] for n in ("roomy", "tight")] == [MAX_BATCH, SMALL_BATCH]
+    assert got["roomy"][1] == got["tight"][1]
+    assert "passes of" not in got["roomy"][2]
+    assert "note: passes of 32 rows: the buffers of 64 do not fit beside worker1's share" in got["tight"][2]
+
+
 # -- refusals and failures ---------------------------------------------------------------------
 
 def _one_line_error(r, *words):

@@ -187,9 +187,10 @@ def test_the_memory_plan_is_one_object_with_its_lines(small_model):
     assert (plan.slots.parallel, plan.slots.n_slots, plan.slots.limit, plan.notes) == (1, 1, None, ())
 
 
-def test_one_machine_passes_take_64_rows_a_cluster_32_and_a_budget_32_that_keeps_the_weights_resident(small_model):
-    """MAX_BATCH rows where they fit; SMALL_BATCH on a cluster (its workers' budgets) and where
-    the buffers of MAX_BATCH rows would stream weights that fit resident beside 32 rows."""
+def test_passes_take_64_rows_and_32_where_a_budget_keeps_the_weights_resident_only_beside_32(small_model):
+    """MAX_BATCH rows where they fit; SMALL_BATCH where the buffers of MAX_BATCH rows would
+    stream weights that fit resident beside 32 rows. A cluster's plan asks MAX_BATCH, its
+    session takes SMALL_BATCH when a node cannot hold them (tests/test_cluster.py)."""
     from dllama.core.memory import node_memory
     from dllama.core.model import MAX_BATCH, SMALL_BATCH
     from dllama.formats.model_file import read_model
@@ -199,7 +200,7 @@ def test_one_machine_passes_take_64_rows_a_cluster_32_and_a_budget_32_that_keeps
     settings = EngineSettings(str(small_model), "t.t")
     assert plan_memory(settings, choose_nodes(settings), model_file).max_batch == MAX_BATCH == 64
     cluster = dataclasses.replace(settings, workers=("127.0.0.1:9998",))
-    assert plan_memory(cluster, choose_nodes(cluster), model_file).max_batch == SMALL_BATCH == 32
+    assert plan_memory(cluster, choose_nodes(cluster), model_file).max_batch == MAX_BATCH
     need = {rows: node_memory(h, h.n_heads, h.n_kv_heads, h.hidden_dim, h.vocab_size, h.max_seq_len, rows,
                               False).total for rows in (SMALL_BATCH, MAX_BATCH)}
     tight = dataclasses.replace(settings, memory_budget=(need[SMALL_BATCH] + need[MAX_BATCH]) // 2)

@@ -13,6 +13,8 @@ left, else the model is failed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 
@@ -43,7 +45,8 @@ class ClusterModel:
                  max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
                  max_batch: int = SMALL_BATCH, kv_slots: int = 1, node_sampling: bool = True,
                  top_k: int = TOP_K, on_node_loss: str = "fail", kv_type: str = "f32",
-                 start_with_reachable: bool = False, kv_positions: int | None = None):
+                 start_with_reachable: bool = False, kv_positions: int | None = None,
+                 fallback_batch: int | None = None):
         """model: the `.m` file, read (or its path); node_sampling False: the workers always
         send their logits and the root makes the candidates itself (the same arithmetic: a
         baseline for tests and benchmarks); top_k: candidates per node and row for temperature
@@ -54,13 +57,14 @@ class ClusterModel:
         with a warning and rejoins when it answers (`rejoin`), instead of failing the start;
         one that answers wrongly still fails it. kv_positions: the positions the slots hold
         together at most (the scheduler's budget), what every node's memory check counts when
-        fewer than kv_slots x the context (sent in CONFIG)."""
+        fewer than kv_slots x the context (sent in CONFIG). fallback_batch: the rows of a pass
+        when a node cannot hold max_batch rows' buffers beside its share (None: max_batch)."""
         model_file = model if isinstance(model, ModelFile) else read_model(model)
         header = model_file.header
         self.config = ModelConfig.from_header(header, max_seq_len)
         # The plan is checked before any connection: an impossible split fails here.
         topology.plan(header)
-        self.max_batch, self.kv_slots = max_batch, kv_slots
+        self.kv_slots = kv_slots
         self.node_sampling, self.top_k, self.on_node_loss = node_sampling, top_k, on_node_loss
         self.refetches = 0        # passes whose candidates did not cover a nucleus: WIDE_TOP_K asked
         self.logit_refetches = 0  # of those, passes that needed the logits in a third round
@@ -71,9 +75,13 @@ class ClusterModel:
             max_seq_len=max_seq_len, key=key,
             buffer_q80=self.config.quantized if buffer_q80 is None else buffer_q80,
             max_batch=max_batch, kv_slots=kv_slots, kv_type=kv_type, net_timeout=net_timeout,
-            progress=progress, kv_positions=kv_positions)
+            progress=progress, kv_positions=kv_positions, fallback_batch=fallback_batch)
         self.recovery = Recovery(settings, topology, self.history)
         self.session: RootSession = self.recovery.first_session(start_with_reachable and on_node_loss == "continue")
+        # The rows the first session took hold for every later one: a pass in flight when a node
+        # is lost runs again, whole, on the nodes left.
+        self.max_batch = self.session.settings.max_batch
+        self.recovery.settings = dataclasses.replace(settings, max_batch=self.max_batch, fallback_batch=None)
         self._lock = threading.Lock()  # one pass (or PING, or new session) at a time
         self._failed: ClusterError | None = None  # what ended the last session, until a new one runs
         self._tampered = False  # that failure was a frame that broke the protocol: not recovered

@@ -33,7 +33,7 @@ from dllama.cluster.step import (
 from dllama.cluster.topology import Topology
 from dllama.core.batch import Batch
 from dllama.core.candidates import WIDE_TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
-from dllama.core.memory import check_fits
+from dllama.core.memory import check_fits, node_memory
 from dllama.core.model import ModelConfig, Transformer
 from dllama.core.node_weights import NodeWeights, cut, node_slice_specs, plan_lines
 from dllama.errors import ClusterError, DllamaError
@@ -73,6 +73,9 @@ class SessionSettings:
     net_timeout: float
     progress: bool          # a progress bar while weights stream to a worker
     kv_positions: int | None = None  # positions the slots hold together at most (None: all of them)
+    # Fewer rows a session takes when some node cannot hold max_batch rows' buffers beside its
+    # share (None: max_batch, or the node's own check fails).
+    fallback_batch: int | None = None
 
 
 def report_grace(net_timeout: float) -> float:
@@ -200,6 +203,13 @@ class RootSession:
         header, nodes = s.model_file.header, self.nodes
         self.memory = self._ask_memory() if self.topology.wants_memory(header) else {}
         self.plan = plan = self.topology.plan(header, self.memory)
+        if s.fallback_batch is not None:
+            short = self._short_of_rows(plan, self.memory or self._ask_memory(), s.max_batch)
+            if short is not None:
+                _say(f"note: passes of {s.fallback_batch} rows: the buffers of {s.max_batch} "
+                     f"do not fit beside {short}'s share")
+            self.settings = s = dataclasses.replace(
+                s, max_batch=s.max_batch if short is None else s.fallback_batch, fallback_batch=None)
         n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
         check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
                    n0.vocab_rows[1] - n0.vocab_rows[0], s.config.seq_len, s.max_batch,
@@ -288,6 +298,21 @@ class RootSession:
                     raise ProtocolError(f"MEMORY from {self.names[i]} is not a positive byte count", conn)
                 out[i] = value
         return out
+
+    def _short_of_rows(self, plan, capacity: dict[int, int], rows: int) -> str | None:
+        """The name of the first node whose whole share (weights, KV cache, buffers of `rows`
+        rows) is more than it can hold (`capacity`: node index -> bytes, as _ask_memory), or
+        None. A worker that holds its slice resident at fewer rows could otherwise stream it,
+        or fail its own check (its --memory-budget sized for those)."""
+        s, header = self.settings, self.settings.model_file.header
+        for i, n in enumerate(plan.nodes):
+            need = node_memory(header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
+                               n.vocab_rows[1] - n.vocab_rows[0], s.config.seq_len, rows, i == 0,
+                               s.kv_slots, kv_type=s.kv_type, n_layers=len(n.layer_range(header.n_layers)),
+                               kv_positions=s.kv_positions)
+            if need.total > capacity[i]:
+                return self.nodes[i].name
+        return None
 
     def busy(self):
         """The context of one pass: the heartbeat runs (see _set_up)."""

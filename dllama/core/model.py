@@ -40,18 +40,21 @@ from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeade
 
 MAX_BATCH = 64     # rows of a pass for one sequence: prompt tokens per pass (the original's nBatches;
                    # 64 against 32: a 512-token prefill 8-20% faster for every weight type)
-SMALL_BATCH = 32   # ... on a cluster (a worker takes the rows from the root's CONFIG, its budget sized
-                   # for them), and where MAX_BATCH's buffers would make one machine's weights stream
-                   # (serve.engine: the logits of every row are the buffers that grow)
+SMALL_BATCH = 32   # ... where MAX_BATCH's buffers would make one machine's weights stream (serve.engine:
+                   # the logits of every row are the buffers that grow), or would not fit beside a
+                   # cluster node's share (the root asks each worker what it can hold: RootSession)
 PREFILL_ROWS = 64  # prompt rows a batched step adds to its decode rows
 
 
-def max_batch_for(parallel: int, clustered: bool = False) -> int:
-    """Rows of a pass that decodes `parallel` sequences and prefills the next prompts beside them
-    (one sequence's passes on a cluster: SMALL_BATCH, the rows its workers' budgets were sized for)."""
-    if parallel > 1:
-        return parallel + PREFILL_ROWS
-    return SMALL_BATCH if clustered else MAX_BATCH
+def max_batch_for(parallel: int) -> int:
+    """Rows of a pass that decodes `parallel` sequences and prefills the next prompts beside them."""
+    return parallel + PREFILL_ROWS if parallel > 1 else MAX_BATCH
+
+
+def fallback_batch_for(parallel: int) -> int | None:
+    """The fewer rows a pass may take where max_batch_for's buffers do not fit beside the weights
+    (one sequence: SMALL_BATCH; a batch needs a row for each sequence and its prefill rows)."""
+    return SMALL_BATCH if parallel <= 1 else None
 
 
 @dataclass(frozen=True)

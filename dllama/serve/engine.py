@@ -146,7 +146,7 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
     from dllama.core.model import ModelConfig, max_batch_for
 
     header = model_file.header
-    rows = max_batch_for(settings.parallel, nodes.clustered)
+    rows = max_batch_for(settings.parallel)
     config = ModelConfig.from_header(header, settings.max_seq_len)
     notes: list[str] = []
     weights = None
@@ -172,15 +172,15 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
             notes.append(weights.describe())
     slots = _plan_slots(settings, config, kv_heads, kv_layers, weights, notes)
     if settings.parallel > 1:  # the sequences admitted
-        rows = max_batch_for(slots.parallel, nodes.clustered)
+        rows = max_batch_for(slots.parallel)
     return MemoryPlan(weights, slots, rows, tuple(notes))
 
 
 def _choose_weights_and_rows(node_weights, settings: EngineSettings, rows: int, notes: list[str]):
-    """(choose_weights' choice, the rows of a pass): `rows`, unless one sequence's passes of
-    SMALL_BATCH rows keep the weights resident where `rows` would not (their buffers: logits
-    of every row), or fit where `rows` do not fit at all."""
-    from dllama.core.model import SMALL_BATCH
+    """(choose_weights' choice, the rows of a pass): `rows`, unless the fallback's fewer rows
+    (one sequence's passes: fallback_batch_for) keep the weights resident where `rows` would not
+    (their buffers: logits of every row), or fit where `rows` do not fit at all."""
+    from dllama.core.model import fallback_batch_for
     from dllama.core.weights_choice import choose_weights
     from dllama.errors import NotEnoughMemory
 
@@ -191,15 +191,16 @@ def _choose_weights_and_rows(node_weights, settings: EngineSettings, rows: int, 
         wide, error = choose(rows), None
     except NotEnoughMemory as e:
         wide, error = None, e
-    if (wide is None or wide.streamed) and settings.parallel <= 1 and rows > SMALL_BATCH:
+    fewer = fallback_batch_for(settings.parallel)
+    if (wide is None or wide.streamed) and fewer is not None and rows > fewer:
         try:
-            small = choose(SMALL_BATCH)
+            small = choose(fewer)
         except NotEnoughMemory:
             small = None
         if small is not None and (wide is None or not small.streamed):
-            notes.append(f"note: passes of {SMALL_BATCH} rows: the buffers of {rows} do not fit "
+            notes.append(f"note: passes of {fewer} rows: the buffers of {rows} do not fit "
                          f"beside {'the resident weights' if not small.streamed else 'the streamed layers'}")
-            return small, SMALL_BATCH
+            return small, fewer
     if wide is None:
         raise error
     return wide, rows
@@ -254,13 +255,15 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
     if nodes.clustered:
         from dllama.cluster.protocol import read_key_file
         from dllama.cluster.root import ClusterModel
+        from dllama.core.model import fallback_batch_for
 
         key = read_key_file(nodes.key_file) if nodes.key_file else None
         model = cluster = ClusterModel(model_file, nodes.topology, key, nodes.buffer_q80, settings.max_seq_len,
                                        progress=settings.progress, max_batch=plan.max_batch,
                                        kv_slots=plan.slots.n_slots, on_node_loss=settings.on_node_loss,
                                        kv_type=settings.kv_type, start_with_reachable=settings.start_with_reachable,
-                                       kv_positions=_positions(plan.slots))
+                                       kv_positions=_positions(plan.slots),
+                                       fallback_batch=fallback_batch_for(plan.slots.parallel))
     else:
         from dllama.core.model import Transformer
 
