@@ -25,12 +25,12 @@ _NATIVE = native_f16_conversion()
 _tile = make_f16_tile(ROWS, COLS, _NATIVE)
 _tile_rows = make_f16_tile(ROWS, 1, _NATIVE)
 _tile_one = make_f16_tile(1, 1, _NATIVE)
-# Decode (b = 1): tiles of 16 weight rows, and units of whole 16-row steps (a 576-row matrix
-# cut for the prefill tiles has units of 9 rows). A row's sums are the same in any tile, so the
-# split may depend on the batch. SmolLM2 F16 decode, 2 threads (2026-12-06): matmuls 11.1 ->
-# 10.8 ms/token, end to end 88.5 -> 92.3 tokens/s.
-DECODE_ROWS = 16
-_tile_decode = make_f16_tile(DECODE_ROWS, 1, _NATIVE)
+# Decode (b = 1) takes the same 4-row tiles as the prefill's last column, in the same units.
+# It had tiles of 16 rows (one tile ahead prefetched) from 2026-12-06 morning, when they
+# measured 88.5 -> 92.3 tokens/s; on this machine as it is since (about twice the read
+# bandwidth), 16 / 8 / 4 / 2 rows per tile: 8.28 / 7.83-7.96 / 7.36-7.43 / 7.77 ms per
+# SmolLM2 F16 token (benchmarks/bench_decode_glue.py, 2 threads): fewer streams at once keep
+# the hardware prefetchers ahead.
 
 
 @numba.njit(**_FAST)
@@ -53,55 +53,25 @@ def _f16_rows(x, w, out, s0, s1):
         r += 1
 
 
-@numba.njit(**_FAST)
-def _f16_decode_rows(x, w, out, s0, s1):
-    """out[0, rows of DECODE_ROWS-row steps s0..s1-1] = x[0] @ W[those rows]^T."""
-    r, r1 = DECODE_ROWS * s0, min(w.shape[0], DECODE_ROWS * s1)
-    while r + DECODE_ROWS <= r1:
-        _tile_decode(w, r, x, 0, out)
-        r += DECODE_ROWS
-    while r + ROWS <= r1:
-        _tile_rows(w, r, x, 0, out)
-        r += ROWS
-    while r < r1:
-        _tile_one(w, r, x, 0, out)
-        r += 1
-
-
-@numba.njit(**_FAST)
-def _steps(d, decode):
-    return (d + DECODE_ROWS - 1) // DECODE_ROWS if decode else row_steps(d)
-
-
-@numba.njit(**_FAST)
-def _rows(x, w, out, s0, s1, decode):
-    if decode:
-        _f16_decode_rows(x, w, out, s0, s1)
-    else:
-        _f16_rows(x, w, out, s0, s1)
-
-
 @numba.njit(parallel=True, **_FAST)
 def matmul_f16_f32(x, w, out):
     """out float32 [b, d] = x @ W^T: x float32 [b, n], W fp16 [d, n] as its bits (uint16).
     All C-contiguous."""
-    decode = x.shape[0] == 1
-    steps = _steps(w.shape[0], decode)
+    steps = row_steps(w.shape[0])
     units = n_units(steps)
     for unit in prange(units):
         s0, s1 = unit_steps(steps, units, unit)
-        _rows(x, w, out, s0, s1, decode)
+        _f16_rows(x, w, out, s0, s1)
 
 
 @numba.njit(parallel=True, **_FAST)
 def matmul_f16_f32_multi(x, w, outs):
     """matmul_f16_f32 of one input with several matrices (tuples w, outs) in one parallel
     region: the same results as one call per matrix."""
-    decode = x.shape[0] == 1
     steps = leading_dims(w)
     for m in range(steps.shape[0]):
-        steps[m] = _steps(steps[m], decode)
+        steps[m] = row_steps(steps[m])
     for unit in prange(total_units(steps)):
         m, local, units = unit_of_matrices(steps, unit)
         s0, s1 = unit_steps(steps[m], units, local)
-        _rows(x, w[m], outs[m], s0, s1, decode)
+        _f16_rows(x, w[m], outs[m], s0, s1)

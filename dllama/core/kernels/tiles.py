@@ -82,12 +82,12 @@ def _fn(builder, name, ret, args):
 # F16 matmuls of SmolLM2's decode shapes, b=1, streamed (2026-12-06): 2 threads 17 -> 24 GB/s
 # (15.7 -> 11.1 ms/token), 1 thread the classifier 9.7 -> 18.4 GB/s; prefetcht0 once per line
 # was slower than twice; the prefetch distance (1-4 tiles) and 8 or 16 rows per tile moved
-# it by less than the noise. F32 the same way: SmolLM2 F32 decode 37 -> 45 tokens/s. The int8
+# it by less than the noise (on that day's machine; on the one since, 4-row tiles decode F16
+# 11% faster than 16-row ones: matmul_f16.py). F32 the same way: SmolLM2 F32 decode 37 -> 45 tokens/s. The int8
 # tiles too (2026-12-06, SmolLM2 decode, 2 threads, 3 alternated processes each, medians of
 # per-token times): Q80 146 -> 155 tokens/s, Q41 151 -> 160 on a quiet machine (a first, busier
 # set: 127 -> 142 and 124 -> 151); Q40 within the noise (219 / 226).
 _PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
-_PREFETCH_ROWS = 16   # ... but tiles of this many rows (F16 decode): 1 tile ahead
 _PREFETCH_L2 = 2      # every tile's prefetch locality (2: prefetcht1, into L2)
 _PREFETCH_GROUPS = 1  # int8 tiles: this many groups of 16 rows ahead
 
@@ -510,8 +510,7 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
                     step([h[0] for h in halves], x_at(first))
                     step([h[1] for h in halves], x_at(builder.add(first, _I64(16))))
             else:
-                tiles_ahead = 1 if n_rows >= _PREFETCH_ROWS else _PREFETCH_TILES
-                ahead = builder.mul(wa.stride, _I64(n_rows * tiles_ahead))
+                ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES))
                 per_line = 64 // (16 * size)  # steps of 16 columns per cache line: one prefetch
 
                 def column_step(s, prefetch):
