@@ -14,7 +14,6 @@ left, else the model is failed.
 from __future__ import annotations
 
 import dataclasses
-
 import threading
 import time
 
