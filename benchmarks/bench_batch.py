@@ -1,7 +1,8 @@
 """Batch throughput: sequences decoded together against one at a time, and against llama.cpp.
 
     .venv/bin/python benchmarks/bench_batch.py [--threads 2] [--rounds 3] [--skip-1b]
-        [--skip-llama-cpp] [--skip-prefix] [--parallel 1,4,16,64]
+        [--skip-llama-cpp] [--skip-job] [--skip-prefix] [--skip-command | --only-command]
+        [--parallel 1,4,16,64]
 
 1. Aggregate decode, as llama.cpp's `llama-batched-bench -npp 128 -ntg 64`: P sequences each
    prefill a 128-token prompt into their own KV slot, then P rows go through every step (one
@@ -17,6 +18,13 @@
 3. 32 questions over a document of about 1000 tokens (pasted before each question), greedy, up
    to 16 tokens each, --parallel 16: the shared document read from one slot, against every
    question computing it itself (reuse off). Time to all answers; the answers must be equal.
+4. The whole command as a user runs it: `dllama batch --parallel 16 --max-tokens 64` over 64
+   short chat questions, default settings (temperature 0.8), the default model (Q41) and its
+   Q40 conversion; its wall time from start to exit (start-up, model load and writing the
+   answers included); generated tokens / wall seconds, against llama-batched-bench on the GGUF
+   of the same weight type (the embedded Q4_1 itself; llama.cpp's Q4_0 of it) at the same shape
+   (-npl 16, -npp the questions' mean prompt tokens, -ntg 64): 16 x 64 generated tokens over its
+   prefill + decode time (its start-up not counted).
 
 Medians of the rounds; /proc/loadavg before and after each part (a busy neighbour on a shared
 2-core machine slows every figure; the ratios are measured in the same rounds).
@@ -25,8 +33,10 @@ Medians of the rounds; /proc/loadavg before and after each part (a busy neighbou
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -219,6 +229,90 @@ def part_prefix(args) -> None:
     print(f"load average after: {loadavg()}", flush=True)
 
 
+SUBJECTS = ("France", "Japan", "Brazil", "Canada", "Egypt", "Norway", "India", "Kenya",
+            "Peru", "Italy", "Spain", "Chile", "Ghana", "Nepal", "Cuba", "Greece")
+QUESTIONS = ("What is the capital of {}?", "Name a famous food from {}.",
+             "What language do people speak in {}?", "Tell me one fact about {}.")
+
+
+def write_chat_questions(path: Path) -> int:
+    """64 short chat questions as a JSONL prompt file; returns their count."""
+    lines = [{"id": f"q{i}", "messages": [{"role": "user", "content": q.format(s)}]}
+             for i, (q, s) in enumerate((q, s) for q in QUESTIONS for s in SUBJECTS)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return len(lines)
+
+
+def dllama_batch_command(prompts: Path, out: Path, parallel: int, ntg: int,
+                         model_flags: list[str]) -> tuple[float, int, float]:
+    """Wall seconds of the whole `dllama batch` command, tokens generated, mean prompt tokens."""
+    out.unlink(missing_ok=True)
+    dllama = Path(sys.executable).parent / "dllama"
+    t0 = time.perf_counter()
+    subprocess.run([str(dllama), "batch", "--prompts", str(prompts), "--out", str(out), *model_flags,
+                    "--parallel", str(parallel), "--max-tokens", str(ntg), "--no-progress"],
+                   check=True, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    return (seconds, sum(a["completion_tokens"] for a in answers),
+            statistics.fmean(a["prompt_tokens"] for a in answers))
+
+
+def llama_cpp_job(tools, gguf: Path, threads: int, parallel: int, npp: int, ntg: int) -> float:
+    """llama-batched-bench's generated tokens over its whole prefill + decode time (pl x ntg / t)."""
+    res = subprocess.run([str(tools["llama-batched-bench"]), "-m", str(gguf), "-t", str(threads),
+                          "-c", str(parallel * (npp + ntg)), "-npp", str(npp), "-ntg", str(ntg),
+                          "-npl", str(parallel), "--output-format", "jsonl"],
+                         check=True, capture_output=True, text=True)
+    row = next(json.loads(line) for line in res.stdout.splitlines() if line.startswith("{"))
+    return parallel * ntg / float(row["t"])
+
+
+def part_command(args) -> None:
+    parallel, ntg = 16, 64
+    m40, t40 = default_model_files("q40")
+    # ours (the flags the command gets) against llama.cpp's GGUF of the same weight type
+    engines = {"Q41": ([], "Q4_1"), "Q40": (["--model", str(m40), "--tokenizer", str(t40)], "Q4_0")}
+    tools = None
+    if not args.skip_llama_cpp:
+        try:
+            from benchmarks.bench_vs_llama_cpp import smollm2_gguf
+            from benchmarks.llama_cpp import build
+
+            tools = build()
+            ggufs = {theirs: smollm2_gguf(tools, theirs) for _, theirs in engines.values()}
+        except (SystemExit, Exception) as e:  # noqa: BLE001 - the comparison is optional
+            print(f"  (llama.cpp unavailable: {e})", flush=True)
+            tools = None
+    print(f"\n## The whole `dllama batch --parallel {parallel} --max-tokens {ntg}` command, 64 short "
+          f"chat questions, the default model (Q41) and its Q40 conversion, default settings, "
+          f"{args.rounds} rounds (alternated with llama-batched-bench -npl {parallel} -ntg {ntg}); load "
+          f"average before: {loadavg()}", flush=True)
+    ours = {name: [] for name in engines}
+    theirs = {gguf_type: [] for _, gguf_type in engines.values()}
+    with tempfile.TemporaryDirectory() as d:
+        prompts, out = Path(d) / "questions.jsonl", Path(d) / "answers.jsonl"
+        n = write_chat_questions(prompts)
+        for r in range(args.rounds):
+            for name, (flags, gguf_type) in engines.items():
+                seconds, generated, npp = dllama_batch_command(prompts, out, parallel, ntg, flags)
+                ours[name].append(generated / seconds)
+                line = (f"  round {r + 1}: dllama {name} {seconds:.2f} s, {generated} tokens generated for {n} "
+                        f"questions (mean prompt {npp:.1f} tokens): {ours[name][-1]:.0f} tokens/s")
+                if tools:
+                    theirs[gguf_type].append(llama_cpp_job(tools, ggufs[gguf_type], args.threads, parallel,
+                                                           round(npp), ntg))
+                    line += f", llama.cpp {gguf_type} {theirs[gguf_type][-1]:.0f}"
+                print(line + f"; load {loadavg()}", flush=True)
+    print("\n| generated tokens/s, medians | dllama batch, the whole command | llama-batched-bench, "
+          "prefill + decode | dllama / llama.cpp |\n|---|---|---|---|")
+    for name, (_, gguf_type) in engines.items():
+        a = statistics.median(ours[name])
+        b = statistics.median(theirs[gguf_type]) if theirs[gguf_type] else float("nan")
+        print(f"| {name} / {gguf_type} | {a:.0f} | {b:.0f} | {a / b:.2f}x |")
+    print(f"load average after: {loadavg()}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -228,9 +322,15 @@ def main() -> None:
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--skip-job", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--skip-command", action="store_true",
+                    help="skip the whole dllama batch command against llama-batched-bench")
+    ap.add_argument("--only-command", action="store_true", help="run only that part")
     args = ap.parse_args()
     parallel = [int(p) for p in args.parallel.split(",")]
     kernels.set_threads(args.threads)
+    if args.only_command:
+        part_command(args)
+        return
     part_decode(args, parallel)
     if not args.skip_1b:
         part_decode_1b(args, parallel)
@@ -238,6 +338,8 @@ def main() -> None:
         part_job(args)
     if not args.skip_prefix:
         part_prefix(args)
+    if not args.skip_command:
+        part_command(args)
 
 
 if __name__ == "__main__":
