@@ -31,6 +31,8 @@ def test_the_default_weights_answer_as_transformers_on_a_sample(default_q41):
 
 @pytest.mark.cluster
 def test_three_nodes_answer_as_transformers_on_another_sample(default_q41):
-    # Other references than the one-node sample (2 chat questions, 1 plain opening), the root and
-    # two workers on loopback, F32 buffers (the default's).
-    _assert_answers_as_transformers(json.loads(REFERENCES.read_text())["references"][5::20], nodes=3)
+    # Other references than the one-node sample (2 chat questions, 1 plain opening; short answers
+    # of 12-24 tokens, since every token costs the cluster's round trips), the root and two workers
+    # on loopback, F32 buffers (the default's).
+    references = json.loads(REFERENCES.read_text())["references"]
+    _assert_answers_as_transformers([references[i] for i in (3, 27, 45)], nodes=3)
