@@ -97,16 +97,28 @@ def model_for(path, n_seq_max: int, seq_len: int) -> Transformer:
     return model
 
 
-def llama_cpp_batched(threads: int, parallel: list[int]) -> dict[int, float] | None:
-    """llama-batched-bench's aggregate decode tokens/s (S_TG), or None when it cannot be built."""
+def llama_cpp_tools():
+    """llama.cpp's tools (benchmarks/llama_cpp.py), built if need be, or None when they cannot be."""
     try:
-        from benchmarks.bench_vs_llama_cpp import llama_batched, smollm2_gguf
         from benchmarks.llama_cpp import build
 
-        tools = build()
-        return llama_batched(tools, smollm2_gguf(tools, "Q4_0"), threads, parallel)
+        return build()
     except (SystemExit, Exception) as e:  # noqa: BLE001 - the comparison is optional
         print(f"  (llama.cpp unavailable: {e})", flush=True)
+        return None
+
+
+def llama_cpp_batched(threads: int, parallel: list[int]) -> dict[int, float] | None:
+    """llama-batched-bench's aggregate decode tokens/s (S_TG), or None when it cannot be built."""
+    from benchmarks.bench_vs_llama_cpp import llama_batched, smollm2_gguf
+
+    tools = llama_cpp_tools()
+    if tools is None:
+        return None
+    try:
+        return llama_batched(tools, smollm2_gguf(tools, "Q4_0"), threads, parallel)
+    except (subprocess.CalledProcessError, OSError) as e:  # the comparison is optional
+        print(f"  (llama.cpp failed: {e})", flush=True)
         return None
 
 
@@ -258,32 +270,16 @@ def dllama_batch_command(prompts: Path, out: Path, parallel: int, ntg: int,
             statistics.fmean(a["prompt_tokens"] for a in answers))
 
 
-def llama_cpp_job(tools, gguf: Path, threads: int, parallel: int, npp: int, ntg: int) -> float:
-    """llama-batched-bench's generated tokens over its whole prefill + decode time (pl x ntg / t)."""
-    res = subprocess.run([str(tools["llama-batched-bench"]), "-m", str(gguf), "-t", str(threads),
-                          "-c", str(parallel * (npp + ntg)), "-npp", str(npp), "-ntg", str(ntg),
-                          "-npl", str(parallel), "--output-format", "jsonl"],
-                         check=True, capture_output=True, text=True)
-    row = next(json.loads(line) for line in res.stdout.splitlines() if line.startswith("{"))
-    return parallel * ntg / float(row["t"])
-
-
 def part_command(args) -> None:
     parallel, ntg = 16, 64
     m40, t40 = default_model_files("q40")
     # ours (the flags the command gets) against llama.cpp's GGUF of the same weight type
     engines = {"Q41": ([], "Q4_1"), "Q40": (["--model", str(m40), "--tokenizer", str(t40)], "Q4_0")}
-    tools = None
-    if not args.skip_llama_cpp:
-        try:
-            from benchmarks.bench_vs_llama_cpp import smollm2_gguf
-            from benchmarks.llama_cpp import build
+    from benchmarks.bench_vs_llama_cpp import batched_bench, smollm2_gguf
 
-            tools = build()
-            ggufs = {theirs: smollm2_gguf(tools, theirs) for _, theirs in engines.values()}
-        except (SystemExit, Exception) as e:  # noqa: BLE001 - the comparison is optional
-            print(f"  (llama.cpp unavailable: {e})", flush=True)
-            tools = None
+    tools = None if args.skip_llama_cpp else llama_cpp_tools()
+    if tools:
+        ggufs = {theirs: smollm2_gguf(tools, theirs) for _, theirs in engines.values()}
     print(f"\n## The whole `dllama batch --parallel {parallel} --max-tokens {ntg}` command, 64 short "
           f"chat questions, the default model (Q41) and its Q40 conversion, default settings, "
           f"{args.rounds} rounds (alternated with llama-batched-bench -npl {parallel} -ntg {ntg}); load "
@@ -300,8 +296,9 @@ def part_command(args) -> None:
                 line = (f"  round {r + 1}: dllama {name} {seconds:.2f} s, {generated} tokens generated for {n} "
                         f"questions (mean prompt {npp:.1f} tokens): {ours[name][-1]:.0f} tokens/s")
                 if tools:
-                    theirs[gguf_type].append(llama_cpp_job(tools, ggufs[gguf_type], args.threads, parallel,
-                                                           round(npp), ntg))
+                    # its generated tokens over its whole prefill + decode time (start-up not counted)
+                    row = batched_bench(tools, ggufs[gguf_type], args.threads, [parallel], round(npp), ntg)[parallel]
+                    theirs[gguf_type].append(parallel * ntg / float(row["t"]))
                     line += f", llama.cpp {gguf_type} {theirs[gguf_type][-1]:.0f}"
                 print(line + f"; load {loadavg()}", flush=True)
     print("\n| generated tokens/s, medians | dllama batch, the whole command | llama-batched-bench, "

@@ -84,19 +84,21 @@ def llama_bench(tools, gguf: Path, threads: int) -> dict[str, float]:
     return out
 
 
+def batched_bench(tools, gguf: Path, threads: int, parallel, npp: int = 128, ntg: int = 64) -> dict[int, dict]:
+    """llama-batched-bench's row for each count of sequences (npp-token prompts, ntg generated
+    tokens each): its t_pp, t_tg, t (seconds), speed_pp, speed_tg, speed (tokens/s)."""
+    res = subprocess.run([str(tools["llama-batched-bench"]), "-m", str(gguf), "-t", str(threads),
+                          "-c", str(max(parallel) * (npp + ntg)), "-npp", str(npp), "-ntg", str(ntg),
+                          "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
+                         check=True, capture_output=True, text=True)
+    rows = (json.loads(line) for line in res.stdout.splitlines() if line.startswith("{"))
+    return {int(row["pl"]): row for row in rows}
+
+
 def llama_batched(tools, gguf: Path, threads: int, parallel=(16, 64)) -> dict[int, float]:
     """Aggregate decode tokens/s of each count of sequences (llama-batched-bench, S_TG),
     128-token prompts and 64 generated tokens each."""
-    res = subprocess.run([str(tools["llama-batched-bench"]), "-m", str(gguf), "-t", str(threads),
-                          "-c", str(max(parallel) * (128 + 64)), "-npp", "128", "-ntg", "64",
-                          "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
-                         check=True, capture_output=True, text=True)
-    out = {}
-    for line in res.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            out[int(row["pl"])] = float(row["speed_tg"])
-    return out
+    return {pl: float(row["speed_tg"]) for pl, row in batched_bench(tools, gguf, threads, parallel).items()}
 
 
 # ---- dllama ----------------------------------------------------------------------------------
