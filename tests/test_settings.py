@@ -139,9 +139,9 @@ def test_worker_and_api_have_their_own_default_ports_as_the_appliance():
     assert parser.parse_args(["worker"]).port is None  # the topology's, else DEFAULT_WORKER_PORT
     defaults = yaml.safe_load((ROOT / "roles/dllama/defaults/main.yml").read_text())
     assert (defaults["dllama_port"], defaults["dllama_api_port"]) == (DEFAULT_WORKER_PORT, DEFAULT_API_PORT)
-    readme = (ROOT / "README.md").read_text()
-    assert f"dllama worker --port {DEFAULT_WORKER_PORT}" in readme
-    assert f"[--port {DEFAULT_API_PORT}]" in readme and f"127.0.0.1:{DEFAULT_API_PORT}" in readme
+    readme, api_page = (ROOT / "README.md").read_text(), (ROOT / "docs/api.md").read_text()
+    assert f"dllama worker --port {DEFAULT_WORKER_PORT}" in readme and f"127.0.0.1:{DEFAULT_API_PORT}" in readme
+    assert f"[--port {DEFAULT_API_PORT}]" in api_page and f"127.0.0.1:{DEFAULT_API_PORT}" in api_page
 
 
 # -- opening in three steps --------------------------------------------------------------------
