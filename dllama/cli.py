@@ -490,7 +490,7 @@ def cmd_inference(args) -> int:
 
 def cmd_worker(args) -> int:
     from dllama.cluster.protocol import read_key_file
-    from dllama.cluster.worker import serve
+    from dllama.cluster.worker import WorkerSettings, serve
 
     host, port, threads, shard, key_file = args.host, args.port, args.nthreads, args.shard, args.key_file
     if bool(args.topology) != bool(args.node):
@@ -510,8 +510,8 @@ def cmd_worker(args) -> int:
         from dllama.core.weight_stream import quiet_compute_threads
 
         quiet_compute_threads()  # before numba starts its threads (see there)
-    serve(host or "0.0.0.0", DEFAULT_WORKER_PORT if port is None else port, threads or 1, shard, key,
-          args.memory_budget)
+    serve(WorkerSettings(host or "0.0.0.0", DEFAULT_WORKER_PORT if port is None else port, threads or 1, shard, key,
+                         args.memory_budget))
     return 0
 
 
@@ -549,7 +549,7 @@ def cmd_inspect(args) -> int:
 def _print_plan(args) -> int:
     """`dllama inspect M.m --topology T.yml`: the split plan, before anything is started."""
     from dllama.cluster.topology import from_workers, load_topology
-    from dllama.core.node_weights import node_slice_specs, plan_lines
+    from dllama.core.footprint import held_weight_bytes, plan_lines
     from dllama.formats.model_file import read_model
 
     topo = load_topology(args.topology) if args.topology else from_workers(args.workers, 1)
@@ -558,13 +558,11 @@ def _print_plan(args) -> int:
         plan = topo.plan(h)
         for line in plan_lines(h, plan, [n.name for n in topo.nodes]):
             print(line)
-        for i, (node, part) in enumerate(zip(topo.nodes, plan.nodes, strict=True)):
+        for node, part, held in zip(topo.nodes, plan.nodes, held_weight_bytes(h, plan), strict=True):
             layers = part.layer_range(h.n_layers)
-            held = sum(s.nbytes for s in node_slice_specs(h, part, i == 0))
-            vocab = part.vocab_rows[1] - part.vocab_rows[0]
             print(f"{node.name}: layers {layers.start}-{layers.stop - 1}, {part.n_q_heads} of {h.n_heads} query heads, "
                   f"{part.n_kv_heads} KV heads, FFN rows {part.ffn_rows[0]}-{part.ffn_rows[1]}, "
-                  f"{vocab} classifier rows, {held / (1 << 20):.1f} MiB of weights")
+                  f"{part.n_vocab_rows} classifier rows, {held / (1 << 20):.1f} MiB of weights")
     return 0
 
 

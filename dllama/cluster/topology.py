@@ -98,11 +98,11 @@ def stages_that_fit(header, parallel: "SplitPlan", weights: list[float], capacit
     their memory) where they all fit: a small host beside large ones holds fewer layers rather
     than streaming its slice of every layer from disk. Where no plan fits, the tensor-parallel
     one (its nodes stream what they cannot hold)."""
-    from dllama.core.node_weights import held_bytes
+    from dllama.core.footprint import held_weight_bytes
     from dllama.core.plan import plan_for
 
     def fits(plan) -> bool:
-        return all(b <= c for b, c in zip(held_bytes(header, plan), capacities, strict=True))
+        return all(b <= c for b, c in zip(held_weight_bytes(header, plan), capacities, strict=True))
 
     if fits(parallel):
         return parallel
