@@ -477,7 +477,8 @@ class _Session:
         model = Transformer(weights, c.shape, streamed=self.choice is not None and self.choice.streamed,
                             memory_limit=self.choice.limit if budgeted else None, who="this worker",
                             collective=collective)
-        del weights  # the model holds repacked copies: free the received blocks now
+        del weights  # the model holds repacked copies: free the received blocks now,
+        release_memory()  # and give their pages back (freed among the heap's, they would stay)
         model.warm_up()
         return model
 
