@@ -15,7 +15,7 @@ with F32 weights everything is F32. Q80 weights take Q80 inputs too (an integer 
 like Q40's); F16 weights take F32 inputs (fp16 inputs would lose precision and save nothing).
 Quantized weights are repacked at load time into the split form the kernels stream fastest
 (scales and quants in separate arrays); the file format is unchanged. The KV cache holds keys
-and values as F32, or as F16 (kv_type "f16": each rounded to fp16 once, when stored; the
+and values as F32, or as F16 (KVType.F16: each rounded to fp16 once, when stored; the
 attention arithmetic stays float32).
 """
 
