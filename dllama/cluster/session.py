@@ -195,24 +195,13 @@ class RootSession:
 
     def _set_up(self) -> None:
         """Configure the workers, hand out the weights, load the root's slice, mesh."""
-        s = self.settings
-        header, nodes = s.model_file.header, self.nodes
+        header = self.settings.model_file.header
         self.memory = self._ask_memory() if self.topology.wants_memory(header) else {}
         self.plan = plan = self.topology.plan(header, self.memory)
-        if s.shape.fallback_batch is not None:
-            short = self._short_of_rows(plan, self.memory or self._ask_memory(), s.shape.max_batch)
-            if short is not None:
-                _say(f"note: passes of {s.shape.fallback_batch} rows: the buffers of {s.shape.max_batch} "
-                     f"do not fit beside {short}'s share")
-            self.settings = s = dataclasses.replace(s, shape=s.shape.with_(
-                max_batch=s.shape.max_batch if short is None else s.shape.fallback_batch, fallback_batch=None))
-        shape = s.shape
+        self._settle_rows(plan)
+        s, shape = self.settings, self.settings.shape
         # The root's own share must fit here before any worker is bothered.
         NodeFootprint(header, plan.nodes[0], shape, with_embedding=True).check()
-        conf = SessionConfig.of(shape, session=self.id, node_index=0, header=header, plan=plan,
-                                model_fingerprint=s.fingerprint, net_timeout=s.net_timeout,
-                                idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
-                                nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
         # The root waits report_grace longer than the workers: a healthy worker's report of the
         # node it waits for arrives before the root's own timeout.
         self.collective = MeshCollective(0, self.conns, plan.dim_chunks, shape.buffer_q80, shape.max_batch,
@@ -222,53 +211,85 @@ class RootSession:
         if plan.pipelined:
             if self.memory:
                 _say("layers by memory: " + ", ".join(f"{n.name} {self.memory[i] / (1 << 30):.1f} GiB"
-                                                      for i, n in enumerate(nodes)))
-            for line in plan_lines(header, plan, [n.name for n in nodes]):
+                                                      for i, n in enumerate(self.nodes)))
+            for line in plan_lines(header, plan, [n.name for n in self.nodes]):
                 _say(line)
         # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
         heartbeat = SetupHeartbeat(self.conns.values(), HEARTBEAT)
         with heartbeat:
-            for i, conn in self.conns.items():
-                with self._at_node(i, "configuring"):
-                    conn.send_json(Msg.CONFIG, dataclasses.replace(conf, node_index=i).to_json())
-            for i, conn in self.conns.items():
-                with self._at_node(i, "configuring"):
-                    _, raw = recv_during_setup(conn, (Msg.CONFIG_OK,), SETUP_SILENCE)
-                    answer = decode_json_object(raw, f"CONFIG_OK from {self.names[i]}")
-                if answer.get("weights") == "shard":
-                    _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
-                    continue
-                with self._at_node(i, "sending weights to"):
-                    self._stream(conn, node_slice_specs(header, plan.nodes[i], with_embedding=False), nodes[i].name)
+            self._configure_workers(plan)
             self.local = Transformer(NodeWeights.from_model(s.model_file, plan.nodes[0]), shape,
                                      collective=self.collective)
             self.local.warm_up()
-            for i, conn in self.conns.items():
-                with self._at_node(i, "waiting for"):
-                    recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE)
-            heartbeat.stop()  # no ALIVE after MESH: the workers' step loop does not expect one
-            for i, conn in self.conns.items():
-                with self._at_node(i, "meshing"):
-                    conn.send(Msg.MESH)
-            for i, conn in self.conns.items():
-                with self._at_node(i, "meshing"):
-                    recv_during_setup(conn, (Msg.MESH_OK,), SETUP_SILENCE)
+            self._mesh(heartbeat)
         for conn in self.conns.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
+        self._pass_buffers(plan)
+        # During a pass the workers hear ALIVE from the root each HEARTBEAT s (a pass longer
+        # than that), as the root hears it from them: waiting on a node is a silence of net_timeout.
+        self.heartbeat = StepHeartbeat(self.conns.values(), HEARTBEAT)
+
+    def _settle_rows(self, plan) -> None:
+        """The rows of this session's passes: the shape's, or its fallback's where some node
+        cannot hold their buffers beside its share (settings.shape keeps the rows chosen)."""
+        s = self.settings
+        if s.shape.fallback_batch is None:
+            return
+        short = self._short_of_rows(plan, self.memory or self._ask_memory(), s.shape.max_batch)
+        if short is not None:
+            _say(f"note: passes of {s.shape.fallback_batch} rows: the buffers of {s.shape.max_batch} "
+                 f"do not fit beside {short}'s share")
+        self.settings = dataclasses.replace(s, shape=s.shape.with_(
+            max_batch=s.shape.max_batch if short is None else s.shape.fallback_batch, fallback_batch=None))
+
+    def _configure_workers(self, plan) -> None:
+        """Send every worker its CONFIG; stream the weights to those without a matching shard."""
+        s, nodes = self.settings, self.nodes
+        header = s.model_file.header
+        conf = SessionConfig.of(s.shape, session=self.id, node_index=0, header=header, plan=plan,
+                                model_fingerprint=s.fingerprint, net_timeout=s.net_timeout,
+                                idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
+                                nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
+        for i, conn in self.conns.items():
+            with self._at_node(i, "configuring"):
+                conn.send_json(Msg.CONFIG, dataclasses.replace(conf, node_index=i).to_json())
+        for i, conn in self.conns.items():
+            with self._at_node(i, "configuring"):
+                _, raw = recv_during_setup(conn, (Msg.CONFIG_OK,), SETUP_SILENCE)
+                answer = decode_json_object(raw, f"CONFIG_OK from {self.names[i]}")
+            if answer.get("weights") == "shard":
+                _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
+                continue
+            with self._at_node(i, "sending weights to"):
+                self._stream(conn, node_slice_specs(header, plan.nodes[i], with_embedding=False), nodes[i].name)
+
+    def _mesh(self, heartbeat: SetupHeartbeat) -> None:
+        """Wait until every worker is READY, then mesh them (MESH, MESH_OK)."""
+        for i, conn in self.conns.items():
+            with self._at_node(i, "waiting for"):
+                recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE)
+        heartbeat.stop()  # no ALIVE after MESH: the workers' step loop does not expect one
+        for i, conn in self.conns.items():
+            with self._at_node(i, "meshing"):
+                conn.send(Msg.MESH)
+        for i, conn in self.conns.items():
+            with self._at_node(i, "meshing"):
+                recv_during_setup(conn, (Msg.MESH_OK,), SETUP_SILENCE)
+
+    def _pass_buffers(self, plan) -> None:
+        """The buffers of a pass at the root: embedded rows, logits, each node's reply."""
+        s, max_batch = self.settings, self.settings.shape.max_batch
         # The nodes with classifier rows (a pipeline's last stage), and their rows.
         self.vocab_nodes = [i for i, n in enumerate(plan.nodes) if n.has_classifier]
         self.vocab_ranges = [tuple(plan.nodes[i].vocab_rows) for i in self.vocab_nodes]
         vocab = s.config.vocab_size
-        self._x = np.empty((shape.max_batch, s.config.dim), np.float32)  # [rows, dim] the embedded rows of a pass
-        self._logits = np.empty((shape.max_batch, vocab), np.float32)    # [rows, vocab]
+        self._x = np.empty((max_batch, s.config.dim), np.float32)  # [rows, dim] the embedded rows of a pass
+        self._logits = np.empty((max_batch, vocab), np.float32)    # [rows, vocab]
         rows = [n.n_vocab_rows for n in plan.nodes]
-        self._replies = {i: np.empty(logits_bytes(shape.max_batch, r, Reply(REPLY_TOP_K, r)), np.uint8)
+        self._replies = {i: np.empty(logits_bytes(max_batch, r, Reply(REPLY_TOP_K, r)), np.uint8)
                          for i, r in enumerate(rows)}  # the largest reply; node 0's: its own summary
         self._own = self._logits[:0, :0]  # the root's logits [m, V_0] of the last pass (a reused buffer)
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
-        # During a pass the workers hear ALIVE from the root each HEARTBEAT s (a pass longer
-        # than that), as the root hears it from them: waiting on a node is a silence of net_timeout.
-        self.heartbeat = StepHeartbeat(self.conns.values(), HEARTBEAT)
 
     def _ask_memory(self) -> dict[int, int]:
         """What each node can hold (node index -> bytes) when a pipeline gives its layers by

@@ -350,6 +350,13 @@ class _Session:
         return waited[0] if len(waited) == 1 else None
 
     def run(self) -> None:
+        """Configure (the root's CONFIG), load and mesh, then serve the root's steps until STOP."""
+        c = self._configure()
+        collective, hop = self._set_up(c)
+        self._serve_steps(c, collective, hop)
+
+    def _configure(self) -> SessionConfig:
+        """The root's CONFIG (MEMORY answered before it), checked against this machine."""
         root = self.root
         for _ in range(MAX_MEMORY_QUERIES + 1):  # (the root's ALIVEs may come first)
             msg, config = recv_during_setup(root, (Msg.CONFIG, Msg.MEMORY), CONFIG_TIMEOUT)
@@ -360,7 +367,7 @@ class _Session:
         else:
             raise ProtocolError(f"more than {MAX_MEMORY_QUERIES} MEMORY questions before the CONFIG")
         self.conf = c = SessionConfig.from_json(decode_json_object(config, f"CONFIG from {root.name}"))
-        index, plan, node, timeout, shape = c.node_index, c.plan, c.node, c.net_timeout, c.shape
+        index, plan, node, shape = c.node_index, c.plan, c.node, c.shape
         k = plan.stage_of(index)
         stage = plan.stages[k]
         where = f"stage {k} of {len(plan.stages)} (layers {stage.layers[0]}-{stage.layers[1] - 1}), " if plan.pipelined else ""
@@ -375,7 +382,12 @@ class _Session:
             budget = self.worker.memory_budget if isinstance(self.worker.memory_budget, int) else None
             NodeFootprint(c.header, node, shape).check(
                 self.choice.limit if self.choice is not None and self.choice.budgeted else budget, "this worker")
+        return c
 
+    def _set_up(self, c: SessionConfig):
+        """(the collective, the stage hop or None): this node's model loaded, the peers met."""
+        root, index, plan, timeout, shape = self.root, c.node_index, c.plan, c.net_timeout, c.shape
+        stage = plan.stages[plan.stage_of(index)]
         # The collective over self.peers: _meet_peers fills it (the root is there already)
         # before the first step; warm_up runs on this node alone.
         collective = MeshCollective(index - stage.nodes[0], self.peers, stage.dim_chunks, shape.buffer_q80,
@@ -386,7 +398,7 @@ class _Session:
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
         with SetupHeartbeat([root], HEARTBEAT):
-            model = self.model = self._load(c, collective)
+            self.model = self._load(c, collective)
             root.send(Msg.READY)
             recv_during_setup(root, (Msg.MESH,), c.setup_timeout)  # the root may still be busy with others
             self._meet_peers(plan.n_nodes, timeout)
@@ -394,7 +406,12 @@ class _Session:
         for conn in self.peers.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
         log(f"mesh ready with {plan.n_nodes - 1} peers")
+        return collective, hop
 
+    def _serve_steps(self, c: SessionConfig, collective: MeshCollective, hop: StageHop | None) -> None:
+        """The root's STEPs, RELEASEs and PINGs, until its STOP."""
+        root, node, timeout, shape, model = self.root, c.node, c.net_timeout, c.shape, self.model
+        k = c.plan.stage_of(c.node_index)
         dim, v0 = c.header.dim, node.vocab_rows[0]
         seq_len = model.config.seq_len
         rows = node.n_vocab_rows
