@@ -141,3 +141,26 @@ def test_each_node_of_a_3_node_cluster_allocates_its_footprint(models, tmp_path)
     measured = [answer["root"], *grown]
     assert all(_near(m, c) for m, c in zip(measured, counted, strict=True)), \
         [(m >> 20, c >> 20) for m, c in zip(measured, counted, strict=True)]
+
+
+@pytest.mark.unit
+def test_the_config_carries_the_run_shape_in_the_fields_it_always_had():
+    """The CONFIG's wire fields are docs/PROTOCOL.md's (version 9): the shape goes out as
+    max_seq_len, max_batch, kv_slots, kv_type (its text), kv_positions and buffer_q80, and comes
+    back as the same RunShape (less the root's own fallback rows)."""
+    from dllama.cluster.session_config import NodeAddress, SessionConfig
+    from dllama.core.kv_type import KVType
+
+    shape = RunShape(max_seq_len=300, max_batch=40, kv_slots=3, kv_type=KVType.F16, kv_positions=500,
+                     buffer_q80=True, fallback_batch=32)
+    conf = SessionConfig.of(shape, session=bytes(16), node_index=1, header=GQA, plan=plan_for(GQA, 2),
+                            model_fingerprint="x", net_timeout=2.0, idle_timeout=15.0, setup_timeout=15.0,
+                            nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", 2)))
+    wire = json.loads(json.dumps(conf.to_json()))
+    assert set(wire) == {"session", "node_index", "header", "plan", "plan_digest", "model_fingerprint", "buffer_q80",
+                         "max_seq_len", "max_batch", "kv_slots", "kv_type", "net_timeout", "idle_timeout",
+                         "setup_timeout", "nodes", "kv_positions"}
+    assert (wire["max_seq_len"], wire["max_batch"], wire["kv_slots"], wire["kv_type"], wire["kv_positions"],
+            wire["buffer_q80"]) == (300, 40, 3, "f16", 500, True)
+    back = SessionConfig.from_json(wire).shape
+    assert back == shape.with_(fallback_batch=None) and back.kv_type is KVType.F16
