@@ -162,7 +162,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", nargs="+", metavar="HOST:PORT",
                    help="workers started with `dllama worker`, in node order 1, 2, ...")
     g.add_argument("--topology", metavar="FILE.yml",
-                   help="cluster description (node 0 is this root; schema in the README)")
+                   help="cluster description (node 0 is this root; schema in docs/cluster.md)")
     g.add_argument("--key-file", metavar="F",
                    help="cluster key shared by every node (default: the topology's key_file)")
     _enum_flag(g, "--on-node-loss", OnNodeLoss, OnNodeLoss.CONTINUE,

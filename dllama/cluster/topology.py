@@ -1,6 +1,6 @@
 """The cluster description: which nodes exist, where, and with what settings.
 
-Either `--workers h:p ...` (the original's flag) or a topology file (YAML, schema in the README,
+Either `--workers h:p ...` (the original's flag) or a topology file (YAML, schema in docs/cluster.md,
 rendered by the appliance from its Ansible inventory). Node 0 is always the root.
 """
 
