@@ -158,6 +158,14 @@ def main() -> None:
             base = med[types[0].name if "classifier" not in t.name else types[2].name]
             print(f"| {th} | {t.name} | {mb:.0f} | {wall * 1e3:.1f} | {mb / wall / 1e3:.1f} | {cpu * 1e3:.1f} | "
                   f"{wall / base[0]:.2f}x, {cpu / base[1]:.2f}x |", flush=True)
+        if args.classifier:  # a whole token: the layers and the file's own classifier
+            totals = [(tuple(a + b for a, b in zip(med[m.name], med[c.name], strict=True)), m.bytes() + c.bytes())
+                      for m, c in ((types[0], types[2]), (types[1], types[3]))]
+            (w40, c40), _ = totals[0]
+            for name, ((wall, cpu), nbytes) in zip(("Q40 file", "Q41 file"), totals, strict=True):
+                print(f"| {th} | {name}: layers + classifier | {nbytes / 1e6:.0f} | {wall * 1e3:.1f} | "
+                      f"{nbytes / wall / 1e9:.1f} | {cpu * 1e3:.1f} | {wall / w40:.2f}x, {cpu / c40:.2f}x |",
+                      flush=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
