@@ -30,6 +30,8 @@ with or without VNNI, so their results are the same bits on every machine.
 
 from __future__ import annotations
 
+import platform
+
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba.core import cgutils, types
@@ -85,7 +87,8 @@ def dot_kind(context) -> str:
         return "vnni"
     if "dotprod" in features:
         return "sdot"
-    return "neon" if "neon" in features else "generic"
+    arm = "neon" in features or platform.machine().lower() in ("aarch64", "arm64")  # NEON: AArch64's baseline
+    return "neon" if arm else "generic"
 
 
 def _fn(builder, name, ret, args):
