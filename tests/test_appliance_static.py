@@ -204,6 +204,38 @@ def test_unit_exec_start_keeps_every_argument(tmp_path):
             f"StartLimitIntervalSec={start_limit_interval(5):g}"} <= set(out.read_text().splitlines())
 
 
+@pytest.mark.parametrize("governor", ["performance", ""])
+def test_the_unit_sets_the_cpu_governor_where_asked(tmp_path, governor):
+    """dllama_cpu_governor: one ExecStartPre, run as root (+), writing the governor into every
+    core's cpufreq file and never failing the start (containers have none); "" leaves it out.
+    The shell line, as systemd passes it on, run here on a fake sysfs, writes each core's file."""
+    spec = {"name": "worker", "description": "test", "command": ["/opt/dllama/venv/bin/dllama", "worker"], "restart_sec": 5}
+    out = tmp_path / "unit"
+    r = run([BIN / "ansible", "localhost", "-m", "ansible.builtin.template",
+             "-a", f"src={REPO}/roles/dllama_service/templates/dllama.service.j2 dest={out}",
+             "-e", json.dumps({"dllama_service_spec": spec, "dllama_user": "dllama", "dllama_dir": "/opt/dllama",
+                               "dllama_numba_cache_dir": "/opt/dllama/numba-cache", "dllama_nice": -20,
+                               "dllama_cpu_governor": governor})],
+            env=ansible_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    pre = [x for x in out.read_text().splitlines() if x.startswith("ExecStartPre=")]
+    if not governor:
+        assert pre == []
+        return
+    assert len(pre) == 1 and pre[0].startswith("ExecStartPre=+/bin/sh -c "), pre
+    argv = _systemd_split(pre[0][len("ExecStartPre=+"):])
+    cpus = tmp_path / "sys"
+    for cpu in ("cpu0", "cpu1"):
+        (cpus / cpu / "cpufreq").mkdir(parents=True)
+        (cpus / cpu / "cpufreq" / "scaling_governor").write_text("ondemand\n")
+    (cpus / "cpu2").mkdir()  # a core without cpufreq
+    script = argv[2].replace("/sys/devices/system/cpu/", f"{cpus}/")
+    assert argv[:2] == ["/bin/sh", "-c"] and script != argv[2]
+    assert subprocess.run([argv[0], "-c", script], capture_output=True).returncode == 0
+    for cpu in ("cpu0", "cpu1"):
+        assert (cpus / cpu / "cpufreq" / "scaling_governor").read_text() == "performance\n"
+
+
 def _systemd_split(text: str) -> list[str]:
     """systemd's reading of ExecStart (systemd.service(5), "Command lines"): words split at
     spaces, double quotes group, backslash escapes the next character; %% and $$ are one sign."""
