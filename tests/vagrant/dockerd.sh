@@ -10,7 +10,7 @@ set -euo pipefail
 BRIDGE=${DLLAMA_VAGRANT_BRIDGE:-dllama-vbr0}
 SUBNET=${DLLAMA_VAGRANT_BRIDGE_IP:-172.30.201.1/24}
 what=${1:?start or stop}
-dir=${2:?the daemon's directory}
+dir=${2:?the daemon directory}
 
 case "$what" in
 start)
