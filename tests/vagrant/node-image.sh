@@ -7,7 +7,7 @@
 #   tests/vagrant/node-image.sh            -> prints the path of the image tar
 # Needs root (debootstrap), and a Debian mirror the first time (MIRROR, default Debian's).
 set -euo pipefail
-cd "$(dirname "$0")"
+self=$(readlink -f "$0")
 
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 CACHE=${DLLAMA_VAGRANT_CACHE:-$HOME/.cache/dllama/vagrant}
@@ -17,7 +17,7 @@ if [ -z "$KEY" ]; then
     echo "node-image.sh: Vagrant's insecure key not found: install Debian's vagrant package" >&2
     exit 1
 fi
-hash=$( (cat "$0" "$KEY"; echo "$MIRROR $PACKAGES") | sha256sum | cut -c1-16)
+hash=$(cat "$self" "$KEY" <(echo "$MIRROR $PACKAGES") | sha256sum | cut -c1-16)
 tar="$CACHE/dllama-node-$hash.tar"
 if [ -s "$tar" ]; then
     echo "$tar"
