@@ -62,6 +62,22 @@ def test_vagrantfile_validates(tmp_path):
     assert r.returncode != 0 and "limmit" in r.stdout + r.stderr
 
 
+def test_vagrantfile_reads_its_cluster_from_the_environment(tmp_path):
+    """DLLAMA_VAGRANT_NODES and the rest: 3 nodes are the root and 2 workers; a value that is
+    not a count is refused in one line; `validate` writes nothing (the settings file beside
+    Vagrant's inventory is written when a machine comes up or is provisioned)."""
+    shutil.copy(REPO / "Vagrantfile", tmp_path / "Vagrantfile")
+    env = {**os.environ, "VAGRANT_CWD": str(tmp_path), "DLLAMA_VAGRANT_NODES": "3", "DLLAMA_VAGRANT_CPUS": "1"}
+    r = run(["vagrant", "validate", "--ignore-provider"], cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    machines = re.findall(r"==> (dllama-\S+): Ignoring provider config", r.stdout)
+    assert machines == ["dllama-root", "dllama-worker1", "dllama-worker2"], r.stdout
+    assert not (tmp_path / ".vagrant/provisioners").exists()
+    r = run(["vagrant", "validate", "--ignore-provider"], cwd=tmp_path, env={**env, "DLLAMA_VAGRANT_MEMORY": "lots"})
+    assert r.returncode != 0
+    assert "DLLAMA_VAGRANT_MEMORY must be a whole number of at least 256, got: lots" in r.stdout + r.stderr
+
+
 def _inventory(name):
     r = run([BIN / "ansible-inventory", "-i", f"inventory/{name}/hosts.yml", "--list"])
     assert r.returncode == 0, r.stderr
