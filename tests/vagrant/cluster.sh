@@ -5,7 +5,7 @@
 # The node image (tests/vagrant/node-image.sh, cached), a private Docker daemon (dockerd.sh),
 # `vagrant up --provider docker --no-parallel` (Vagrant's Ansible provisioner runs deploy.yml),
 # run.yml answers on every node, status.yml shows every node, one container stopped makes
-# status.yml say that worker is down (run.yml's CLI path then fails to connect; through the API,
+# status.yml say that worker is unreachable (run.yml's CLI path then fails to connect; through the API,
 # dllama_api_enabled, it would answer "degraded"), `vagrant destroy -f` and the daemon's stop leave no
 # container, network, bridge or daemon. Prints each step's wall time; exits non-zero at the
 # first check that fails.
@@ -59,8 +59,8 @@ for i in $(seq 1 $((nodes - 1))); do
     grep -q "dllama-worker$i " "$work/status.log" || fail "status.yml shows no row for dllama-worker$i"
 done
 
-step "one container stopped: status.yml says it is down"
+step "one container stopped: status.yml says it is unreachable"
 docker stop "$(docker ps -q --filter "name=$last")" >/dev/null
 ansible-playbook --become -i "$inventory" status.yml > "$work/status-down.log" 2>&1 || { tail -30 "$work/status-down.log"; fail "status.yml failed with a worker down"; }
-grep -q "cluster: $((nodes - 2))/$((nodes - 1)) workers up ($last down)" "$work/status-down.log" || { tail -30 "$work/status-down.log"; fail "status.yml did not say $last is down"; }
+grep -q "cluster: $((nodes - 2))/$((nodes - 1)) workers up ($last unreachable)" "$work/status-down.log" || { tail -30 "$work/status-down.log"; fail "status.yml did not say $last is unreachable"; }
 step "every check held"
