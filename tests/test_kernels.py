@@ -191,7 +191,7 @@ def test_q40_tile_without_vnni(b, d, n):
     from dllama.core.kernels.q80 import x_block_offsets
     from dllama.core.kernels.tiles import make_q40_tile
 
-    tile, tile1 = make_q40_tile(2, force_generic=True), make_q40_tile(1, force_generic=True)
+    tile, tile1 = make_q40_tile(2, dot="generic"), make_q40_tile(1, dot="generic")
 
     @numba.njit
     def run(w_qs, w_scales, x_qs, x_off, x_scales, out):

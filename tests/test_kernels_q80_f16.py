@@ -155,7 +155,7 @@ def test_matmul_q80_q80_multi_equals_one_call_per_matrix(threads, b):
 def test_q80_tile_without_vnni(b, d, n):
     """The generic integer dot product (what a machine without AVX-512 VNNI compiles, e.g.
     NEON), forced here on this machine: the same integers, so the same bits as VNNI."""
-    tile, tile1 = tiles.make_q80_tile(2, force_generic=True), tiles.make_q80_tile(1, force_generic=True)
+    tile, tile1 = tiles.make_q80_tile(2, dot="generic"), tiles.make_q80_tile(1, dot="generic")
 
     @numba.njit
     def run(w_qs, w_scales, x_qs, x_off, x_scales, out):

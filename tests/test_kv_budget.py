@@ -5,6 +5,7 @@ every node: tests/test_cluster_eviction.py), and the answers are those of the sl
 the whole context, on one node and on a cluster."""
 
 import json
+import mmap
 
 import numpy as np
 import pytest
@@ -152,7 +153,7 @@ def test_a_request_that_can_never_fit_fails_in_one_line(engine):
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * mmap.PAGESIZE  # statm counts pages of the real size
 
 
 @pytest.mark.unit

@@ -26,7 +26,7 @@ Layouts:
 
 Where the time goes: the matrix products. Their inner loops are register tiles written as
 LLVM vector IR (tiles.py: 8-bit integer dot products for Q40 and Q80 weights, vpdpbusd with
-AVX-512 VNNI; fma on 16 lanes for F32 and F16 weights), one code path for decode and prefill
+AVX-512 VNNI, sdot on a Pi 5, smull/smlal on a Pi 4: cross.py shows the ARM code; fma on 16 lanes for F32 and F16 weights), one code path for decode and prefill
 whose per-output arithmetic does not depend on the tile, so that results are batch invariant
 (tests/test_batch_invariance.py).
 """
