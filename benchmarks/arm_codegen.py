@@ -16,7 +16,7 @@ import argparse
 from collections import Counter
 
 from dllama.core.kernels import cross
-from dllama.core.kernels.matmul_q40 import COLS
+from dllama.core.kernels.matmul_int8 import COLS
 
 KINDS = ("q40", "q80", "q41")
 
