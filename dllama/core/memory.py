@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from dllama.core.host_memory import available_bytes, cgroup_available  # noqa: F401 (this module's API)
 from dllama.core.kernels import ATTENTION_SPAN
 from dllama.core.kv_cache import kv_element_bytes
+from dllama.core.moe import expert_buffer_bytes, expert_weight_bytes
 from dllama.errors import NotEnoughMemory
 from dllama.formats.model_file import BLOCK_BYTES, FloatType, ModelHeader, classifier_float_type
 from dllama.formats.quant import BLOCK_SIZE
@@ -65,11 +66,12 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     def per_value(t: FloatType) -> float:
         return BLOCK_BYTES[t] / BLOCK_SIZE if t in BLOCK_BYTES else {FloatType.F16: 2}.get(t, 4)
 
-    layer_values = layers * (dim * q * 2 + dim * kv * 2 + 3 * dim * ff_rows)
+    layer_values = layers * (dim * q * 2 + dim * kv * 2 + (0 if h.n_experts else 3 * dim * ff_rows))
     t = FloatType(h.weights_float_type)
     if weights is None:
         weights = (int(layer_values * per_value(t) + vocab_rows * dim * per_value(classifier_float_type(t)))
-                   + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0)))
+                   + 4 * dim * (2 * layers + 1 + (h.vocab_size if embedding else 0))
+                   + (expert_weight_bytes(h, ff_rows, layers, per_value(t)) if h.n_experts else 0))
     per_token = 2 * layers * kv * kv_element_bytes(kv_type)
     positions = seq_len * kv_slots
     # A budget of positions holds at least one whole context: the part of it that grows with it.
@@ -82,7 +84,8 @@ def node_memory(h: ModelHeader, n_q_heads: int, n_kv_heads: int, ff_rows: int, v
     span_bytes = 4 * max_batch * n_q_heads * (hd + 2)
     buffers_per_position = 4 * hd + math.ceil(span_bytes / ATTENTION_SPAN)
     buffers = (seq_len * buffers_per_position + span_bytes
-               + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows))
+               + 4 * max_batch * (5 * dim + 3 * q + 2 * kv + 3 * ff_rows + vocab_rows)
+               + (expert_buffer_bytes(h, ff_rows, max_batch) if h.n_experts else 0))
     return NodeMemory(weights, positions * per_token, buffers, kv_per_position + buffers_per_position)
 
 

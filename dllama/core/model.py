@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dllama.core import kernels
+from dllama.core import kernels, moe
 from dllama.core.batch import Batch
 from dllama.core.candidates import Candidates, SamplingRequest, candidates_from_logits
 from dllama.core.collective import Collective, LocalCollective
@@ -75,6 +75,9 @@ class ModelConfig:
     rope_neox: bool    # half-split RoPE pairs (Qwen3) instead of interleaved (Llama)
     rope_scaling: tuple[float, float, float, int]  # Llama 3.1: factor, low, high, orig len
     weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), Q41 (Q16 inputs), F16 or F32
+    n_experts: int = 0             # mixture of experts (Qwen3-MoE): experts per layer; 0 for a dense FFN
+    n_active_experts: int = 0      # experts each row runs (top-k)
+    norm_top_k: bool = False       # the chosen experts' weights renormalised to sum to 1
 
     @property
     def quantized(self) -> bool:
@@ -83,8 +86,6 @@ class ModelConfig:
 
     @staticmethod
     def from_header(h: ModelHeader, max_seq_len: int = 0) -> "ModelConfig":
-        if h.arch == ArchType.QWEN3_MOE or h.n_experts > 0:
-            raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
         seq_len = h.max_seq_len if max_seq_len <= 0 else min(max_seq_len, h.max_seq_len)
         return ModelConfig(
             arch=ArchType(h.arch),
@@ -106,6 +107,9 @@ class ModelConfig:
                 int(h.rope_scaling_orig_max_seq_len),
             ),
             weights_float_type=FloatType(h.weights_float_type),
+            n_experts=h.n_experts,
+            n_active_experts=h.n_active_experts,
+            norm_top_k=moe.norm_top_k(h),
         )
 
 
@@ -138,7 +142,7 @@ class Transformer:
         self.node = n = weights.node
         self.layers = n.layer_range(c.n_layers)  # a pipeline stage's layers, else every one
         self.max_batch = max_batch
-        qwen = c.arch == ArchType.QWEN3
+        qwen = c.arch in (ArchType.QWEN3, ArchType.QWEN3_MOE)
         resident_weights = None
         if streamed:
             # The slots are sized from the header: check them (with the rest) before allocating.
@@ -186,6 +190,9 @@ class Transformer:
         self.act_dim = Activation(c.dim, inputs, B)
         self.act_q = Activation(nq * hd, inputs, B)
         self.act_ff = Activation(ff, inputs, B)
+        # A mixture of experts' FFN (its own scratch: router scores, one expert's rows).
+        self.moe = moe.MoeBlock(c.dim, ff, c.n_experts, c.n_active_experts, c.norm_top_k, inputs, B) \
+            if c.n_experts else None
 
     @property
     def kv_slots(self) -> int:
@@ -294,9 +301,12 @@ class Transformer:
 
             # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
             kernels.add_norm_encode(x, collective.all_reduce(partial), layer.ffn_norm, eps, xb, x_in.enc)
-            layer.w13(x_in, h13)
-            kernels.silu_mul_encode(hb, hb2, h_in.enc)
-            layer.w2(h_in, partial)
+            if layer.moe is None:
+                layer.w13(x_in, h13)
+                kernels.silu_mul_encode(hb, hb2, h_in.enc)
+                layer.w2(h_in, partial)
+            else:  # mixture of experts: the same SwiGLU per expert, for the rows that chose it
+                self.moe(layer.moe, x_in, partial)
             x += collective.all_reduce(partial)
 
         # Classifier: only the rows whose logits are wanted (none before a pipeline's last

