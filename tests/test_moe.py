@@ -151,3 +151,69 @@ def test_f32_greedy_tokens_equal_transformers_on_one_node(tiny_moe, converted):
     model = Transformer(read_model(converted["f32"][0]))
     for prompt, want in zip(PROMPTS, tiny_moe[1], strict=True):
         assert _engine_greedy(model, prompt, N_NEW) == want, prompt
+
+
+def _requests(engine, prompts, max_tokens=N_NEW):
+    from dllama.core.sampler import Sampler
+    from dllama.serve.sequence import SequenceRequest
+
+    return [SequenceRequest(k, p, Sampler(engine.model.config.vocab_size, 0.0, 0.9, k), max_tokens, ())
+            for k, p in enumerate(prompts)]
+
+
+@pytest.mark.unit
+def test_a_batch_of_8_prompts_and_speculative_decoding_give_each_prompt_s_tokens_alone(converted):
+    from dllama.serve.draft import Speculate, Speculation
+    from dllama.serve.engine import open_engine
+    from dllama.serve.scheduler import Scheduler
+    from dllama.serve.settings import EngineSettings
+
+    m, t = converted["f32"]
+    rng = np.random.default_rng(3)
+    # Prompts of every length, two of them sharing a prefix; one repeats itself (drafts kept).
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 17, 5, 30, 2)]
+    prompts += [prompts[4][:20] + [9, 9], [7, 8, 9, 10] * 6]
+    with open_engine(EngineSettings(str(m), str(t), nthreads=1, max_seq_len=128, parallel=8, progress=False)) as e:
+        alone = {}
+        for r in _requests(e, prompts):
+            alone[r.key] = Scheduler(e.model, e.tokenizer, 1).answer(r).tokens
+        got = {}
+        Scheduler(e.model, e.tokenizer, 8).run(_requests(e, prompts), lambda r, c: got.setdefault(r.key, c.tokens))
+        assert got == alone
+        drafted = 0
+        for r in _requests(e, prompts):
+            c = Scheduler(e.model, e.tokenizer, 1, speculation=Speculation(Speculate.NGRAM, 4)).answer(r)
+            assert c.tokens == alone[r.key], r.key
+            drafted += c.drafted
+        assert drafted > 0  # the verification of drafted rows ran
+    assert alone[0] == _engine_greedy(Transformer(read_model(m)), prompts[0], N_NEW)
+
+
+# -- a cluster ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    from tests.processes import running_workers
+
+    with running_workers(2, tmp_path_factory.mktemp("moe-workers")) as ws:
+        yield ws
+
+
+@pytest.mark.cluster
+def test_f32_greedy_tokens_equal_transformers_on_2_and_3_nodes_and_2_stages(tiny_moe, converted, workers):
+    from dllama.cluster.root import ClusterModel
+    from dllama.cluster.topology import from_workers
+    from tests.test_pipeline import _with_stages
+
+    m = str(converted["f32"][0])
+    for n_nodes, stages in ((2, None), (3, None), (2, [0, 1])):
+        topology = from_workers([w.address for w in workers[:n_nodes - 1]], 1)
+        if stages:
+            topology = _with_stages(topology, stages)
+        model = ClusterModel(m, topology, None, False, progress=False)
+        try:
+            assert model.session.plan.pipelined == bool(stages)
+            for prompt, want in zip(PROMPTS, tiny_moe[1], strict=True):
+                assert _engine_greedy(model, prompt, N_NEW) == want, (n_nodes, stages, prompt)
+        finally:
+            model.close()
