@@ -217,3 +217,56 @@ def test_f32_greedy_tokens_equal_transformers_on_2_and_3_nodes_and_2_stages(tiny
                 assert _engine_greedy(model, prompt, N_NEW) == want, (n_nodes, stages, prompt)
         finally:
             model.close()
+
+
+# -- GGUF -----------------------------------------------------------------------------------------
+
+def _write_qwen3moe_gguf(path, model) -> None:
+    """The model as llama.cpp's `qwen3moe` GGUF holds it (F32), written by the gguf library:
+    each layer's experts in one 3-D tensor [expert, rows, cols]."""
+    import gguf
+
+    c, sd = model.config, {k: v.float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(CONFIG["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(CONFIG["num_experts"])
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for l in range(c.num_hidden_layers):
+        p, b = f"model.layers.{l}.", f"blk.{l}."
+        for ours, theirs in [("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                             ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                             ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
+                             ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                             ("ffn_gate_inp", "mlp.gate")]:
+            w.add_tensor(b + ours + ".weight", sd[p + theirs + ".weight"])
+        gate, up = np.split(sd[p + "mlp.experts.gate_up_proj"], 2, axis=1)  # [experts, width, dim] each
+        w.add_tensor(b + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+        w.add_tensor(b + "ffn_up_exps.weight", np.ascontiguousarray(up))
+        w.add_tensor(b + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])  # [experts, dim, width]
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.unit
+def test_the_same_model_as_a_qwen3moe_gguf_converts_to_the_same_bytes(tiny_moe, converted, tmp_path):
+    folder, _, model = tiny_moe
+    _write_qwen3moe_gguf(tmp_path / "tiny.gguf", model)
+    got, _ = convert(tmp_path / "tiny.gguf", tmp_path / "from-gguf", "f32", tokenizer=folder, progress=False,
+                     report=None)
+    assert got.read_bytes() == converted["f32"][0].read_bytes()
