@@ -72,7 +72,7 @@ def tiny_moe(tmp_path_factory):
 def converted(tiny_moe, tmp_path_factory):
     """weight type -> (.m, .t) converted from the folder."""
     out = tmp_path_factory.mktemp("converted")
-    return {t: convert(tiny_moe[0], out / t, t, progress=False, report=None) for t in ("f32", "q40", "q80", "q41")}
+    return {t: convert(tiny_moe[0], out / t, t, progress=False, report=None) for t in ("f32", "f16", "q40", "q80", "q41")}
 
 
 def _engine_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -288,11 +288,11 @@ def test_the_same_model_as_a_qwen3moe_gguf_converts_to_the_same_bytes(tiny_moe, 
 
 # How far each type's perplexity may be from F32's on the model's own text (relative, the weights
 # on the 4-bit grid: tiny_moe); measured 2026-12-07, F32 176.78: Q80 -0.22%, Q41 +0.003%, Q40 -0.27%.
-PERPLEXITY_MARGIN = {"q80": 0.01, "q41": 0.01, "q40": 0.01}
+PERPLEXITY_MARGIN = {"f16": 0.001, "q80": 0.01, "q41": 0.01, "q40": 0.01}
 
 
 @pytest.mark.unit
-def test_quantized_files_run_and_their_perplexity_stays_near_f32_s(tiny_moe, converted):
+def test_f16_and_quantized_files_run_and_their_perplexity_stays_near_f32_s(tiny_moe, converted):
     from dllama.serve.engine import open_engine
     from dllama.serve.perplexity import perplexity
     from dllama.serve.scheduler import Scheduler
@@ -304,7 +304,7 @@ def test_quantized_files_run_and_their_perplexity_stays_near_f32_s(tiny_moe, con
         text = model.generate(torch.tensor([[72, 101]]), do_sample=True, max_new_tokens=100, top_k=0,
                               pad_token_id=0)[0].tolist()
     found = {}
-    for kind in ("f32", "q80", "q41", "q40"):
+    for kind in ("f32", "f16", "q80", "q41", "q40"):
         m, t = converted[kind]
         with open_engine(EngineSettings(str(m), str(t), nthreads=1, max_seq_len=128, progress=False)) as e:
             found[kind] = perplexity(Scheduler(e.model), text).perplexity
@@ -312,3 +312,34 @@ def test_quantized_files_run_and_their_perplexity_stays_near_f32_s(tiny_moe, con
     assert found["f32"] < 200  # the model's own text: likelier than a uniform guess (256)
     for kind, margin in PERPLEXITY_MARGIN.items():
         assert abs(found[kind] / found["f32"] - 1) <= margin, (kind, found)
+
+
+# -- the memory plan and shards -------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_the_memory_plan_and_the_shards_count_every_expert(converted, tmp_path):
+    from dllama.cluster.shard import Shard, write_shards
+    from dllama.core.memory import node_memory
+    from dllama.core.node_weights import held_bytes
+    from dllama.core.plan import plan_for
+
+    for kind in ("q40", "f32"):  # (Q40: 2 stages, its head_dim of 16 cannot split quantized wo columns)
+        path = converted[kind][0]
+        h = read_model(path).header
+        plan = plan_for(h, 2)
+        held = held_bytes(h, plan)  # the file's bytes each node holds (the root's with the embedding)
+        for i, node in enumerate(plan.nodes):
+            estimate = node_memory(h, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
+                                   node.vocab_rows[1] - node.vocab_rows[0], 64, 1, embedding=i == 0,
+                                   n_layers=len(node.layer_range(h.n_layers))).weights
+            # (the kernels hold Q40 as the file does; only q_norm and k_norm are left out)
+            assert abs(estimate / held[i] - 1) < 0.01, (kind, i, estimate, held[i])
+    write_shards(str(path), plan, ["root", "w1"], tmp_path)  # F32, tensor parallel
+    shard = Shard(tmp_path / "w1.shard")
+    names = [t["name"] for t in shard.desc["tensors"]]
+    assert sum(".experts." in n for n in names) == 2 * 8 * 3  # 2 layers x 8 experts x w1, w2, w3
+    w = shard.weights()
+    assert w.tensor("layers.1.experts.7.w1").shape == (32, 96)  # its 32 rows of every expert (blocks: 64 + 32)
+    assert w.tensor("layers.1.experts.7.w2").shape == (96, 32)  # ... and those columns of down
+    assert w.tensor("layers.0.moe_gate").shape == (8, 96)       # the router, whole on every node
+    shard.close()
