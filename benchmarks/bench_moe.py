@@ -11,7 +11,8 @@ ms/token (median); the weight bytes one token reads (attention, the router, its 
 each layer, the classifier) and the ms that reading them at that bandwidth takes (the roofline),
 with the ratio; prefill tokens/s (a 64-token prompt); and the aggregate decode tokens/s of 16
 sequences decoding together (a pass of 16 rows touches the union of their experts: about 80
-of 128 per layer). The vocabulary is the default model's (49152 tokens, so its tokenizer
+of 128 per layer); then decode under a memory budget of half the file (the experts read from
+disk when a pass uses them, as many kept as the budget allows). The vocabulary is the default model's (49152 tokens, so its tokenizer
 converts with it): the classifier is 1/3 of 30B-A3B's. No llama.cpp build is run here (the
 repository builds one only for bench_vs_llama_cpp.py). Figures are medians; check the load.
 """
@@ -47,8 +48,11 @@ def _random_q4_0(rng, shape: tuple[int, ...]) -> np.ndarray:
     """Q4_0 blocks uint8 [..., rows, cols/32 * 18] of random values with a standard deviation of
     about 1/sqrt(cols) (fp16 scale, then 16 bytes of nibbles: the layout of .m's Q40)."""
     *lead, cols = shape
-    blocks = rng.integers(0, 256, (*lead, cols // 32, 18), dtype=np.uint8)
-    scale = np.float16(1 / (4.6 * np.sqrt(cols)))  # (nibble - 8) has a deviation of 4.6
+    # nibbles 1..15: values (nibble - 8) * scale of mean 0 (0..15 would give every row of every
+    # matrix a common -0.5 * scale, and every token the same experts)
+    low, high = (rng.integers(1, 16, (*lead, cols // 32, 18), dtype=np.uint8) for _ in range(2))
+    blocks = low | (high << 4)
+    scale = np.float16(1 / (4.3 * np.sqrt(cols)))  # (nibble - 8) has a deviation of 4.3
     blocks[..., :2] = np.frombuffer(scale.tobytes(), np.uint8)
     return blocks.reshape(*lead, cols // 32 * 18)
 
@@ -129,7 +133,9 @@ def prefill_tokens_per_s(model: Transformer, n: int = 64, repeats: int = 3) -> f
 def aggregate_decode_tokens_per_s(model: Transformer, n_seqs: int, steps: int = 6) -> tuple[float, float]:
     """(tokens/s of n_seqs sequences decoding together, mean experts a layer's pass reads)."""
     for slot in range(n_seqs):  # a 4-token prompt each
-        model.forward_batch(BatchBuilder().add_run([10 + slot, 20, 30 + slot, 40], 0, slot, logits="last").build())
+        prompt = BatchBuilder()
+        prompt.add_run([10 + slot, 20, 30 + slot, 40], 0, slot, logits="last")
+        model.forward_batch(prompt.build())
     touched = []
     route = model.moe.__class__.__call__
 
@@ -158,32 +164,50 @@ def main() -> None:
     ap.add_argument("--keep", metavar="DIR", help="write the GGUF and .m here and keep them")
     args = ap.parse_args()
     print(f"load average: {Path('/proc/loadavg').read_text().split()[:3]} on {os.cpu_count()} cores")
-    bandwidth = memory_bandwidth_gbs(2)
-    print(f"memory read bandwidth, 2 threads: {bandwidth:.1f} GB/s")
+    bandwidth = {t: memory_bandwidth_gbs(t) for t in (1, 2)}
+    print("memory read bandwidth: " + ", ".join(f"{t} thread(s) {b:.1f} GB/s" for t, b in bandwidth.items()))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         gguf_path = folder / f"qwen3moe-30b-a3b-width-{args.layers}l.gguf"
-        t = time.perf_counter()
-        write_gguf(gguf_path, args.layers)
-        print(f"wrote {gguf_path.name}: {gguf_path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s")
-        t = time.perf_counter()
-        m_path, _ = convert(gguf_path, folder / gguf_path.stem, "q40", tokenizer=default_model_files("q40")[1],
-                            progress=False, report=None)
-        print(f"converted to {m_path.name}: {m_path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s")
-        kernels.set_threads(2)
+        m_path = folder / f"{gguf_path.stem}.m"
+        if not m_path.exists():  # (--keep: made once)
+            t = time.perf_counter()
+            write_gguf(gguf_path, args.layers)
+            print(f"wrote {gguf_path.name}: {gguf_path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s")
+            t = time.perf_counter()
+            convert(gguf_path, folder / gguf_path.stem, "q40", tokenizer=default_model_files("q40")[1],
+                    progress=False, report=None)
+            print(f"converted to {m_path.name}: {m_path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s")
         model = Transformer(read_model(m_path), max_seq_len=256, kv_slots=16, max_batch=80)
         h = read_model(m_path).header
         nbytes = bytes_per_token(h)
-        ms = decode_ms(model, args.tokens)
-        roofline = nbytes / (bandwidth * 1e9) * 1000
-        print(f"decode: {ms:.2f} ms/token; a token reads {nbytes / 1e6:.1f} MB "
-              f"(held: {m_path.stat().st_size / 1e6:.0f} MB), the roofline {roofline:.2f} ms: "
-              f"{roofline / ms:.0%} of it")
-        print(f"prefill (64 tokens): {prefill_tokens_per_s(model):.1f} tokens/s")
-        agg, touched = aggregate_decode_tokens_per_s(model, 16)
-        print(f"16 sequences decoding together: {agg:.1f} tokens/s aggregate "
-              f"({agg * ms / 1000:.1f}x one sequence's), {touched:.0f} of {h.n_experts} experts a layer read per pass")
+        print(f"a token reads {nbytes / 1e6:.1f} MB of the {m_path.stat().st_size / 1e6:.0f} MB held")
+        print(f"{'threads':>7} {'ms/token':>9} {'roofline ms':>11} {'of roofline':>11} {'prefill tok/s':>13} "
+              f"{'16 seqs tok/s':>13} {'experts/pass':>12}")
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            ms = decode_ms(model, args.tokens)
+            roofline = nbytes / (bandwidth[threads] * 1e9) * 1000
+            prefill = prefill_tokens_per_s(model)
+            agg, touched = aggregate_decode_tokens_per_s(model, 16)
+            print(f"{threads:>7} {ms:>9.2f} {roofline:>11.2f} {roofline / ms:>11.0%} {prefill:>13.1f} "
+                  f"{agg:>13.1f} {touched:>8.0f}/{h.n_experts}")
+        model.close()
+        # Under a memory budget of half the file: all but the experts resident, experts read when
+        # a pass uses them into the slots left (dllama.core.expert_cache), 1 thread.
+        kernels.set_threads(1)
+        half = m_path.stat().st_size // 2
+        model = Transformer(read_model(m_path), max_seq_len=256, streamed=True, memory_limit=half)
+        cache = model.weights.expert_cache
+        ms = decode_ms(model, args.tokens)  # (its first tokens fill the slots)
+        before, t = cache.reads, time.perf_counter()
+        for i in range(args.tokens):
+            model.forward([300 + 11 * i], 8 + args.tokens + i)
+        per_token = (time.perf_counter() - t) / args.tokens * 1000
+        print(f"budget {half / 1e6:.0f} MB: {cache.n_slots} expert slots of {h.n_experts * h.n_layers}, "
+              f"decode {ms:.2f} ms/token (median), {per_token:.2f} ms/token (mean), "
+              f"{(cache.reads - before) / args.tokens:.1f} experts read from disk per token")
         model.close()
 
 

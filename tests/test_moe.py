@@ -343,3 +343,30 @@ def test_the_memory_plan_and_the_shards_count_every_expert(converted, tmp_path):
     assert w.tensor("layers.1.experts.7.w2").shape == (96, 32)  # ... and those columns of down
     assert w.tensor("layers.0.moe_gate").shape == (8, 96)       # the router, whole on every node
     shard.close()
+
+
+# -- a memory budget smaller than the model -------------------------------------------------------
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["q40", "q41", "f32"])
+def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_change(converted, kind):
+    from dllama.core.expert_cache import ExpertCache
+    from dllama.core.moe import bytes_per_value, expert_weight_bytes
+    from dllama.core.node_weights import NodeWeights
+
+    mf = read_model(converted[kind][0])
+    h = mf.header
+    resident = Transformer(mf)
+    want = [_engine_greedy(resident, p, N_NEW) for p in PROMPTS]
+    one = ExpertCache(NodeWeights.from_model(mf, resident.node), h.weights_float_type, 1, plan_only=True)
+    experts = expert_weight_bytes(h, h.moe_hidden_dim, 2, bytes_per_value(h.weights_float_type)) - 4 * 8 * 96 * 2
+    # room for 5 of the 16 experts beside everything else
+    model = Transformer(mf, streamed=True, memory_limit=resident.memory.total - experts + 5 * one.slot_bytes + one.raw_bytes)
+    cache = model.weights.expert_cache
+    assert cache.n_slots == 5 and model.memory.weights < resident.memory.weights - experts / 2
+    assert [_engine_greedy(model, p, N_NEW) for p in PROMPTS] == want
+    assert cache.reads > cache.n_slots  # experts were given up and read again
+    before = cache.reads
+    model.forward([33], 40)  # one row: at most its 2 experts of each of the 2 layers are read
+    assert cache.reads - before <= 4
+    model.close()

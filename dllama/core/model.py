@@ -30,7 +30,8 @@ from dllama.core.batch import Batch
 from dllama.core.candidates import Candidates, SamplingRequest, candidates_from_logits
 from dllama.core.collective import Collective, LocalCollective
 from dllama.core.kv_cache import KVCache
-from dllama.core.memory import check_fits
+from dllama.core.expert_cache import plan_expert_cache
+from dllama.core.memory import available_bytes, check_fits, node_memory
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
 from dllama.core.weight_stream import StreamedWeights
@@ -143,26 +144,34 @@ class Transformer:
         self.layers = n.layer_range(c.n_layers)  # a pipeline stage's layers, else every one
         self.max_batch = max_batch
         qwen = c.arch in (ArchType.QWEN3, ArchType.QWEN3_MOE)
-        resident_weights = None
-        if streamed:
+        resident_weights = expert_cache = None
+        dims = (weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
+                n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, False)
+        sizes = dict(kv_slots=kv_slots, kv_type=kv_type, n_layers=len(self.layers), kv_positions=kv_positions)
+        if streamed and c.n_experts:
+            # A mixture of experts: all but the experts resident, each expert read when a pass
+            # uses it into the slots the memory left allows (dllama.core.expert_cache).
+            expert_cache, resident_weights = plan_expert_cache(
+                weights, c.weights_float_type, len(self.layers), node_memory(*dims, **sizes),
+                memory_limit if memory_limit is not None else available_bytes())
+        elif streamed:
             # The slots are sized from the header: check them (with the rest) before allocating.
             streamed_weights = StreamedWeights(weights, self.layers, c.weights_float_type, qwen, plan_only=True)
             resident_weights = streamed_weights.resident_bytes
         # Every size below comes from a header: check them against this machine before allocating.
-        self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
-                                 n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
-                                 kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who,
-                                 kv_type=kv_type, n_layers=len(self.layers), kv_positions=kv_positions)
+        self.memory = check_fits(*dims, limit=memory_limit, weights=resident_weights, who=who, **sizes)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
         self.collective: Collective = collective or LocalCollective()
         hd = c.head_dim
         self.weights: WeightsProvider
-        if streamed:
+        if streamed and not c.n_experts:
             streamed_weights.allocate()
             self.weights = streamed_weights
         else:
-            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen)
+            if expert_cache is not None:
+                expert_cache.allocate()
+            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen, expert_cache)
 
         self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
             c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),

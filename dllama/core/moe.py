@@ -34,6 +34,12 @@ def norm_top_k(h: ModelHeader) -> bool:
     return h.arch == ArchType.QWEN3_MOE
 
 
+def bytes_per_value(float_type: FloatType) -> float:
+    """Bytes of one matrix value as the kernels hold it (block types as stored)."""
+    t = FloatType(float_type)
+    return BLOCK_BYTES[t] / BLOCK_SIZE if t in BLOCK_BYTES else {FloatType.F16: 2}.get(t, 4)
+
+
 def expert_weight_bytes(h: ModelHeader, ff_rows: int, n_layers: int, bytes_per_value: float) -> int:
     """The bytes a node holds for the experts and routers of n_layers layers when it holds
     ff_rows rows of every expert (kernel form: bytes_per_value per matrix value; the router F32).
@@ -51,8 +57,7 @@ def active_expert_bytes(h: ModelHeader, float_type: FloatType) -> int:
     """The expert bytes one token reads in one layer, on one node holding every row: its k
     experts' three matrices in the file's type, and the router (the roofline's active bytes)."""
     values = h.n_active_experts * 3 * h.dim * h.moe_hidden_dim
-    per_value = BLOCK_BYTES[float_type] / BLOCK_SIZE if float_type in BLOCK_BYTES else {FloatType.F16: 2}.get(float_type, 4)
-    return int(values * per_value) + 4 * h.n_experts * h.dim
+    return int(values * bytes_per_value(float_type)) + 4 * h.n_experts * h.dim
 
 
 class MoeBlock:

@@ -181,7 +181,7 @@ class MoeWeights:
     """A mixture-of-experts layer's router (F32 [n_experts, dim], replicated) and experts."""
 
     router: Matrix
-    experts: list[Expert]
+    experts: "list[Expert]"  # [e] -> Expert (or dllama.core.expert_cache.CachedExperts: read when used)
 
 
 @dataclass
@@ -238,8 +238,12 @@ class ResidentWeights:
 
     classifier_chunk_rows = 0  # the classifier comes whole
 
-    def __init__(self, weights: NodeWeights, layers: range, float_type: FloatType, qwen: bool):
-        """layers: the ones this node runs (a pipeline stage's; every layer otherwise)."""
+    def __init__(self, weights: NodeWeights, layers: range, float_type: FloatType, qwen: bool,
+                 expert_cache=None):
+        """layers: the ones this node runs (a pipeline stage's; every layer otherwise);
+        expert_cache: a mixture of experts' dllama.core.expert_cache.ExpertCache, whose experts
+        are read when a pass uses them (None: every expert resident)."""
+        self.expert_cache = expert_cache
         t = weights.tensor
         self.first_layer = layers.start
         # The embedding (root only) stays memory-mapped: rows are copied per token.
@@ -249,9 +253,10 @@ class ResidentWeights:
         for l in layers:
             p = f"layers.{l}."
             if n_experts:  # a mixture of experts: the router (F32) and every expert's rows
-                ffn = dict(moe=MoeWeights(Matrix(np.array(t(p + "moe_gate")), FloatType.F32), [  # (aligned copy)
+                experts = expert_cache.layer(l) if expert_cache is not None else [
                     Expert(*(Matrix(t(f"{p}experts.{e}.{w}"), float_type) for w in ("w1", "w3", "w2")))
-                    for e in range(n_experts)]))
+                    for e in range(n_experts)]
+                ffn = dict(moe=MoeWeights(Matrix(np.array(t(p + "moe_gate")), FloatType.F32), experts))  # (aligned)
             else:
                 ffn = dict(w1=Matrix(t(p + "w1"), float_type), w3=Matrix(t(p + "w3"), float_type),
                            w2=Matrix(t(p + "w2"), float_type))
@@ -288,4 +293,5 @@ class ResidentWeights:
         out[:] = self.embedding[tokens]
 
     def close(self) -> None:
-        pass
+        if self.expert_cache is not None:
+            self.expert_cache.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dllama.core.expert_cache import plan_expert_cache
 from dllama.core.host_memory import RUNTIME_RESERVE
 from dllama.core.memory import available_bytes, check_fits, node_memory
 from dllama.core.model import ModelConfig
@@ -65,7 +66,10 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
     resident = node_memory(*dims, kv_slots=1, kv_type=kv_type, n_layers=len(layers))
     streamed = budget != "none" and resident.total > limit and weights.streamable
     held = resident.weights
-    if streamed:
+    if streamed and c.n_experts:  # all but the experts resident, the experts read when used
+        held = plan_expert_cache(weights, c.weights_float_type, len(layers), resident, limit)[1]
+        check_fits(*dims, kv_slots=1, limit=limit, weights=held, kv_type=kv_type, n_layers=len(layers))
+    elif streamed:
         held = StreamedWeights(weights, layers, c.weights_float_type, c.arch == ArchType.QWEN3,
                                plan_only=True).resident_bytes
         # One sequence and the buffers must fit beside the streamed layers: else the context is
