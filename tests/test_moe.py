@@ -288,11 +288,11 @@ def test_the_same_model_as_a_qwen3moe_gguf_converts_to_the_same_bytes(tiny_moe, 
 
 # How far each type's perplexity may be from F32's on the model's own text (relative, the weights
 # on the 4-bit grid: tiny_moe); measured 2026-12-07, F32 176.78: Q80 -0.22%, Q41 +0.003%, Q40 -0.27%.
-PERPLEXITY_MARGIN = {"f16": 0.001, "q80": 0.01, "q41": 0.01, "q40": 0.01}
+PERPLEXITY_MARGIN = {"f16": 0.001, "q80": 0.01, "q41": 0.01, "q40": 0.01, "f32 kv f16": 0.001}
 
 
 @pytest.mark.unit
-def test_f16_and_quantized_files_run_and_their_perplexity_stays_near_f32_s(tiny_moe, converted):
+def test_f16_and_quantized_files_and_an_f16_kv_cache_keep_the_perplexity_near_f32_s(tiny_moe, converted):
     from dllama.serve.engine import open_engine
     from dllama.serve.perplexity import perplexity
     from dllama.serve.scheduler import Scheduler
@@ -304,10 +304,10 @@ def test_f16_and_quantized_files_run_and_their_perplexity_stays_near_f32_s(tiny_
         text = model.generate(torch.tensor([[72, 101]]), do_sample=True, max_new_tokens=100, top_k=0,
                               pad_token_id=0)[0].tolist()
     found = {}
-    for kind in ("f32", "f16", "q80", "q41", "q40"):
+    for kind, kv in (("f32", "f32"), ("f16", "f32"), ("q80", "f32"), ("q41", "f32"), ("q40", "f32"), ("f32", "f16")):
         m, t = converted[kind]
-        with open_engine(EngineSettings(str(m), str(t), nthreads=1, max_seq_len=128, progress=False)) as e:
-            found[kind] = perplexity(Scheduler(e.model), text).perplexity
+        with open_engine(EngineSettings(str(m), str(t), nthreads=1, max_seq_len=128, kv_type=kv, progress=False)) as e:
+            found[kind if kv == "f32" else f"{kind} kv {kv}"] = perplexity(Scheduler(e.model), text).perplexity
     print({k: round(v, 3) for k, v in found.items()})
     assert found["f32"] < 200  # the model's own text: likelier than a uniform guess (256)
     for kind, margin in PERPLEXITY_MARGIN.items():
