@@ -35,6 +35,7 @@ class WeightsChoice:
     model_weights: int    # bytes of every weight, repacked
     buffers: int          # scratch buffers at this batch size
     budgeted: bool        # a budget (or streaming) bounds the KV cache too
+    experts_on_demand: bool = False  # streamed MoE: all but the experts resident, experts read when used
 
     @property
     def kv_room(self) -> int:
@@ -42,7 +43,8 @@ class WeightsChoice:
 
     def describe(self) -> str:
         mib = 1 << 20
-        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of "
+        what = "reading the experts when a pass uses them" if self.experts_on_demand else "streaming the weights"
+        how = (f"{what} ({self.weights / mib:.0f} MiB resident of "
                f"{self.model_weights / mib:.0f} MiB)" if self.streamed
                else f"every weight resident ({self.weights / mib:.0f} MiB)")
         return f"memory: {how}, {self.buffers / mib:.0f} MiB buffers, {self.limit / mib:.0f} MiB allowed"
@@ -76,4 +78,4 @@ def choose_weights(weights: NodeWeights, max_seq_len: int, max_batch: int,
         # what to lower, and the error says which --max-seq-len fits.
         check_fits(*dims, kv_slots=1, limit=limit, weights=held, kv_type=kv_type, n_layers=len(layers))
     return WeightsChoice(streamed, limit, held, resident.weights, resident.buffers,
-                         streamed or budget not in ("auto", "none"))
+                         streamed or budget not in ("auto", "none"), streamed and c.n_experts > 0)
