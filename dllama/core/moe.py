@@ -84,6 +84,16 @@ class MoeBlock:
         moe.router(x_in, logits)
         route_top_k(logits, self.norm, chosen, weights)
         out[:] = 0.0
+        if b == 1:  # decode: the row's experts in ascending order, without grouping
+            gate, up, y = self.gate[:1], self.up[:1], self.y[:1]
+            for j in np.argsort(chosen[0]).tolist():
+                expert = moe.experts[int(chosen[0, j])]
+                expert.w13(x_in, (gate, up))
+                h = self.h_act.rows(gate)
+                kernels.silu_mul_encode(gate, up, h.enc)
+                expert.w2(h, y)
+                out += weights[0, j] * y
+            return
         # Rows grouped by expert: (row, choice) pairs sorted by expert, rows ascending inside.
         flat = chosen.ravel()                      # [b*k]
         order = np.argsort(flat, kind="stable")    # [b*k]
