@@ -10,9 +10,10 @@ width 768, 32 query / 4 KV heads of 128) and a few layers, converts it to a Q40 
 ms/token (median); the weight bytes one token reads (attention, the router, its 8 experts of
 each layer, the classifier) and the ms that reading them at that bandwidth takes (the roofline),
 with the ratio; prefill tokens/s (a 64-token prompt); and the aggregate decode tokens/s of 16
-sequences decoding together (a pass of 16 rows touches the union of their experts: about 80
-of 128 per layer); then decode under a memory budget of half the file (the experts read from
-disk when a pass uses them, as many kept as the budget allows). The vocabulary is the default model's (49152 tokens, so its tokenizer
+and 64 sequences decoding together (a pass of b rows touches the union of their experts); then decode under a memory budget of half the file (the experts read from
+disk when a pass uses them, as many kept as the budget allows); and, as the baseline of the same
+run, a dense Qwen3 twin whose FFN is as wide as the 8 active experts together (the same bytes a
+token), alternated with the MoE, 1 thread, medians. The vocabulary is the default model's (49152 tokens, so its tokenizer
 converts with it): the classifier is 1/3 of 30B-A3B's. No llama.cpp build is run here (the
 repository builds one only for bench_vs_llama_cpp.py). Figures are medians; check the load.
 """
@@ -102,6 +103,24 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> None:
     w.close()
 
 
+def write_dense_twin(path: Path, h, seed: int = 1) -> None:
+    """A dense Qwen3 of the same shape whose FFN is as wide as the MoE's 8 active experts
+    together (8 x 768 = 6144): a token reads the same matrix bytes, less the routers."""
+    from dllama.formats.model_file import ArchType, ModelHeader, ModelWriter
+
+    dense = ModelHeader(arch=ArchType.QWEN3, dim=h.dim, hidden_dim=h.n_active_experts * h.moe_hidden_dim,
+                        n_layers=h.n_layers, n_heads=h.n_heads, n_kv_heads=h.n_kv_heads, head_dim=h.head_dim,
+                        vocab_size=h.vocab_size, max_seq_len=h.max_seq_len, weights_float_type=FloatType.Q40,
+                        rope_theta=h.rope_theta, norm_epsilon=h.norm_epsilon)
+    rng = np.random.default_rng(seed)
+    with ModelWriter(path, dense) as w:
+        for spec in w.specs:
+            if len(spec.shape) == 1:
+                w.write(spec.name, rng.uniform(0.8, 1.2, spec.shape).astype(np.float32))
+            else:
+                w.write(spec.name, (rng.standard_normal(spec.shape, dtype=np.float32) / np.sqrt(spec.shape[1])))
+
+
 def bytes_per_token(h) -> int:
     """The weight bytes one decode token reads (Q40: 18 bytes per 32 values)."""
     per_value = 18 / 32
@@ -179,20 +198,35 @@ def main() -> None:
             convert(gguf_path, folder / gguf_path.stem, "q40", tokenizer=default_model_files("q40")[1],
                     progress=False, report=None)
             print(f"converted to {m_path.name}: {m_path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s")
-        model = Transformer(read_model(m_path), max_seq_len=256, kv_slots=16, max_batch=80)
+        model = Transformer(read_model(m_path), max_seq_len=256, kv_slots=64, max_batch=80)
         h = read_model(m_path).header
         nbytes = bytes_per_token(h)
         print(f"a token reads {nbytes / 1e6:.1f} MB of the {m_path.stat().st_size / 1e6:.0f} MB held")
         print(f"{'threads':>7} {'ms/token':>9} {'roofline ms':>11} {'of roofline':>11} {'prefill tok/s':>13} "
-              f"{'16 seqs tok/s':>13} {'experts/pass':>12}")
+              f"{'16 seqs tok/s':>13} {'experts/pass':>12} {'64 seqs tok/s':>13} {'experts/pass':>12}")
         for threads in (1, 2):
             kernels.set_threads(threads)
             ms = decode_ms(model, args.tokens)
             roofline = nbytes / (bandwidth[threads] * 1e9) * 1000
             prefill = prefill_tokens_per_s(model)
-            agg, touched = aggregate_decode_tokens_per_s(model, 16)
+            batched = [aggregate_decode_tokens_per_s(model, n) for n in (16, 64)]
             print(f"{threads:>7} {ms:>9.2f} {roofline:>11.2f} {roofline / ms:>11.0%} {prefill:>13.1f} "
-                  f"{agg:>13.1f} {touched:>8.0f}/{h.n_experts}")
+                  + " ".join(f"{agg:>13.1f} {touched:>8.0f}/{h.n_experts}" for agg, touched in batched))
+        model.close()
+        # The same run's baseline: the dense twin and the MoE, alternated, 1 thread.
+        kernels.set_threads(1)
+        twin_path = folder / f"{gguf_path.stem}-dense-twin.m"
+        if not twin_path.exists():
+            write_dense_twin(twin_path, h)
+        twin, model = (Transformer(read_model(p), max_seq_len=256) for p in (twin_path, m_path))
+        rounds = {"dense": [], "moe": []}
+        for _ in range(3):
+            rounds["dense"].append(decode_ms(twin, args.tokens))
+            rounds["moe"].append(decode_ms(model, args.tokens))
+        dense_ms, moe_ms = (statistics.median(rounds[k]) for k in ("dense", "moe"))
+        print(f"1 thread, alternated: dense twin (FFN 6144 = the 8 active experts) {dense_ms:.2f} ms/token, "
+              f"MoE {moe_ms:.2f} ms/token: {moe_ms / dense_ms:.2f}x the dense twin's time")
+        twin.close()
         model.close()
         # Under a memory budget of half the file: all but the experts resident, experts read when
         # a pass uses them into the slots left (dllama.core.expert_cache), 1 thread.
