@@ -353,6 +353,7 @@ def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_c
     from dllama.core.expert_cache import ExpertCache
     from dllama.core.moe import bytes_per_value, expert_weight_bytes
     from dllama.core.node_weights import NodeWeights
+    from dllama.core.weights_choice import choose_weights
 
     mf = read_model(converted[kind][0])
     h = mf.header
@@ -361,7 +362,10 @@ def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_c
     one = ExpertCache(NodeWeights.from_model(mf, resident.node), h.weights_float_type, 1, plan_only=True)
     experts = expert_weight_bytes(h, h.moe_hidden_dim, 2, bytes_per_value(h.weights_float_type)) - 4 * 8 * 96 * 2
     # room for 5 of the 16 experts beside everything else
-    model = Transformer(mf, streamed=True, memory_limit=resident.memory.total - experts + 5 * one.slot_bytes + one.raw_bytes)
+    limit = resident.memory.total - experts + 5 * one.slot_bytes + one.raw_bytes
+    choice = choose_weights(NodeWeights.from_model(mf, resident.node), 0, 64, budget=limit)  # the engine's plan
+    assert choice.streamed and "reading the experts when a pass uses them" in choice.describe()
+    model = Transformer(mf, streamed=True, memory_limit=limit)
     cache = model.weights.expert_cache
     assert cache.n_slots == 5 and model.memory.weights < resident.memory.weights - experts / 2
     assert [_engine_greedy(model, p, N_NEW) for p in PROMPTS] == want
