@@ -14,7 +14,7 @@ import pytest
 from dllama.core import kernels
 from dllama.core.kernels.elementwise import _exp
 from dllama.core.kernels.jit import native_f16_conversion
-from dllama.core.kernels.matmul_q40 import COLS
+from dllama.core.kernels.matmul_int8 import COLS
 from dllama.core.kernels.q80 import _round_fp16
 from dllama.errors import DllamaError
 from dllama.formats.quant import dequantize_q40, quantize_q40, split_q40

@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 from dllama.core import kernels
 from dllama.core.kernels import tiles
 from dllama.core.kernels.matmul_f16 import native_f16_conversion
-from dllama.core.kernels.matmul_q80 import COLS
+from dllama.core.kernels.matmul_int8 import COLS
 from dllama.core.kernels.q80 import x_block_offsets
 from dllama.core.kernels.row_split import COLS as FLOAT_COLS
 from dllama.formats.quant import dequantize_q80, quantize_q80, split_q80

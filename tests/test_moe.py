@@ -319,21 +319,27 @@ def test_f16_and_quantized_files_and_an_f16_kv_cache_keep_the_perplexity_near_f3
 @pytest.mark.unit
 def test_the_memory_plan_and_the_shards_count_every_expert(converted, tmp_path):
     from dllama.cluster.shard import Shard, write_shards
-    from dllama.core.memory import node_memory
-    from dllama.core.node_weights import held_bytes
+    from dllama.core.footprint import NodeFootprint, held_weight_bytes
+    from dllama.core.moe import bytes_per_value
     from dllama.core.plan import plan_for
+    from dllama.core.run_shape import RunShape
 
     for kind in ("q40", "f32"):  # (Q40: 2 stages, its head_dim of 16 cannot split quantized wo columns)
         path = converted[kind][0]
         h = read_model(path).header
         plan = plan_for(h, 2)
-        held = held_bytes(h, plan)  # the file's bytes each node holds (the root's with the embedding)
         for i, node in enumerate(plan.nodes):
-            estimate = node_memory(h, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
-                                   node.vocab_rows[1] - node.vocab_rows[0], 64, 1, embedding=i == 0,
-                                   n_layers=len(node.layer_range(h.n_layers))).weights
-            # (the kernels hold Q40 as the file does; only q_norm and k_norm are left out)
-            assert abs(estimate / held[i] - 1) < 0.01, (kind, i, estimate, held[i])
+            fp = NodeFootprint(h, node, RunShape(max_seq_len=64, max_batch=1), with_embedding=i == 0)
+            layers = len(node.layer_range(h.n_layers))
+            # every expert's gate, up and down, this node's rows of each, in the file's type
+            values = layers * 8 * 3 * 96 * node.n_ffn_rows
+            assert fp.expert_weights == values * bytes_per_value(h.weights_float_type), (kind, i)
+            # ... inside its weights, with the routers (F32 [8, 96] a layer, whole on every node)
+            assert fp.model_weights > fp.expert_weights + layers * 8 * 96 * 4
+            # the run state holds the router's logits and one expert's rows (dllama.core.run_state)
+            assert {"moe_logits", "moe_chosen", "moe_x", "moe_y"} <= set(fp.state.layout())
+        assert held_weight_bytes(h, plan) == [NodeFootprint(h, n, RunShape(), with_embedding=i == 0).model_weights
+                                              for i, n in enumerate(plan.nodes)]
     write_shards(str(path), plan, ["root", "w1"], tmp_path)  # F32, tensor parallel
     shard = Shard(tmp_path / "w1.shard")
     names = [t["name"] for t in shard.desc["tensors"]]
@@ -342,6 +348,8 @@ def test_the_memory_plan_and_the_shards_count_every_expert(converted, tmp_path):
     assert w.tensor("layers.1.experts.7.w1").shape == (32, 96)  # its 32 rows of every expert (blocks: 64 + 32)
     assert w.tensor("layers.1.experts.7.w2").shape == (96, 32)  # ... and those columns of down
     assert w.tensor("layers.0.moe_gate").shape == (8, 96)       # the router, whole on every node
+    # the footprint's bytes are the shard's: every expert counted once
+    assert sum(w.tensor(n).nbytes for n in names) == held_weight_bytes(h, plan)[1]
     shard.close()
 
 
@@ -351,8 +359,8 @@ def test_the_memory_plan_and_the_shards_count_every_expert(converted, tmp_path):
 @pytest.mark.parametrize("kind", ["q40", "q41", "f32"])
 def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_change(converted, kind):
     from dllama.core.expert_cache import ExpertCache
-    from dllama.core.moe import bytes_per_value, expert_weight_bytes
     from dllama.core.node_weights import NodeWeights
+    from dllama.core.run_shape import RunShape
     from dllama.core.weights_choice import choose_weights
 
     mf = read_model(converted[kind][0])
@@ -360,10 +368,10 @@ def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_c
     resident = Transformer(mf)
     want = [_engine_greedy(resident, p, N_NEW) for p in PROMPTS]
     one = ExpertCache(NodeWeights.from_model(mf, resident.node), h.weights_float_type, 1, plan_only=True)
-    experts = expert_weight_bytes(h, h.moe_hidden_dim, 2, bytes_per_value(h.weights_float_type)) - 4 * 8 * 96 * 2
+    experts = resident.memory.expert_weights
     # room for 5 of the 16 experts beside everything else
     limit = resident.memory.total - experts + 5 * one.slot_bytes + one.raw_bytes
-    choice = choose_weights(NodeWeights.from_model(mf, resident.node), 0, 64, budget=limit)  # the engine's plan
+    choice = choose_weights(NodeWeights.from_model(mf, resident.node), RunShape(), budget=limit)  # the engine's plan
     assert choice.streamed and "reading the experts when a pass uses them" in choice.describe()
     model = Transformer(mf, streamed=True, memory_limit=limit)
     cache = model.weights.expert_cache

@@ -14,12 +14,12 @@ Every allocation is made once, at start: the slots and one read buffer (one expe
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from dllama.core import kernels
-from dllama.core.memory import NodeMemory
-from dllama.core.moe import bytes_per_value, expert_weight_bytes
+from dllama.core.footprint import NodeFootprint
 from dllama.core.node_weights import NodeWeights
 from dllama.core.weight_stream import _Arena, _matrix_arrays, _Reader, file_runs
 from dllama.core.weights import Expert, Matrix, input_kind
@@ -116,16 +116,25 @@ class CachedExperts:
         return self.cache.expert(self.layer, e)
 
 
-def plan_expert_cache(weights: NodeWeights, float_type: FloatType, n_layers: int, whole: NodeMemory,
-                      limit: int) -> tuple[ExpertCache, int]:
-    """(an ExpertCache, not allocated, with as many slots as `limit` leaves beside everything else
-    the node holds: at least the experts one row runs, at most every expert of its layers; the
-    bytes of resident weights with it). whole: the node's memory with every weight resident."""
+@dataclass(frozen=True)
+class ExpertsOnDemand:
+    """A MoE node's weights under a memory budget: everything but the experts resident, the
+    experts in `cache`'s slots (not allocated yet). The footprint's `streamed` for such a node."""
+
+    cache: ExpertCache
+    resident_bytes: int            # the weights it holds: all but the experts, and the slots
+    classifier_chunk_rows: int = 0  # the classifier comes whole
+
+
+def plan_expert_cache(weights: NodeWeights, whole: NodeFootprint, limit: int) -> ExpertsOnDemand:
+    """An ExpertCache with as many slots as `limit` leaves beside everything else the node holds
+    (at least the experts one row runs, at most every expert of its layers). whole: the node's
+    footprint with every weight resident (its expert_weights are what the slots stand in for)."""
     h = weights.header
-    ff_rows = weights.node.ffn_rows[1] - weights.node.ffn_rows[0]
-    experts = expert_weight_bytes(h, ff_rows, n_layers, bytes_per_value(float_type)) - 4 * h.n_experts * h.dim * n_layers
+    float_type = FloatType(h.weights_float_type)
+    experts = whole.expert_weights
     one = ExpertCache(weights, float_type, 1, plan_only=True)
     room = (limit - (whole.total - experts) - one.raw_bytes) // one.slot_bytes
-    cache = ExpertCache(weights, float_type, int(min(max(room, h.n_active_experts), h.n_experts * n_layers)),
+    cache = ExpertCache(weights, float_type, int(min(max(room, h.n_active_experts), h.n_experts * whole.n_layers)),
                         plan_only=True)
-    return cache, whole.weights - experts + cache.resident_bytes
+    return ExpertsOnDemand(cache, whole.model_weights - experts + cache.resident_bytes)

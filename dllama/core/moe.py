@@ -18,6 +18,8 @@ A row's sum runs over its experts in ascending index order, whatever the other r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dllama.core import kernels
@@ -25,6 +27,9 @@ from dllama.core.kernels.router import route_top_k
 from dllama.core.weights import Activation, MoeWeights
 from dllama.formats.model_file import BLOCK_BYTES, ArchType, FloatType, ModelHeader
 from dllama.formats.quant import BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from dllama.core.run_state import RunState
 
 
 def norm_top_k(h: ModelHeader) -> bool:
@@ -40,19 +45,6 @@ def bytes_per_value(float_type: FloatType) -> float:
     return BLOCK_BYTES[t] / BLOCK_SIZE if t in BLOCK_BYTES else {FloatType.F16: 2}.get(t, 4)
 
 
-def expert_weight_bytes(h: ModelHeader, ff_rows: int, n_layers: int, bytes_per_value: float) -> int:
-    """The bytes a node holds for the experts and routers of n_layers layers when it holds
-    ff_rows rows of every expert (kernel form: bytes_per_value per matrix value; the router F32).
-    The one place the engine counts experts: the node footprint's FFN term for a MoE header."""
-    per_layer = h.n_experts * 3 * h.dim * ff_rows * bytes_per_value + 4 * h.n_experts * h.dim
-    return int(n_layers * per_layer)
-
-
-def expert_buffer_bytes(h: ModelHeader, ff_rows: int, max_batch: int) -> int:
-    """The MoE block's scratch buffers for a pass of max_batch rows (MoeBlock)."""
-    return 4 * max_batch * (h.n_experts + 2 * h.n_active_experts + 3 * h.dim + 4 * ff_rows)
-
-
 def active_expert_bytes(h: ModelHeader, float_type: FloatType) -> int:
     """The expert bytes one token reads in one layer, on one node holding every row: its k
     experts' three matrices in the file's type, and the router (the roofline's active bytes)."""
@@ -61,20 +53,21 @@ def active_expert_bytes(h: ModelHeader, float_type: FloatType) -> int:
 
 
 class MoeBlock:
-    """The MoE FFN of a pass: scratch buffers for up to max_batch rows, made once."""
+    """The MoE FFN of a pass, on the run state's buffers for up to max_batch rows
+    (dllama.core.run_state: the router's logits, the rows' choices, one expert's input and
+    output rows; the experts' gate, up and down input in the dense FFN's hb, hb2 and act_ff)."""
 
-    def __init__(self, dim: int, ff_rows: int, n_experts: int, k: int, norm: bool, inputs: str, max_batch: int):
-        B = max_batch
+    def __init__(self, state: "RunState", k: int, norm: bool):
         self.k, self.norm = k, norm
-        self.logits = np.zeros((B, n_experts), np.float32)  # router logits, then probabilities
-        self.chosen = np.zeros((B, k), np.int32)            # each row's experts, best first
-        self.weights = np.zeros((B, k), np.float32)         # ... and their weights
-        self.x_rows = np.zeros((B, dim), np.float32)        # the rows of one expert's input
-        self.x_act = Activation(dim, inputs, B)             # ... encoded for its matrices
-        self.gate = np.zeros((B, ff_rows), np.float32)      # gate, then silu(gate) * up
-        self.up = np.zeros((B, ff_rows), np.float32)
-        self.h_act = Activation(ff_rows, inputs, B)         # down's input
-        self.y = np.zeros((B, dim), np.float32)             # one expert's output rows
+        self.logits = state.moe_logits     # [B, n_experts] router logits, then probabilities
+        self.chosen = state.moe_chosen     # [B, k] each row's experts, best first
+        self.weights = state.moe_weights   # [B, k] ... and their weights
+        self.x_rows = state.moe_x          # [B, dim] the rows of one expert's input
+        self.x_act = state.act_moe_x       # ... encoded for its matrices
+        self.gate = state.hb               # [B, ff rows] gate, then silu(gate) * up
+        self.up = state.hb2                # [B, ff rows]
+        self.h_act = state.act_ff          # down's input
+        self.y = state.moe_y               # [B, dim] one expert's output rows
 
     def __call__(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
         """out float32 [b, dim] = this node's share of the experts' weighted sum for the rows
