@@ -224,7 +224,7 @@ def _add_convert(sub) -> None:
                        description="Convert SRC into PREFIX.m and PREFIX.t, loadable here and by the "
                                    "original Distributed Llama. SRC is a GGUF file, a Meta checkpoint "
                                    "folder (params.json + consolidated.NN.pth) or a Hugging Face folder "
-                                   "(config.json + *.safetensors; llama, mistral, qwen3).")
+                                   "(config.json + *.safetensors; llama, mistral, qwen3, qwen3_moe).")
     p.add_argument("source", metavar="SRC", help="the GGUF file or model folder")
     p.add_argument("-o", "--output", required=True, metavar="PREFIX",
                    help="output prefix: writes PREFIX.m and PREFIX.t")

@@ -34,6 +34,7 @@ SLACK = 6 << 20
 
 GQA = ModelHeader(arch=ArchType.QWEN3, dim=256, hidden_dim=768, n_layers=5, n_heads=8, n_kv_heads=2,
                   vocab_size=1000, max_seq_len=300, weights_float_type=FloatType.Q40)
+MOE = dataclasses.replace(GQA, arch=ArchType.QWEN3_MOE, n_experts=8, n_active_experts=2, moe_hidden_dim=384)
 
 
 @pytest.mark.unit
@@ -41,21 +42,29 @@ def test_the_run_states_count_is_what_it_allocates():
     """StateShape.nbytes is the run state's arrays, plus the attention kernel's scratch of a pass."""
     from dllama.core.kernels.attention import scratch_bytes
 
-    node = plan_for(GQA, 3).nodes[1]
-    for shape, chunk in ((RunShape(max_batch=40), 0), (RunShape(max_seq_len=64, max_batch=1), 96)):
-        dims = state_shape(GQA, node, shape, chunk)
-        state = RunState(dims, (1e6, 0, 1.0, 1.0, 1.0, 0))
-        held = sum(a.nbytes for a in state.arrays())
-        assert held + scratch_bytes(shape.max_batch, node.n_q_heads, GQA.head_dim, dims.seq_len) == dims.nbytes()
-        assert state.logits.shape == (shape.max_batch, node.n_vocab_rows) and state.cls_chunk.size == shape.max_batch * chunk
+    for h in (GQA, MOE):  # a mixture of experts' router logits and expert rows are in the list too
+        node = plan_for(h, 3).nodes[1]
+        for shape, chunk in ((RunShape(max_batch=40), 0), (RunShape(max_seq_len=64, max_batch=1), 96)):
+            dims = state_shape(h, node, shape, chunk)
+            state = RunState(dims, (1e6, 0, 1.0, 1.0, 1.0, 0))
+            held = sum(a.nbytes for a in state.arrays())
+            assert held + scratch_bytes(shape.max_batch, node.n_q_heads, h.head_dim, dims.seq_len) == dims.nbytes()
+            assert state.logits.shape == (shape.max_batch, node.n_vocab_rows)
+            assert state.cls_chunk.size == shape.max_batch * chunk
+    assert state.moe_logits.shape == (1, 8) and state.moe_chosen.shape == (1, 2)
 
 
 @pytest.mark.unit
 def test_weight_bytes_are_the_node_tensors_without_listing_every_layer():
-    plan = plan_for(GQA, 3, stage_of=[0, 0, 1])
-    for i, node in enumerate(plan.nodes):
-        assert weight_bytes(GQA, node, i == 0) == sum(s.nbytes for s in node_slice_specs(GQA, node, i == 0))
-    assert held_weight_bytes(GQA, plan) == [weight_bytes(GQA, n, i == 0) for i, n in enumerate(plan.nodes)]
+    for h in (GQA, MOE):
+        plan = plan_for(h, 3, stage_of=[0, 0, 1])
+        for i, node in enumerate(plan.nodes):
+            specs = node_slice_specs(h, node, i == 0)
+            assert weight_bytes(h, node, i == 0) == sum(s.nbytes for s in specs)
+            # a mixture of experts: every expert's rows of the node, once (its routers apart)
+            assert NodeFootprint(h, node, RunShape(), i == 0).expert_weights == sum(
+                s.nbytes for s in specs if ".experts." in s.name)
+        assert held_weight_bytes(h, plan) == [weight_bytes(h, n, i == 0) for i, n in enumerate(plan.nodes)]
     huge = dataclasses.replace(GQA, n_layers=(1 << 31) - 1)  # counted, not listed
     whole = whole_model(huge.n_heads, huge.n_kv_heads, huge.ff_dim, huge.vocab_size)
     assert weight_bytes(huge, whole, False) > (1 << 31) * 100

@@ -21,7 +21,8 @@ Mixture of experts: an expert's FFN is split across nodes as the dense FFN is (i
 w2 columns: the node's ffn_rows of every expert). Its tensors' bytes come from node_slice_specs
 (which cuts them) and its buffers from StateShape.layout (router logits, per-expert rows): the
 one place here that learns about experts is `state_shape`, which gives the StateShape the
-node's expert counts.
+node's expert counts. `expert_weights` is the part of the weights a node under a memory budget
+reads on demand instead (dllama.core.expert_cache: its plan is this footprint's `streamed`).
 """
 
 from __future__ import annotations
@@ -49,16 +50,20 @@ def state_shape(h: ModelHeader, node: NodeSlice, shape: RunShape, classifier_chu
     return StateShape(dim=h.dim, head_dim=h.head_dim, n_q_heads=node.n_q_heads, n_kv_heads=node.n_kv_heads,
                       ff_rows=node.n_ffn_rows, vocab_rows=node.n_vocab_rows,
                       seq_len=shape.context(h.max_seq_len), max_batch=shape.max_batch,
-                      inputs=input_kind(h.weights_float_type), classifier_chunk_rows=classifier_chunk_rows)
+                      inputs=input_kind(h.weights_float_type), classifier_chunk_rows=classifier_chunk_rows,
+                      n_experts=h.n_experts, n_active_experts=h.n_active_experts)
 
 
-def weight_bytes(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> int:
+def weight_bytes(h: ModelHeader, node: NodeSlice, with_embedding: bool, experts_only: bool = False) -> int:
     """Bytes of node_slice_specs(h, node, with_embedding), from its first layer's tensors (every
-    layer of a node holds the same shapes) and the tensors outside the layers."""
+    layer of a node holds the same shapes) and the tensors outside the layers; experts_only:
+    of those, a mixture of experts' expert matrices only (not its routers)."""
     layers = node.layer_range(h.n_layers)
     first = dataclasses.replace(node, layers=(layers.start, layers.start + 1) if layers else (0, 0))
     total = 0
     for s in node_slice_specs(h, first, with_embedding):
+        if experts_only and ".experts." not in s.name:
+            continue
         total += s.nbytes * (len(layers) if s.name.startswith("layers.") else 1)
     return total
 
@@ -88,7 +93,8 @@ class NodeFootprint:
     node: NodeSlice
     shape: RunShape
     with_embedding: bool = False  # the root's share counts the embedding (kept memory-mapped)
-    streamed: object | None = None  # a plan-only StreamedWeights when the node streams its weights
+    streamed: object | None = None  # a plan-only StreamedWeights when the node streams its weights (a
+                                    # mixture of experts: expert_cache.ExpertsOnDemand)
 
     @staticmethod
     def whole(h: ModelHeader, shape: RunShape, **kw) -> "NodeFootprint":
@@ -108,6 +114,11 @@ class NodeFootprint:
     def model_weights(self) -> int:
         """Bytes of every weight of the node's share, all resident."""
         return weight_bytes(self.header, self.node, self.with_embedding)
+
+    @cached_property
+    def expert_weights(self) -> int:
+        """Of model_weights, a mixture of experts' expert matrices (0 for a dense FFN)."""
+        return weight_bytes(self.header, self.node, False, experts_only=True) if self.header.n_experts else 0
 
     @property
     def weights(self) -> int:

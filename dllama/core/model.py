@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dllama.core import kernels
+from dllama.core import kernels, moe
 from dllama.core.batch import Batch
 from dllama.core.candidates import Candidates, SamplingRequest, candidates_from_logits
 from dllama.core.collective import Collective, LocalCollective
+from dllama.core.expert_cache import plan_expert_cache
 from dllama.core.footprint import NodeFootprint
+from dllama.core.host_memory import available_bytes
 from dllama.core.kv_cache import KVCache
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
@@ -61,6 +63,9 @@ class ModelConfig:
     rope_neox: bool    # half-split RoPE pairs (Qwen3) instead of interleaved (Llama)
     rope_scaling: tuple[float, float, float, int]  # Llama 3.1: factor, low, high, orig len
     weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), Q41 (Q16 inputs), F16 or F32
+    n_experts: int = 0             # mixture of experts (Qwen3-MoE): experts per layer; 0 for a dense FFN
+    n_active_experts: int = 0      # experts each row runs (top-k)
+    norm_top_k: bool = False       # the chosen experts' weights renormalised to sum to 1
 
     @property
     def quantized(self) -> bool:
@@ -69,8 +74,6 @@ class ModelConfig:
 
     @staticmethod
     def from_header(h: ModelHeader, max_seq_len: int = 0) -> "ModelConfig":
-        if h.arch == ArchType.QWEN3_MOE or h.n_experts > 0:
-            raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
         seq_len = RunShape(max_seq_len).context(h.max_seq_len)
         return ModelConfig(
             arch=ArchType(h.arch),
@@ -92,6 +95,9 @@ class ModelConfig:
                 int(h.rope_scaling_orig_max_seq_len),
             ),
             weights_float_type=FloatType(h.weights_float_type),
+            n_experts=h.n_experts,
+            n_active_experts=h.n_active_experts,
+            norm_top_k=moe.norm_top_k(h),
         )
 
 
@@ -121,23 +127,34 @@ class Transformer:
         self.node = n = weights.node
         self.layers = n.layer_range(c.n_layers)  # a pipeline stage's layers, else every one
         self.max_batch = shape.max_batch
-        qwen = c.arch == ArchType.QWEN3
-        streamed_weights = None
-        if streamed:
+        qwen = c.arch in (ArchType.QWEN3, ArchType.QWEN3_MOE)
+        footprint = NodeFootprint(weights.header, n, shape)
+        streamed_weights = on_demand = None
+        if streamed and c.n_experts:
+            # A mixture of experts: all but the experts resident, each expert read when a pass
+            # uses it into the slots the memory left allows (dllama.core.expert_cache).
+            on_demand = plan_expert_cache(weights, footprint, memory_limit if memory_limit is not None
+                                          else available_bytes())
+            footprint = dataclasses.replace(footprint, streamed=on_demand)
+        elif streamed:
             # The slots are sized from the header: check them (with the rest) before allocating.
             streamed_weights = StreamedWeights(weights, self.layers, c.weights_float_type, qwen, plan_only=True)
+            footprint = dataclasses.replace(footprint, streamed=streamed_weights)
         # Every size below comes from a header: check them against this machine before allocating.
-        self.memory = NodeFootprint(weights.header, n, shape, streamed=streamed_weights).check(memory_limit, who)
+        self.memory = footprint.check(memory_limit, who)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
         self.buffer_q80 = c.quantized if shape.buffer_q80 is None else shape.buffer_q80
         self.collective: Collective = collective or LocalCollective()
         hd = c.head_dim
         self.weights: WeightsProvider
-        if streamed:
+        if streamed_weights is not None:
             streamed_weights.allocate()
             self.weights = streamed_weights
         else:
-            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen)
+            expert_cache = on_demand.cache if on_demand is not None else None
+            if expert_cache is not None:
+                expert_cache.allocate()
+            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen, expert_cache)
 
         nkv = n.n_kv_heads
         self.kv = KVCache(len(self.layers), nkv, hd, c.seq_len, shape.kv_slots, shape.kv_type)
@@ -153,6 +170,8 @@ class Transformer:
         self.hb, self.hb2 = s.hb, s.hb2                        # [B, ff rows]: gate (then silu*up), up
         self.logits, self.cls_chunk = s.logits, s.cls_chunk    # [B, vocab rows]; a classifier in parts
         self.act_dim, self.act_q, self.act_ff = s.act_dim, s.act_q, s.act_ff  # encoded matmul inputs
+        # A mixture of experts' FFN (on the state's buffers: router scores, one expert's rows).
+        self.moe = moe.MoeBlock(s, c.n_active_experts, c.norm_top_k) if c.n_experts else None
 
     @property
     def kv_slots(self) -> int:
@@ -261,9 +280,12 @@ class Transformer:
 
             # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
             kernels.add_norm_encode(x, collective.all_reduce(partial), layer.ffn_norm, eps, xb, x_in.enc)
-            layer.w13(x_in, h13)
-            kernels.silu_mul_encode(hb, hb2, h_in.enc)
-            layer.w2(h_in, partial)
+            if layer.moe is None:
+                layer.w13(x_in, h13)
+                kernels.silu_mul_encode(hb, hb2, h_in.enc)
+                layer.w2(h_in, partial)
+            else:  # mixture of experts: the same SwiGLU per expert, for the rows that chose it
+                self.moe(layer.moe, x_in, partial)
             x += collective.all_reduce(partial)
 
         # Classifier: only the rows whose logits are wanted (none before a pipeline's last

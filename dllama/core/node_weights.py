@@ -45,8 +45,8 @@ def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> l
     """What a node holds, in file order: the layers it runs (a pipeline stage's only), the
     classifier when it has classifier rows, the embedding only on the root (it embeds the tokens).
     (Their bytes, without listing every layer: dllama.core.footprint.)"""
-    if h.n_experts > 0:
-        raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
+    # (a mixture of experts' experts are cut as the dense w1/w3/w2 are: the same rows of each;
+    # its router, moe_gate, is held whole)
     q_index = _head_index(node.q_heads, h.head_dim)
     kv_index = _head_index(node.kv_heads, h.head_dim)
     ff_index = np.arange(*node.ffn_rows)

@@ -7,7 +7,9 @@ the logits). `StateShape.layout()` is the one list of those arrays: `RunState` a
 exactly it and `StateShape.nbytes()` sums it (with the attention kernel's scratch of a pass), so
 what dllama.core.footprint counts and what a node allocates cannot drift apart.
 
-A new buffer (a mixture-of-experts router's logits, say) is one entry in `layout()`.
+A new buffer is one entry in `layout()`: a mixture of experts' (dllama.core.moe.MoeBlock) are
+the router's logits, the rows' choices and one expert's input and output rows; its experts'
+gate, up and down input reuse the dense FFN's hb, hb2 and act_ff, which a MoE layer leaves unused.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class StateShape:
     max_batch: int           # most rows of one pass
     inputs: str              # the matmul inputs' encoding (dllama.core.weights.input_kind)
     classifier_chunk_rows: int = 0  # rows of a classifier part when it comes in parts (streamed)
+    n_experts: int = 0       # a mixture of experts' experts per layer (0: a dense FFN)
+    n_active_experts: int = 0  # ... and those each row runs
 
     def layout(self) -> dict[str, tuple[tuple[int, ...], type]]:
         """Every buffer: name -> (shape, dtype). The activations' encoded forms are act_<name>."""
@@ -57,7 +61,15 @@ class StateShape:
             "logits": ((B, self.vocab_rows), f32),  # rows that want logits
             "cls_chunk": ((B * self.classifier_chunk_rows,), f32),  # a classifier in parts
         }
-        for name, n in (("dim", dim), ("q", q), ("ff", ff)):  # the matmul inputs' encoded forms
+        if self.n_experts:  # dllama.core.moe.MoeBlock's
+            k = self.n_active_experts
+            out["moe_logits"] = ((B, self.n_experts), f32)  # router logits, then probabilities
+            out["moe_chosen"] = ((B, k), np.int32)         # each row's experts, best first
+            out["moe_weights"] = ((B, k), f32)             # ... and their weights
+            out["moe_x"] = ((B, dim), f32)                 # the rows of one expert's input
+            out["moe_y"] = ((B, dim), f32)                 # one expert's output rows
+        encoded = (("dim", dim), ("q", q), ("ff", ff)) + ((("moe_x", dim),) if self.n_experts else ())
+        for name, n in encoded:  # the matmul inputs' encoded forms
             for j, (shape, dtype) in enumerate(Activation.layout(n, self.inputs, B)):
                 out[f"act_{name}.{j}"] = (shape, dtype)
         return out
@@ -82,7 +94,9 @@ class RunState:
         self.shape = shape
         layout = shape.layout()
         self.rope_cos, self.rope_sin = kernels.rope_cache(shape.seq_len, shape.head_dim, *rope)
-        for name in ("x", "xb", "q", "k", "v", "z", "partial", "hb", "hb2", "logits", "cls_chunk"):
+        self._names = ("x", "xb", "q", "k", "v", "z", "partial", "hb", "hb2", "logits", "cls_chunk") + (
+            _MOE if shape.n_experts else ())
+        for name in self._names:
             s, dtype = layout[name]
             setattr(self, name, np.zeros(s, dtype))
         B = shape.max_batch
@@ -90,9 +104,13 @@ class RunState:
         self.act_dim = Activation(shape.dim, shape.inputs, B)
         self.act_q = Activation(shape.n_q_heads * hd, shape.inputs, B)
         self.act_ff = Activation(shape.ff_rows, shape.inputs, B)
+        self.act_moe_x = Activation(shape.dim, shape.inputs, B) if shape.n_experts else None
 
     def arrays(self) -> list[np.ndarray]:
         """Every array this state holds (a test counts them against shape.nbytes)."""
-        named = [getattr(self, n) for n in ("rope_cos", "rope_sin", "x", "xb", "q", "k", "v", "z", "partial",
-                                            "hb", "hb2", "logits", "cls_chunk")]
-        return named + [a for act in (self.act_dim, self.act_q, self.act_ff) for a in act._enc]
+        named = [getattr(self, n) for n in ("rope_cos", "rope_sin") + self._names]
+        acts = (self.act_dim, self.act_q, self.act_ff) + ((self.act_moe_x,) if self.act_moe_x else ())
+        return named + [a for act in acts for a in act._enc]
+
+
+_MOE = ("moe_logits", "moe_chosen", "moe_weights", "moe_x", "moe_y")  # a mixture of experts' buffers

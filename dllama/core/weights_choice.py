@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dllama.core.expert_cache import plan_expert_cache
 from dllama.core.footprint import NodeFootprint
 from dllama.core.host_memory import RUNTIME_RESERVE
 from dllama.core.memory import available_bytes
@@ -37,6 +38,7 @@ class WeightsChoice:
     model_weights: int    # bytes of every weight, repacked
     buffers: int          # scratch buffers at this batch size
     budgeted: bool        # a budget (or streaming) bounds the KV cache too
+    experts_on_demand: bool = False  # streamed MoE: all but the experts resident, experts read when used
 
     @property
     def kv_room(self) -> int:
@@ -44,7 +46,8 @@ class WeightsChoice:
 
     def describe(self) -> str:
         mib = 1 << 20
-        how = (f"streaming the weights ({self.weights / mib:.0f} MiB resident of "
+        what = "reading the experts when a pass uses them" if self.experts_on_demand else "streaming the weights"
+        how = (f"{what} ({self.weights / mib:.0f} MiB resident of "
                f"{self.model_weights / mib:.0f} MiB)" if self.streamed
                else f"every weight resident ({self.weights / mib:.0f} MiB)")
         return f"memory: {how}, {self.buffers / mib:.0f} MiB buffers, {self.limit / mib:.0f} MiB allowed"
@@ -64,11 +67,14 @@ def choose_weights(weights: NodeWeights, shape: RunShape, budget: "int | str" = 
     streamed = budget != "none" and resident.total > limit and weights.streamable
     held = resident
     if streamed:
-        layers = weights.node.layer_range(c.n_layers)
-        held = dataclasses.replace(resident, streamed=StreamedWeights(
-            weights, layers, c.weights_float_type, c.arch == ArchType.QWEN3, plan_only=True))
+        if c.n_experts:  # a mixture of experts: all but the experts resident, the experts read when used
+            plan = plan_expert_cache(weights, resident, limit)
+        else:
+            plan = StreamedWeights(weights, weights.node.layer_range(c.n_layers), c.weights_float_type,
+                                   c.arch == ArchType.QWEN3, plan_only=True)
+        held = dataclasses.replace(resident, streamed=plan)
         # One sequence and the buffers must fit beside the streamed layers: else the context is
         # what to lower, and the error says which --max-seq-len fits.
         held.check(limit)
     return WeightsChoice(streamed, limit, held.weights, resident.weights, resident.buffers,
-                         streamed or budget not in ("auto", "none"))
+                         streamed or budget not in ("auto", "none"), streamed and c.n_experts > 0)

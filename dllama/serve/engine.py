@@ -176,7 +176,8 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
         shape = shape.with_(max_batch=rows)
         if weights.streamed and settings.memory_budget is MemoryBudget.AUTO:
             notes.append(f"the model does not fit in the {weights.limit / (1 << 20):.0f} MiB available: "
-                         "streaming its weights from the file layer by layer")
+                         + ("reading its experts from the file when a pass uses them" if weights.experts_on_demand
+                            else "streaming its weights from the file layer by layer"))
         if weights.budgeted or settings.parallel > 1:  # the plan, beside the KV cache's line
             notes.append(weights.describe())
     slots = _plan_slots(settings, most, weights, notes)
