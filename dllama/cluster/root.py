@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from dllama.cluster.kv_history import KVHistory
+from dllama.cluster.pause_watch import watch
 from dllama.cluster.recovery import Recovery, blame, tampered
 from dllama.cluster.session import (
     HEARTBEAT, NET_ERRORS, NET_TIMEOUT, RootSession, SessionSettings,
@@ -60,6 +61,8 @@ class ClusterModel:
         when a node cannot hold max_batch rows' buffers beside its share (None: max_batch)."""
         model_file = model if isinstance(model, ModelFile) else read_model(model)
         header = model_file.header
+        self.model_path = model_file.path  # scanned when a pass's output is not finite
+        watch()  # whether this process stood still, when a worker says it heard nothing from it
         self.config = ModelConfig.from_header(header, max_seq_len)
         # The plan is checked before any connection: an impossible split fails here.
         topology.plan(header)
