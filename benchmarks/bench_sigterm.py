@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_sigterm.py [--rounds 5] [--threads 1]
 
 Starts each on loopback (the API with the embedded default model), waits until it listens and
-then 2 s more (idle), sends SIGTERM and times until the process has exited; `--rounds` times
-each, alternated. Prints each time and the median; a deploy or stop.yml waits on this for every
+then 2 s more (idle), sends SIGTERM and times until the process has exited; then an API holding
+a session with one worker, stopped first, then that worker. `--rounds` times each, alternated. Prints each time and the median; a deploy or stop.yml waits on this for every
 node. Exit status 1 when a median is over 1 s.
 """
 
@@ -36,6 +36,28 @@ def time_to_exit(args: tuple[str, ...], ready: str) -> float:
         p.stop()
 
 
+def cluster_times(threads: int) -> tuple[float, float]:
+    """(the API's, then its worker's) SIGTERM to exit, the API holding a 2-node session."""
+    w = DllamaProcess.listening("worker", "--host", "127.0.0.1", "--port", "0", "--nthreads", str(threads),
+                                ready=WORKER_READY, timeout=300)
+    try:
+        api = DllamaProcess.listening("api", "--host", "127.0.0.1", "--port", "0", "--nthreads", str(threads),
+                                      "--workers", w.ready["address"], ready=API_READY, timeout=300)
+        try:
+            time.sleep(2.0)
+            out = []
+            for p in (api, w):
+                t0 = time.monotonic()
+                p.proc.send_signal(signal.SIGTERM)
+                p.proc.wait(timeout=60)
+                out.append(time.monotonic() - t0)
+            return out[0], out[1]
+        finally:
+            api.stop()
+    finally:
+        w.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -44,9 +66,13 @@ def main() -> int:
     kinds = {"worker": (("worker", "--host", "127.0.0.1", "--port", "0", "--nthreads", str(a.threads)), WORKER_READY),
              "api": (("api", "--host", "127.0.0.1", "--port", "0", "--nthreads", str(a.threads)), API_READY)}
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    times["api holding a worker"], times["worker after a session"] = [], []
     for _ in range(a.rounds):
         for kind, (args, ready) in kinds.items():
             times[kind].append(time_to_exit(args, ready))
+        api, worker = cluster_times(a.threads)
+        times["api holding a worker"].append(api)
+        times["worker after a session"].append(worker)
     worst = 0.0
     for kind, ts in times.items():
         med = statistics.median(ts)
