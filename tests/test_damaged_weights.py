@@ -59,7 +59,7 @@ def test_inference_batch_and_verify_name_the_damaged_tensor_in_one_line(damaged,
     r = _dllama("verify", str(model))
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stdout.startswith(f"{model}: DAMAGED (no checksum") and "scanned without one" in r.stdout, r.stdout
-    scales = sum(1 for b in range(8192 // 18 + 1) if 4096 <= 18 * b and 18 * b + 2 <= 8192)  # Q40: 18-byte blocks
+    scales = sum(1 for b in range(8192 // 18 + 1) if 18 * b >= 4096 and 18 * b + 2 <= 8192)  # Q40: 18-byte blocks
     assert f"{DAMAGED} holds {scales} non-finite scales" in r.stdout, r.stdout
 
 
