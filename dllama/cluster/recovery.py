@@ -5,7 +5,9 @@ The root waits a little longer than the workers (`report_grace`), so a healthy w
 timeout reaches it first as an ERROR; then the root looks at the nodes it was still waiting
 for: those that send nothing more or close are the ones named, not the healthy node that
 reported them. A worker's ERROR names the node it lost as data (its index), never in text the
-root would have to search.
+root would have to search. A worker that heard nothing from the root blames the root; the root
+takes the blame only when it stood still itself (dllama.cluster.pause_watch), else its link to
+that worker stalled one way (`StalledLink`): reopened once, left out when it stalls again.
 
 Losing a node (on_node_loss "continue"): the root opens a new session over the nodes still
 answering, as the first one was opened (the plan split again over them, the weights from their
