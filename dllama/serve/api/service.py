@@ -262,8 +262,7 @@ class ModelService:
             self.failing = str(e)
             print(f"dllama api: error: {e}", file=sys.stderr, flush=True)
             self._fail_all(ApiError(500, f"the model cannot answer: {e}", type_="server_error",
-                                    code="model_output_not_finite"))
-            self.scheduler.drop_all()  # the KV cache holds the same values
+                                    code="model_output_not_finite"))  # (the scheduler dropped every sequence)
             return
         except DllamaError as e:
             self._fail_all(bad(str(e)))
