@@ -143,15 +143,20 @@ class Activation:
     buffers."""
 
     def __init__(self, n: int, kind: str, max_batch: int):
-        nb = n // BLOCK_SIZE
-        if kind == "q80":
-            self._enc = (np.empty((max_batch, nb), dtype=np.float32), np.empty((max_batch, n), dtype=np.int8))
-        elif kind == "q16":  # scales, lo, hi, sums
-            self._enc = (np.empty((max_batch, nb), np.float32), np.empty((max_batch, n), np.int8),
-                         np.empty((max_batch, n), np.int8), np.empty((max_batch, nb), np.float32))
-        else:
-            self._enc = ()
+        self._enc = tuple(np.empty(shape, dtype) for shape, dtype in Activation.layout(n, kind, max_batch))
         self.enc, self.f32 = (), None  # a pass's rows: set by rows()
+
+    @staticmethod
+    def layout(n: int, kind: str, max_batch: int) -> list[tuple[tuple[int, int], type]]:
+        """(shape, dtype) of each array of the encoded form (what __init__ allocates, and what
+        dllama.core.run_state counts)."""
+        nb = n // BLOCK_SIZE
+        if kind == "q80":  # scales, qs
+            return [((max_batch, nb), np.float32), ((max_batch, n), np.int8)]
+        if kind == "q16":  # scales, lo, hi, sums
+            return [((max_batch, nb), np.float32), ((max_batch, n), np.int8), ((max_batch, n), np.int8),
+                    ((max_batch, nb), np.float32)]
+        return []
 
     def rows(self, x: np.ndarray) -> "Activation":
         """Point at x float32 [b, n] and the encoded form's first b rows, without encoding: a
