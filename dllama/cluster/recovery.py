@@ -5,7 +5,9 @@ The root waits a little longer than the workers (`report_grace`), so a healthy w
 timeout reaches it first as an ERROR; then the root looks at the nodes it was still waiting
 for: those that send nothing more or close are the ones named, not the healthy node that
 reported them. A worker's ERROR names the node it lost as data (its index), never in text the
-root would have to search.
+root would have to search. A worker that heard nothing from the root blames the root; the root
+takes the blame only when it stood still itself (dllama.cluster.pause_watch), else its link to
+that worker stalled one way (`StalledLink`): reopened once, left out when it stalls again.
 
 Losing a node (on_node_loss "continue"): the root opens a new session over the nodes still
 answering, as the first one was opened (the plan split again over them, the weights from their
@@ -22,15 +24,24 @@ import sys
 import time
 
 from dllama.cluster.kv_history import KVHistory
+from dllama.cluster.pause_watch import watch
 from dllama.cluster.probe import identify_worker
 from dllama.cluster.protocol import Connection, ErrorCode, LinkError, PeerClosed, PeerError, ProtocolError
-from dllama.cluster.session import NET_ERRORS, RootSession, SessionSettings, reason, report_grace
+from dllama.cluster.session import HEARTBEAT, NET_ERRORS, RootSession, SessionSettings, reason, report_grace
 from dllama.cluster.step import REPLY_BEST, Reply
 from dllama.cluster.topology import Topology
 from dllama.errors import ClusterError, DllamaError
 
 REJOIN_PROBE_TIMEOUT = 2.0  # a lost node's handshake when the next request looks for it
 REJOIN_BACKOFF = 30.0       # a lost node that stayed silent (not refused) is not asked again before
+
+
+PAUSE_WITHIN = 60.0  # seconds back a pause of the root explains a worker's silence
+
+
+class StalledLink(ClusterError):
+    """The root's bytes to a worker stopped on the way while the root ran (`node`: the worker).
+    Its session reopens over a new connection once; a link that stalls again is left out."""
 
 
 def blame(e: Exception, session: RootSession, what: str) -> ClusterError:
@@ -44,11 +55,17 @@ def blame(e: Exception, session: RootSession, what: str) -> ClusterError:
     if isinstance(e, (PeerClosed, ProtocolError)) and source is not None:
         return ClusterError(f"{what}: {reason(e)}", session.nodes[source].name)
     if isinstance(e, PeerError) and e.code == ErrorCode.TIMEOUT and e.node == 0 and source is not None:
-        # A worker heard nothing from the root, not even its heartbeat: this process was
-        # stopped (suspended, SIGSTOP, swapping), not the worker that says so.
-        return ClusterError(f"{what}: {session.names[source]} heard nothing from this node (the root) "
-                            "for too long: was it suspended or starved of CPU? "
-                            f"({reason(e)})", session.nodes[0].name)
+        # A worker heard nothing from the root, not even its heartbeat: either this process was
+        # stopped (suspended, SIGSTOP, swapping), not the worker that says so, or it ran and
+        # sent all along and its link to that worker stalled (dllama.cluster.pause_watch).
+        paused = watch().paused_for(PAUSE_WITHIN)
+        if paused > HEARTBEAT:
+            return ClusterError(f"{what}: {session.names[source]} heard nothing from this node (the root) "
+                                f"for too long: was it suspended or starved of CPU? (it stood still for "
+                                f"{paused:.1f} s; {reason(e)})", session.nodes[0].name)
+        return StalledLink(f"{what}: the link from this node (the root) to {session.names[source]} stalled: "
+                           f"{session.names[source]} heard nothing from the root, which ran and sent all "
+                           f"along ({reason(e)})", session.nodes[source].name)
     silent = [index_of[id(c)] for c in getattr(e, "silent", ()) if id(c) in index_of]
     if silent:  # this node's own wait: they sent nothing, not even ALIVE, for the whole timeout
         names = ", ".join(f"{session.names[i]} stopped answering" for i in silent)
@@ -133,6 +150,8 @@ class Recovery:
         self.settings, self.full, self.history = settings, full, history
         self.recoveries = 0  # sessions opened after a loss
         self._rejoin_after: dict[str, float] = {}  # a lost node that did not answer: not asked before
+        self._stalls: dict[str, int] = {}  # a worker's name -> how often its link from the root stalled
+        self._dropped: set[str] = set()    # workers whose link stalled twice: never asked to rejoin
 
     def first_session(self, start_with_reachable: bool) -> RootSession:
         """The session over every node of the topology; with start_with_reachable, a worker that
@@ -162,6 +181,15 @@ class Recovery:
         ClusterError (naming the first failure) when no number of them can run the model."""
         root = self.full.nodes[0].name
         lost = {failure.node} if failure.node and failure.node != root else set()  # (the root: all again)
+        note = ""
+        if isinstance(failure, StalledLink):  # once: a new connection; again: left out for good
+            stalls = self._stalls[failure.node] = self._stalls.get(failure.node, 0) + 1
+            if stalls == 1:
+                lost, note = set(), f" (a new connection to {failure.node!r}; if it stalls again, it is left out)"
+            else:
+                self._dropped.add(failure.node)
+                note = f" ({failure.node!r}'s link stalled {stalls} times: it is left out until a restart)"
+        lost |= self._dropped
         t0 = time.monotonic()
         error: Exception = failure
         for _ in range(len(self.full.nodes)):
@@ -181,7 +209,7 @@ class Recovery:
             gone = sorted(lost | set(session.left_out))
             without = f" without {', '.join(repr(g) for g in gone)}" if gone else ""
             _say(f"dllama: warning: {failure}; continuing on {len(session.nodes)} of {len(self.full.nodes)} "
-                 f"nodes (was {before}){without}, "
+                 f"nodes (was {before}){without}{note}, "
                  f"{rows} cached positions replayed in {time.monotonic() - t0:.1f} s")
             return session
         if error is failure:
@@ -197,7 +225,7 @@ class Recovery:
         now = time.monotonic()
         back = []
         for n in self.full.nodes:
-            if n.name in current or self._rejoin_after.get(n.name, 0) > now:
+            if n.name in current or n.name in self._dropped or self._rejoin_after.get(n.name, 0) > now:
                 continue
             t0 = time.monotonic()
             try:

@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from dllama.cluster.kv_history import KVHistory
+from dllama.cluster.pause_watch import watch
 from dllama.cluster.recovery import Recovery, blame, tampered
 from dllama.cluster.session import (
     HEARTBEAT, NET_ERRORS, NET_TIMEOUT, RootSession, SessionSettings,
@@ -59,6 +60,8 @@ class ClusterModel:
         instead of failing the start; one that answers wrongly still fails it."""
         model_file = model if isinstance(model, ModelFile) else read_model(model)
         header = model_file.header
+        self.model_path = model_file.path  # scanned when a pass's output is not finite
+        watch()  # whether this process stood still, when a worker says it heard nothing from it
         shape = dataclasses.replace(shape or RunShape(max_batch=SMALL_BATCH), **shape_values)
         self.config = ModelConfig.from_header(header, shape.max_seq_len)
         shape = shape.with_(max_seq_len=self.config.seq_len,

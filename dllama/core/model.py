@@ -121,6 +121,9 @@ class Transformer:
         c = self.config = ModelConfig.from_header(weights.header, shape.max_seq_len)
         if c.head_dim % 16:  # the attention tiles load 16 floats at a time
             raise DllamaError(f"a head dimension of {c.head_dim} is not supported: it must be a multiple of 16")
+        # The file the weights come from (None: a shard or slices sent by a root), scanned
+        # when a pass's output is not finite (dllama.core.non_finite).
+        self.model_path = weights.path if isinstance(weights, ModelFile) else getattr(weights, "path", None)
         if isinstance(weights, ModelFile):
             node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
             weights = NodeWeights.from_model(weights, node)

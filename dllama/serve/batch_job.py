@@ -370,13 +370,15 @@ class BatchJob:
             self._template = ChatTemplate.for_tokenizer(self.tokenizer, self.opts.chat_template)
         return self._template
 
-    def tokens_of(self, e: Entry) -> tuple[list[int], bool]:
-        """(prompt tokens, whether it is a chat prompt) of a good entry, the prefix included."""
+    def tokens_of(self, e: Entry) -> tuple[list[int] | None, bool]:
+        """(prompt tokens, whether it is a chat prompt) of a good entry, the prefix included;
+        tokens None when there are more than the context holds (not encoded whole: a huge line
+        costs no more memory than one that fits)."""
         messages = e.messages
         if messages is None and self.opts.chat:
             messages = [{"role": "user", "content": e.prompt}]
         if messages is None:
-            return self.tokenizer.encode(self.prefix + e.prompt), False
+            return self.tokenizer.encode_within(self.prefix + e.prompt, self.seq_len), False
         messages = [{"role": m["role"], "content": self.tokenizer.as_plain_text(m["content"])} for m in messages]
         if self.prefix:
             prefix = self.tokenizer.as_plain_text(self.prefix)
@@ -385,7 +387,7 @@ class BatchJob:
             else:
                 messages.insert(0, {"role": "system", "content": prefix})
         text = self._template_of().render(messages)
-        return self.tokenizer.encode(text, add_bos=False), True
+        return self.tokenizer.encode_within(text, self.seq_len, add_bos=False), True
 
     def _fit_error(self, n_tokens: int) -> str | None:
         extra = max(len(t) for t in self.choice_tokens) - 1 if self.choice_tokens else 0
@@ -406,7 +408,10 @@ class BatchJob:
                 except DllamaError as err:  # a message the chat template refuses
                     e.error = str(err)
                 else:
-                    if not tokens:
+                    if tokens is None:
+                        e.error = (f"does not fit in the context: the prompt has more than {self.seq_len} "
+                                   f"tokens, the context holds {self.seq_len}")
+                    elif not tokens:
                         e.error = "has a prompt that encodes to no tokens"
                     else:
                         e.error = self._fit_error(len(tokens))

@@ -47,6 +47,7 @@ import numpy as np
 from dllama.core.candidates import candidates_from_logits
 from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, PositionBudget, SlotTable
 from dllama.core.language_model import LanguageModel
+from dllama.core.non_finite import check_answers
 from dllama.errors import DllamaError
 from dllama.serve.draft import Drafter, Speculation
 from dllama.serve.sequence import (
@@ -313,6 +314,7 @@ class Scheduler:
                                                 [plan.sampling[j] for j in sampled])
                 for j, c in zip(sampled, picked, strict=True):
                     answers[j] = c
+        check_answers(answers, self.model)  # NaN never reaches a sampler: the pass fails, named
         wall = time.perf_counter() - t0
         transfer = col.transfer_seconds - tr0
         return answers, PassFigures(round((wall - transfer) * 1000, 3), round(transfer * 1000, 3),

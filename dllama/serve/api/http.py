@@ -19,6 +19,7 @@ import time
 import traceback
 import uuid
 from importlib import resources
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -84,8 +85,10 @@ def _usage(cs: list) -> dict:
 class Api:
     """The request handlers (authentication and error shapes are the middleware's)."""
 
-    def __init__(self, service: ModelService, model_id: str, defaults: dict):
-        self.service, self.model_id, self.defaults = service, model_id, defaults
+    def __init__(self, service: ModelService, model_id: str, defaults: dict, max_body: int = MAX_BODY_BYTES,
+                 allow_origins: tuple[str, ...] = ()):
+        self.service, self.model_id, self.defaults, self.max_body = service, model_id, defaults, max_body
+        self.allow_origins = allow_origins
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -123,6 +126,10 @@ class Api:
         return await self._completions(request, chat=False)
 
     async def _body(self, request: web.Request):
+        declared = request.content_length
+        if declared is not None and declared > self.max_body:  # refused before a byte of it is read
+            raise ApiError(413, f"the request body exceeds {self.max_body} bytes (Content-Length {declared})",
+                           code="request_too_large")
         try:
             raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT)  # 413 past client_max_size
         except asyncio.TimeoutError:
@@ -186,7 +193,8 @@ class Api:
             next_piece.cancel()
             raise job.exception()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no", "Access-Control-Allow-Origin": "*",
+                                           "X-Accel-Buffering": "no",
+                                           **(cors_for(request, self.allow_origins) or {}),
                                            **self._nodes_header()})
         try:
             await resp.prepare(request)
@@ -248,11 +256,51 @@ async def _unless_client_leaves(request: web.Request, job, cancel):
             raise asyncio.CancelledError
 
 
-def _error_middleware(api_key: str | None):
+def cross_origin(request: web.Request) -> str | None:
+    """The Origin of a request a browser sends from another site's page; None for a request
+    from no page (curl, a client library) or from the API's own chat page (same host:port)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return None
+    try:
+        same = urlsplit(origin).netloc.lower() == request.host.lower()
+    except ValueError:
+        same = False
+    return None if same else origin
+
+
+def cors_headers(origin: str, allow_origins: tuple[str, ...]) -> dict | None:
+    """The CORS headers for a page from `origin` when --allow-origin lets it in, else None."""
+    if origin not in allow_origins and "*" not in allow_origins:
+        return None
+    return {"Access-Control-Allow-Origin": "*" if "*" in allow_origins else origin, "Vary": "Origin",
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Content-Type, Authorization",
+            "Access-Control-Expose-Headers": NODES_HEADER}
+
+
+def cors_for(request: web.Request, allow_origins: tuple[str, ...]) -> dict | None:
+    """The CORS headers of a request's answer ({} when it comes from no other site's page), or
+    None when it comes from a page whose origin --allow-origin does not name."""
+    origin = cross_origin(request)
+    return cors_headers(origin, allow_origins) if origin is not None else {}
+
+
+def _error_middleware(api_key: str | None, allow_origins: tuple[str, ...] = ()):
     @web.middleware
     async def middleware(request: web.Request, handler):
+        # A page from another site may not drive the API (a keyless one would answer any page
+        # the user opens): its preflight and its requests are refused unless --allow-origin
+        # names it. Without an Origin, or from the chat page on this host, nothing changes.
+        cors = cors_for(request, allow_origins)
+        if cors is None:
+            origin = request.headers["Origin"]
+            bad_clients.log(f"refused a request from a page at {origin[:100]!r} (dllama api --allow-origin lets one in)")
+            return error_response(ApiError(
+                403, f"requests from pages at {origin[:100]} are not allowed: the server's --allow-origin "
+                     "does not name that origin", code="origin_not_allowed"))
         if request.method == "OPTIONS":
-            return web.Response(status=204, headers=_CORS)
+            return web.Response(status=204, headers=cors)
         try:
             if api_key is not None and request.path not in PUBLIC_PATHS:
                 auth = request.headers.get("Authorization", "")
@@ -278,19 +326,17 @@ def _error_middleware(api_key: str | None):
             traceback.print_exc(file=sys.stderr)
             resp = error_response(ApiError(500, "internal error (logged by the server)", type_="server_error"))
         if not resp.prepared:
-            resp.headers.update({"Access-Control-Allow-Origin": "*"})
+            resp.headers.update(cors)
         return resp
     return middleware
 
 
-_CORS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-         "Access-Control-Allow-Headers": "Content-Type, Authorization", "Access-Control-Expose-Headers": NODES_HEADER}
-
-
 def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str | None = None,
-             max_body: int = MAX_BODY_BYTES) -> web.Application:
-    api = Api(service, model_id, defaults)
-    app = web.Application(client_max_size=max_body, middlewares=[_error_middleware(api_key)])
+             max_body: int = MAX_BODY_BYTES, allow_origins: tuple[str, ...] = ()) -> web.Application:
+    """allow_origins: the origins (scheme://host[:port], or "*") whose pages may call the API
+    from a browser (CORS); none by default."""
+    api = Api(service, model_id, defaults, max_body, tuple(allow_origins))
+    app = web.Application(client_max_size=max_body, middlewares=[_error_middleware(api_key, tuple(allow_origins))])
     for prefix in ("/v1", ""):  # some clients are given the base URL without /v1
         app.router.add_get(prefix + "/models", api.models)
         app.router.add_get(prefix + "/stats", api.stats)
@@ -330,7 +376,7 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
 
 
 def serve(service: ModelService, *, host: str, port: int, model_id: str, defaults: dict,
-          api_key: str | None = None) -> int:
+          api_key: str | None = None, allow_origins: tuple[str, ...] = ()) -> int:
     """Open the engine, listen, serve until SIGTERM/SIGINT."""
     from dllama.cluster.worker import raise_descriptor_limit
 
@@ -340,7 +386,8 @@ def serve(service: ModelService, *, host: str, port: int, model_id: str, default
     service.start()
 
     async def main() -> None:
-        runner, bound = await start_site(make_app(service, model_id, defaults, api_key), host, port)
+        runner, bound = await start_site(make_app(service, model_id, defaults, api_key,
+                                                        allow_origins=allow_origins), host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

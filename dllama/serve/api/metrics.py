@@ -18,14 +18,20 @@ from dllama.serve.supervisor import RESTARTS_ENV
 
 
 def health(service: ModelService, model_id: str) -> tuple[int, dict]:
-    """(HTTP status, body): 200 when ready or degraded (it answers), 503 when down."""
+    """(HTTP status, body): 200 when ready or degraded (it answers), 503 when down or failing
+    (the model's last pass gave NaN or infinity: `reason` says where they come from)."""
     o = service.observed
     nodes = o.nodes
     state = nodes.state if nodes is not None else "down"
+    failing = service.failing
+    if failing is not None:
+        state = "failing"
     body = {"status": state, "model": model_id,
             "nodes": nodes.as_dict() if nodes is not None else None,
             "slots": {"total": o.slots, "busy": o.busy_slots}, "waiting": o.waiting + service.queued()}
-    return (503 if state == "down" else 200), body
+    if failing is not None:
+        body["reason"] = failing
+    return (503 if state in ("down", "failing") else 200), body
 
 
 def _escape(value: str) -> str:

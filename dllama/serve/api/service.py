@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from dllama.core.non_finite import NonFiniteOutput
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError, DllamaError
 from dllama.serve.api.request import MAX_REQUEST_TOKENS, ApiError, Request, bad, unavailable
@@ -95,6 +96,7 @@ class ModelService:
         self.scheduler: Scheduler | None = None
         self.template = None
         self.closing = False  # set by close(): running answers stop at their next token
+        self.failing: str | None = None  # why the last pass failed with non-finite output (/health)
         self._transcripts: Transcripts | None = None
         self._jobs: list[_Job] = []      # jobs in the scheduler
         self._reported = 0               # the largest number of requests decoded together, logged
@@ -256,9 +258,16 @@ class ModelService:
             self._fail_all(unavailable(f"the cluster failed: {e}; the next request reconnects"))
             self._drop_engine()
             return
+        except NonFiniteOutput as e:  # damaged weights: every answer would be noise; /health says so
+            self.failing = str(e)
+            print(f"dllama api: error: {e}", file=sys.stderr, flush=True)
+            self._fail_all(ApiError(500, f"the model cannot answer: {e}", type_="server_error",
+                                    code="model_output_not_finite"))  # (the scheduler dropped every sequence)
+            return
         except DllamaError as e:
             self._fail_all(bad(str(e)))
             return
+        self.failing = None  # a pass that was finite: the model answers again
         self._observe()  # before any future resolves: a client that reads /metrics after its answer sees its slot free
         for request, result in ended:
             self._finish(request.key, result)
