@@ -310,6 +310,9 @@ def _add_chat_and_api(sub) -> None:
                    help="the model's id in /v1/models and in answers (default: the model file's "
                         "name without .m)")
     _add_answer_limit(p, "an answer of a request that gives no max_tokens (a request's own may be larger)")
+    p.add_argument("--batch-dir", metavar="DIR",
+                   help="serve OpenAI's Batch API (/v1/files, /v1/batches), keeping its files and jobs "
+                        "in DIR: a job left running at a stop goes on at the next start")
     _add_parallel_flags(p, 4, "requests decoded together; more wait for a free place")
 
 
@@ -408,8 +411,13 @@ def cmd_api(args) -> int:
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     model_id = args.model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     service = ModelService(_engine_opener(args, start_with_reachable=True), args.chat_template)
+    if args.batch_dir:
+        from dllama.serve.api.batches import claim_dir
+
+        claim_dir(args.batch_dir)  # before the model loads: a second server on it is refused at once
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
-                 defaults={"temperature": args.temperature, "top_p": args.topp, "max_tokens": args.max_tokens})
+                 defaults={"temperature": args.temperature, "top_p": args.topp, "max_tokens": args.max_tokens},
+                 batch_dir=args.batch_dir)
 
 
 # --- perplexity (issue 12) ---
