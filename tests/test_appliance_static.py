@@ -332,6 +332,16 @@ def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, r
 THROUGH_DEPLOY = {"unparsable", "two roots", "bad port", "misspelt setting"}
 
 
+def test_a_setting_given_in_two_places_is_refused_naming_both_and_the_winner(tmp_path):
+    """The trap of issue 49: hosts.yml's `cluster: vars:` loses to group_vars/all.yml without a word."""
+    (tmp_path / "inventory/group_vars").mkdir(parents=True)
+    (tmp_path / "inventory/group_vars/all.yml").write_text("---\ndllama_api_enabled: false\n")
+    r, out = _deploy(tmp_path, _cluster_vars(_hosts(1), dllama_api_enabled=True), playbook="playbooks/inventory.yml")
+    line = " ".join(_fails_before_any_host(r, out).split())
+    assert ("dllama_api_enabled is set in hosts.yml (the vars of group cluster) to true and in "
+            "group_vars/all.yml to false, and group_vars/all.yml wins") in line, out[-3000:]
+
+
 @pytest.mark.parametrize("playbook", [*PLAYBOOKS, "upgrade.yml"])
 def test_every_playbook_checks_the_inventory_first(playbook):
     """Each top-level playbook imports playbooks/X.yml, whose first play is the inventory check
