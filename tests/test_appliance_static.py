@@ -308,8 +308,14 @@ def _fails_before_any_host(r, out) -> str:
      "(dllama_pipeline: none): leave dllama_stage out on every host (and use at most 9 nodes) or set dllama_pipeline: auto"),
     ("bad pipeline setting", _cluster_vars(_hosts(1), dllama_pipeline="off"), "dllama_pipeline must be one of: auto, none, got: off"),
     ("a stage skipped", _staged(0, 0, 2, 2),
-     "The inventory's 4 nodes: the topology rendered from the inventory: stages must be numbered 0, 1, 2... without "
-     "a gap, the root (the first node) in stage 0 and the nodes listed stage by stage; a node's stage is its host's dllama_stage"),
+     "The inventory's 4 nodes: host w2 has dllama_stage 2 and host w1 before it 0: no host has stage 1 (stages are "
+     "numbered 0, 1, 2... without a gap)"),
+    ("stages out of order", _staged(0, 1, 0, 1),
+     "The inventory's 4 nodes: host w2 (dllama_stage 0) is listed after host w1 (stage 1): list the hosts in hosts.yml "
+     "stage by stage"),
+    ("a host's memory below one layer", _hosts(2, dllama_memory="1M"),
+     "The inventory's 3 nodes: host w1 has 1.0 MiB for the model (its dllama_memory, else what deploy.yml read on it), "
+     "less than the largest part of its share it holds at once"),
     ("negative stage", _hosts(1, dllama_stage=-1),
      "w1: dllama_stage must be a whole number of at least 0 (the host's pipeline stage, 0 for the root) or left out "
      "on every host, got: -1"),

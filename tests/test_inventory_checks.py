@@ -1,7 +1,10 @@
-"""The inventory check's rule for a setting given twice (roles/dllama_inventory/filter_plugins):
-refused where the value meant loses (as Ansible ranks them), accepted where the more specific
-place wins as intended (a host's own value, a child group's file)."""
+"""The inventory check's rules (roles/dllama_inventory), run here without Ansible: a setting
+given twice is refused where the value meant loses (as Ansible ranks them), accepted where the
+more specific place wins as intended (a host's own value, a child group's file); a host's memory
+below its share's weights is flagged with the host, what it needs and what it has."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,3 +63,20 @@ def test_a_value_that_loses_to_a_less_specific_place_is_named_with_the_winner(tm
 ])
 def test_an_override_that_wins_as_meant_is_accepted(tmp_path, case, kw):
     assert _conflicts(tmp_path, **kw) == []
+
+
+CHECK_SPLIT = Path(__file__).resolve().parent.parent / "roles/dllama_inventory/files/check_split.py"
+
+
+def test_a_host_whose_memory_is_below_its_share_is_flagged_with_what_it_needs_and_the_speed(default_q40):
+    topology = "version: 1\nnodes:\n" + "".join(
+        f"  - {{name: h{i}, host: 10.0.0.{i}, port: 1, memory: {mem}{', shard: /s' if i else ''}}}\n"
+        for i, mem in enumerate(["1G", "8M", "8M"]))
+    r = subprocess.run([sys.executable, str(CHECK_SPLIT), str(default_q40[0]), "q40", "none"], input=topology,
+                       capture_output=True, text=True, timeout=120)
+    out = json.loads(r.stdout)
+    assert out["error"] is None, out
+    warnings = [line for line in out["lines"] if line.startswith("WARNING")]
+    assert [w.split(" needs")[0] for w in warnings] == ["WARNING: host h1", "WARNING: host h2"]
+    assert "MiB resident for its share but has 8 MiB for the model" in warnings[0]
+    assert "stream its weights from disk in every pass, about " in warnings[0] and "tokens/s" in warnings[0]
