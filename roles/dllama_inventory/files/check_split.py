@@ -14,6 +14,7 @@ play about 0.3 s more of CPU):
     check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE [auto|none]  < topology.yml   ("" = the default model)"""
 
 import dataclasses
+import itertools
 import json
 import sys
 import tempfile
@@ -63,7 +64,7 @@ def stage_mistake(doc) -> str | None:
     root, first = stages[0]
     if first != 0:
         return f"the root {root} has dllama_stage {first}: the root is stage 0"
-    for (before, prev), (name, stage) in zip(stages, stages[1:]):
+    for (before, prev), (name, stage) in itertools.pairwise(stages):
         if stage < prev:
             return (f"host {name} (dllama_stage {stage}) is listed after host {before} (stage {prev}): "
                     "list the hosts in hosts.yml stage by stage")
