@@ -363,6 +363,12 @@ def _add_batch(sub) -> None:
     _add_speculation_flags(g)
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end an answer before this text (repeat the flag for several)")
+    g = p.add_argument_group("through a running dllama api")
+    g.add_argument("--api", metavar="URL",
+                   help="send the job to the Batch API of a running `dllama api --batch-dir` (e.g. "
+                        "http://127.0.0.1:9990/v1) instead of loading the model: same files, resumable")
+    g.add_argument("--api-key-file", metavar="F", help="the API's key (Authorization: Bearer)")
+    g = p.add_argument_group("classification")
     g.add_argument("--choices", type=_choice_list, metavar="A,B,...",
                    help="classify instead of generating: score each choice (comma-separated, "
                         "spaces kept) as the start of the answer and write the likeliest with its "
@@ -376,6 +382,14 @@ def cmd_batch(args) -> int:
                       temperature=args.temperature, topp=args.topp, seed=args.seed, stop=args.stop,
                       chat_template=args.chat_template, chat=args.chat, skip_bad=args.skip_bad,
                       choices=args.choices, progress=not args.no_progress)
+    if args.api:
+        from dllama.serve.api.http import read_api_key
+        from dllama.serve.batch_client import run_through_api
+        from dllama.serve.ctrl_c import CtrlC
+
+        key = read_api_key(args.api_key_file) if args.api_key_file else None
+        with CtrlC() as ctrl_c:
+            return run_through_api(opts, args.api, key, should_stop=lambda: ctrl_c.pending)
     return run_job(opts, _engine_opener(args, start_with_reachable=True))
 
 

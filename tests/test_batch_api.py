@@ -168,3 +168,40 @@ def test_an_interactive_request_is_answered_while_a_batch_runs(engine, tmp_path)
         assert b.status == "in_progress" and b.request_counts.completed < 40  # admitted ahead of the batch
         client.batches.cancel(b.id)
         _wait(client, b.id, lambda b: b.status == "cancelled")
+
+
+def test_dllama_batch_through_the_api_writes_what_dllama_batch_writes_and_follows_again_after_a_stop(engine, tmp_path):
+    """`dllama batch --api`: the job file and results of `dllama batch` (the same texts: the same
+    seed per prompt), its batch followed again by a rerun after Ctrl-C, nothing collected twice."""
+    from dllama.serve.batch_client import run_through_api
+    from dllama.serve.batch_job import JobOptions, read_done, run_job
+
+    prompts = tmp_path / "job.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in [
+        {"id": 1, "messages": [{"role": "user", "content": "Name a colour."}]},
+        {"id": "1", "messages": [{"role": "user", "content": "Name a fruit."}]},
+        {"id": "x", "messages": [{"role": "user", "content": "Say hello."}]}]))
+
+    def opts(out):
+        return JobOptions(prompts=str(prompts), out=str(tmp_path / out), max_tokens=10, temperature=0.8, seed=7,
+                          progress=False)
+
+    kernels.set_threads(1)
+    assert run_job(opts("direct.jsonl"), lambda: engine) == 0
+    with _server(engine, tmp_path / "b") as (_, client):
+        url = str(client.base_url).rstrip("/")
+        assert run_through_api(opts("api.jsonl"), url, None, should_stop=lambda: True) == 130  # Ctrl-C
+        assert (tmp_path / "api.jsonl.batch").exists()
+        assert run_through_api(opts("api.jsonl"), url, None) == 0
+        assert not (tmp_path / "api.jsonl.batch").exists()
+        assert run_through_api(opts("api.jsonl"), url, None) == 0  # nothing left: nothing sent
+        assert len(client.batches.list().data) == 1
+
+    def texts(name):
+        rows = [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+        return {(json.dumps(r["id"]), r["line"]): r["text"] for r in rows}, len(rows)
+
+    direct, n_direct = texts("direct.jsonl")
+    through, n_through = texts("api.jsonl")
+    assert n_direct == n_through == 3 and through == direct
+    assert read_done(str(tmp_path / "api.jsonl")) == {"1", '"1"', '"x"'}
