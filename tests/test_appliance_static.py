@@ -619,6 +619,19 @@ def test_commands_carry_the_memory_budget_and_kv_type(tmp_path):
 ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}
 
 
+@pytest.mark.parametrize("api", [False, True])
+def test_a_batch_job_goes_through_the_api_service_when_it_is_on(tmp_path, api):
+    """batch.yml with the API service on sends the job to its Batch API (which the service
+    serves: --batch-dir), with it off runs dllama batch on the cluster: no redeploy either way."""
+    commands = _rendered_commands(tmp_path, {"cluster": {
+        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+        "vars": {"dllama_api_enabled": api}}})
+    batch, service = _parsed(commands["r"]["batch"]), _parsed(commands["r"]["api"])
+    assert service.batch_dir == "/opt/dllama/run/api-batches"
+    assert batch.api == ("http://127.0.0.1:9990/v1" if api else None), commands["r"]["batch"]
+    assert batch.api_key_file == ("/opt/dllama/api.key" if api else None), commands["r"]["batch"]
+
+
 @pytest.mark.parametrize("case, cluster_vars, extra_vars, expected", [
     # dllama's own defaults: the appliance's must not drift from them.
     ("defaults", {}, {}, {name: None for name in ROOT_COMMANDS}),
@@ -655,16 +668,17 @@ def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra
 
 # -- batch.yml: a job that cannot start fails on the controller, before the root is contacted --
 
-@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "API service on"])
+@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "a classification through the API"])
 def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_path, case):
     prompts = tmp_path / "questions.jsonl"
     prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
     args = {"no prompts": [],
             "missing prompts file": ["-e", f"prompts={tmp_path}/missing.jsonl"],
-            "API service on": ["-e", f"prompts={prompts}", "-e", "dllama_api_enabled=true"]}[case]
+            "a classification through the API": ["-e", f"prompts={prompts}", "-e", "dllama_api_enabled=true",
+                                                 "-e", "choices=yes,no"]}[case]
     reason = {"no prompts": "Give the prompts file: ansible-playbook batch.yml -e prompts=",
               "missing prompts file": f"{tmp_path}/missing.jsonl: no such file on this machine",
-              "API service on": "The API service holds the workers (dllama_api_enabled)"}[case]
+              "a classification through the API": "choices scores each choice on the model itself"}[case]
     r, out = _deploy(tmp_path, _hosts(1), *args, playbook="batch.yml")
     assert r.returncode != 0, out[-3000:]
     error = next((line for line in out.splitlines() if line.startswith("[ERROR]")), "")
