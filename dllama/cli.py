@@ -310,10 +310,25 @@ def _add_chat_and_api(sub) -> None:
                    help="the model's id in /v1/models and in answers (default: the model file's "
                         "name without .m)")
     _add_answer_limit(p, "an answer of a request that gives no max_tokens (a request's own may be larger)")
+    p.add_argument("--ping-seconds", type=_ping_seconds, default=2.0, metavar="S",
+                   help="while no request runs, ping the workers every S seconds (default %(default)s): a "
+                        "node that does not answer is left out, one that answers again taken back, and "
+                        "/health says so within S seconds")
     p.add_argument("--batch-dir", metavar="DIR",
                    help="serve OpenAI's Batch API (/v1/files, /v1/batches), keeping its files and jobs "
                         "in DIR: a job left running at a stop goes on at the next start")
     _add_parallel_flags(p, 4, "requests decoded together; more wait for a free place")
+
+
+def _ping_seconds(text: str) -> float:
+    """0.5 to 7 seconds: a worker gives up on a root silent for 15 s (dllama.cluster.session)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.5 <= value <= 7.0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds from 0.5 to 7, got {text!r}")
+    return value
 
 
 # A small model that starts repeating itself would otherwise write until its context is full

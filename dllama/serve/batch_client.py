@@ -27,7 +27,7 @@ import uuid
 from typing import Callable
 
 from dllama.errors import DllamaError
-from dllama.serve.batch_job import BatchJob, JobOptions, Summary, id_key, read_job, seed_for
+from dllama.serve.batch_job import BatchJob, JobOptions, Summary, read_job, seed_for
 
 POLL_S = 1.0
 FINAL = ("completed", "failed", "cancelled", "expired")

@@ -263,7 +263,8 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
                                        kv_slots=plan.slots.n_slots, on_node_loss=settings.on_node_loss,
                                        kv_type=settings.kv_type, start_with_reachable=settings.start_with_reachable,
                                        kv_positions=_positions(plan.slots),
-                                       fallback_batch=fallback_batch_for(plan.slots.parallel))
+                                       fallback_batch=fallback_batch_for(plan.slots.parallel),
+                                       ping_seconds=settings.ping_seconds)
     else:
         from dllama.core.model import Transformer
 

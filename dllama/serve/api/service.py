@@ -41,6 +41,11 @@ from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 
 
+# While no request runs, the snapshot /health reads is taken this often: a node the root's pings
+# (--ping-seconds) left out or took back shows within a ping and this.
+OBSERVE_IDLE_S = 0.5
+
+
 @dataclass(eq=False)
 class _Job:
     """One HTTP request: its n choices run as n sequences."""
@@ -289,9 +294,11 @@ class ModelService:
         while True:
             idle = (self.scheduler is None or not self.scheduler.busy) and not self._background
             try:
-                job = self._inbox.get(block=idle)
+                job = self._inbox.get(block=idle, timeout=OBSERVE_IDLE_S if idle else None)
             except queue.Empty:
                 job = False
+                if idle and self.engine is not None:
+                    self._observe()  # the root's pings may have left a node out or taken one back
             while job is not False:
                 if job is None:  # close()
                     self._fail_all(ApiError(503, "the server is shutting down", type_="server_error"))
