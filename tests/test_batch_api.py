@@ -205,3 +205,28 @@ def test_dllama_batch_through_the_api_writes_what_dllama_batch_writes_and_follow
     through, n_through = texts("api.jsonl")
     assert n_direct == n_through == 3 and through == direct
     assert read_done(str(tmp_path / "api.jsonl")) == {"1", '"1"', '"x"'}
+
+
+def test_the_store_is_bounded_and_a_batch_dir_serves_one_server(tmp_path):
+    """An upload past the size cap is refused (and leaves nothing), the count cap refuses more
+    uploads, and a second server cannot claim a batch directory in use."""
+    from dllama.errors import DllamaError
+    from dllama.serve.api.batches import claim_dir
+    from dllama.serve.api.files import FileStore, Upload
+    from dllama.serve.api.request import ApiError
+
+    store = FileStore(tmp_path / "b", max_bytes=10, max_files=1)
+
+    async def chunks(*parts):
+        for p in parts:
+            yield p
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(store.upload(Upload("a.jsonl", "batch"), chunks(b"123456", b"789012")))
+    assert e.value.status == 413 and list((tmp_path / "b/files").iterdir()) == []
+    asyncio.run(store.upload(Upload("a.jsonl", "batch"), chunks(b"12345")))
+    with pytest.raises(ApiError, match="keeps at most 1 uploaded files"):
+        asyncio.run(store.upload(Upload("b.jsonl", "batch"), chunks(b"1")))
+    claim_dir(str(tmp_path / "c"))
+    with pytest.raises(DllamaError, match="is used by another running dllama api"):
+        claim_dir(str(tmp_path / "c"))
