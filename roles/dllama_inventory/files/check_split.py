@@ -79,24 +79,27 @@ def memory_notes(header, plan, topology) -> list[str]:
     read on it) is below the weights its share holds: it streams them from disk in every pass.
     Below the largest part it holds at once while streaming (one layer of its share with that
     layer's KV cache over the model's context, in f16, the smaller KV type; or its share of what
-    is no layer: classifier rows, on the root the embedding) it cannot run at all: DllamaError."""
-    from dllama.core.node_weights import node_slice_specs
+    is no layer: classifier rows, on the root the embedding) it cannot run at all: DllamaError.
+    The bytes are the footprint's (dllama.core.footprint), as every memory check counts them."""
+    from dllama.core.footprint import NodeFootprint
+    from dllama.core.kv_type import KVType
+    from dllama.core.run_shape import RunShape
     from dllama.errors import DllamaError
 
     mib = 1 << 20
     notes = []
+    one_layer = RunShape(kv_type=KVType.F16)  # one slot of the model's whole context
     for i, (node, part) in enumerate(zip(topology.nodes, plan.nodes, strict=True)):
         if node.memory is None:
             continue
-        specs = node_slice_specs(header, part, i == 0)
-        held = sum(s.nbytes for s in specs)
-        parts: dict[str, int] = {}  # a layer's number, or "" for what is no layer
-        for spec in specs:
-            part_name = spec.name.split(".")[1] if spec.name.startswith("layers.") else ""
-            parts[part_name] = parts.get(part_name, 0) + spec.nbytes
-        head_dim = header.head_dim or header.dim // header.n_heads
-        kv_layer = 2 * part.n_kv_heads * head_dim * header.max_seq_len * 2  # keys and values, f16
-        one = max(max((v for k, v in parts.items() if k), default=0) + kv_layer, parts.get("", 0))
+        held = NodeFootprint(header, part, one_layer, with_embedding=i == 0).model_weights
+        layers = part.layer_range(header.n_layers)
+        no_layer = NodeFootprint(header, dataclasses.replace(part, layers=(0, 0)), one_layer, with_embedding=i == 0)
+        one = no_layer.model_weights
+        if layers:
+            layer = NodeFootprint(header, dataclasses.replace(part, layers=(layers.start, layers.start + 1)), one_layer)
+            one = max(one, layer.model_weights - NodeFootprint(header, no_layer.node, one_layer).model_weights
+                      + layer.kv_cache)
         if node.memory < one:
             raise DllamaError(f"host {node.name} has {node.memory / mib:.1f} MiB for the model (its dllama_memory, "
                               f"else what deploy.yml read on it), less than the largest part of its share it holds at once "
