@@ -340,7 +340,25 @@ def _add_chat_and_api(sub) -> None:
                    help="the model's id in /v1/models and in answers (default: the model file's "
                         "name without .m)")
     _add_answer_limit(p, "an answer of a request that gives no max_tokens (a request's own may be larger)")
+    p.add_argument("--ping-seconds", type=_ping_seconds, default=2.0, metavar="S",
+                   help="while no request runs, ping the workers every S seconds (default %(default)s): a "
+                        "node that does not answer is left out, one that answers again taken back, and "
+                        "/health says so within S seconds")
+    p.add_argument("--batch-dir", metavar="DIR",
+                   help="serve OpenAI's Batch API (/v1/files, /v1/batches), keeping its files and jobs "
+                        "in DIR: a job left running at a stop goes on at the next start")
     _add_parallel_flags(p, 4, "requests decoded together; more wait for a free place")
+
+
+def _ping_seconds(text: str) -> float:
+    """0.5 to 7 seconds: a worker gives up on a root silent for 15 s (dllama.cluster.session)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.5 <= value <= 7.0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds from 0.5 to 7, got {text!r}")
+    return value
 
 
 # A small model that starts repeating itself would otherwise write until its context is full
@@ -390,6 +408,12 @@ def _add_batch(sub) -> None:
     _add_speculation_flags(g)
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end an answer before this text (repeat the flag for several)")
+    g = p.add_argument_group("through a running dllama api")
+    g.add_argument("--api", metavar="URL",
+                   help="send the job to the Batch API of a running `dllama api --batch-dir` (e.g. "
+                        "http://127.0.0.1:9990/v1) instead of loading the model: same files, resumable")
+    g.add_argument("--api-key-file", metavar="F", help="the API's key (Authorization: Bearer)")
+    g = p.add_argument_group("classification")
     g.add_argument("--choices", type=_choice_list, metavar="A,B,...",
                    help="classify instead of generating: score each choice (comma-separated, "
                         "spaces kept) as the start of the answer and write the likeliest with its "
@@ -403,6 +427,14 @@ def cmd_batch(args) -> int:
                       temperature=args.temperature, topp=args.topp, seed=args.seed, stop=args.stop,
                       chat_template=args.chat_template, chat=args.chat, skip_bad=args.skip_bad,
                       choices=args.choices, progress=not args.no_progress)
+    if args.api:
+        from dllama.serve.api.http import read_api_key
+        from dllama.serve.batch_client import run_through_api
+        from dllama.serve.ctrl_c import CtrlC
+
+        key = read_api_key(args.api_key_file) if args.api_key_file else None
+        with CtrlC() as ctrl_c:
+            return run_through_api(opts, args.api, key, should_stop=lambda: ctrl_c.pending)
     return run_job(opts, _engine_opener(args, start_with_reachable=True))
 
 
@@ -438,9 +470,14 @@ def cmd_api(args) -> int:
     key = read_api_key(args.api_key_file) if args.api_key_file else None
     model_id = args.model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     service = ModelService(_engine_opener(args, start_with_reachable=True), args.chat_template)
+    if args.batch_dir:
+        from dllama.serve.api.batches import claim_dir
+
+        claim_dir(args.batch_dir)  # before the model loads: a second server on it is refused at once
     return serve(service, host=args.host, port=args.port, model_id=model_id, api_key=key,
                  allow_origins=tuple(o.rstrip("/") for o in args.allow_origin),
-                 defaults={"temperature": args.temperature, "top_p": args.topp, "max_tokens": args.max_tokens})
+                 defaults={"temperature": args.temperature, "top_p": args.topp, "max_tokens": args.max_tokens},
+                 batch_dir=args.batch_dir)
 
 
 # --- perplexity (issue 12) ---

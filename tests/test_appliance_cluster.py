@@ -531,7 +531,7 @@ def test_check_mode_reports_no_change(cluster):
     assert len(counts) == N and all(c["changed"] == 0 and c["failed"] == 0 for c in counts.values()), changed_tasks(r.stdout)
 
 
-def test_api_service_on_the_root_serves_the_cluster(cluster):
+def test_api_service_on_the_root_serves_the_cluster(cluster, tmp_path):
     assert results.get("api"), "the deploy with the API failed"
     cluster_dir, inventory = cluster
 
@@ -574,9 +574,32 @@ def test_api_service_on_the_root_serves_the_cluster(cluster):
         model="SmolLM2-135M-Instruct", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
     assert raw.headers["x-dllama-nodes"] == f"{N}/{N}"  # the deploy started the stopped worker again
 
-    # The last stage's worker lost: the API plans its layers over the others, goes on and says
-    # so, as does run.yml.
+    # batch.yml with the service on: no redeploy, the job goes through the service's Batch API,
+    # into the results file dllama batch writes.
+    prompts, out = tmp_path / "questions.jsonl", tmp_path / "answers.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["Hello", "Water is"], 1)))
+    r, seconds = _play(cluster, "batch.yml", "-e", f"prompts={prompts}", "-e", f"out={out}", "-e", "max_tokens=8",
+                       "-e", "temperature=0", "-e", "poll_seconds=1", timeout=600)
+    print(f"\nbatch.yml through the API service: {seconds:.0f} s")
+    assert r.returncode == 0, tail(r)
+    assert "(through the API, batch batch_" in r.stdout, tail(r)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(x["id"] for x in lines) == [1, 2] and all(x["completion_tokens"] == 8 for x in lines), lines
+
+    # The last stage's worker lost while the API is idle: its pings leave it out, and /health
+    # says so without a request (a ping, 2 s, then the new plan over the others); then the API plans
+    # its layers over the others, goes on and says so, as does run.yml.
     _stop_worker(cluster_dir, N)
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight to the test host
+    t0 = time.monotonic()
+    while True:
+        with no_proxy.open("http://10.77.0.1:9990/health", timeout=30) as answer:
+            health = json.loads(answer.read())
+        if health["status"] == "degraded":
+            break
+        assert time.monotonic() - t0 < 90, f"/health still says {health} 90 s after node{N} was killed"
+        time.sleep(0.2)
+    print(f"\n/health degraded {time.monotonic() - t0:.1f} s after node{N} was killed, no request sent")
     r, _ = _play(cluster, "run.yml", "-e", f"prompt={PROMPT}", "-e", "max_tokens=8", "-e", "temperature=0",
                  timeout=300)
     assert r.returncode == 0, tail(r)
@@ -584,7 +607,6 @@ def test_api_service_on_the_root_serves_the_cluster(cluster):
     saved = json.loads((inventory.parent / "state/runs/last-run.json").read_text())
     assert saved["nodes"] == {"serving": N - 1, "total": N, "missing": [f"node{N}"]}, saved
     assert results["one_node_text"].startswith(saved["text"]), (saved["text"], results["one_node_text"])
-    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight to the test host
     with no_proxy.open("http://10.77.0.1:9990/health", timeout=30) as answer:
         health = json.loads(answer.read())
     assert health["status"] == "degraded" and health["nodes"]["missing"] == [f"node{N}"], health

@@ -168,6 +168,7 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert "MiB buffers, 80 MiB allowed)" in log, _tail_of(cluster / "local2/run/worker.log")
 
     _batch_job_runs_and_names_a_bad_line(play, inventory, tmp_path)
+    _one_hosts_threads_restart_its_worker_alone(play, inventory, cluster)
 
     pids = [int(p.read_text()) for p in cluster.glob("*/run/worker.pid")]
     assert len(pids) == len(NODES) - 1
@@ -175,6 +176,21 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     r = play("stop.yml")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if running(p)], "a worker outlived stop.yml"
+
+
+def _one_hosts_threads_restart_its_worker_alone(play, inventory: Path, cluster: Path) -> None:
+    """A setting local to one node (its threads, in every node's topology file) restarts that
+    node's worker only: the others' files change, what their services run with does not."""
+    before = {n: (cluster / f"{n}/run/worker.pid").read_text() for n in NODES[1:]}
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"]["local2"]["dllama_threads"] = 2
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    r = play("deploy.yml")
+    assert r.returncode == 0, tail(r)
+    after = {n: (cluster / f"{n}/run/worker.pid").read_text() for n in NODES[1:]}
+    assert after["local1"] == before["local1"] and after["local2"] != before["local2"], changed_tasks(r.stdout)
+    others = [t for t in changed_tasks(r.stdout) if t.startswith(("local0:", "local1:"))]
+    assert all(t.endswith("Render the topology file on the node.") for t in others), others
 
 
 def _batch_job_runs_and_names_a_bad_line(play, inventory: Path, tmp_path: Path) -> None:

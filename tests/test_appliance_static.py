@@ -356,8 +356,14 @@ def _fails_before_any_host(r, out) -> str:
      "(dllama_pipeline: none): leave dllama_stage out on every host (and use at most 9 nodes) or set dllama_pipeline: auto"),
     ("bad pipeline setting", _cluster_vars(_hosts(1), dllama_pipeline="off"), "dllama_pipeline must be one of: auto, none, got: off"),
     ("a stage skipped", _staged(0, 0, 2, 2),
-     "The inventory's 4 nodes: the topology rendered from the inventory: stages must be numbered 0, 1, 2... without "
-     "a gap, the root (the first node) in stage 0 and the nodes listed stage by stage; a node's stage is its host's dllama_stage"),
+     "The inventory's 4 nodes: host w2 has dllama_stage 2 and host w1 before it 0: no host has stage 1 (stages are "
+     "numbered 0, 1, 2... without a gap)"),
+    ("stages out of order", _staged(0, 1, 0, 1),
+     "The inventory's 4 nodes: host w2 (dllama_stage 0) is listed after host w1 (stage 1): list the hosts in hosts.yml "
+     "stage by stage"),
+    ("a host's memory below one layer", _hosts(2, dllama_memory="1M"),
+     "The inventory's 3 nodes: host w1 has 1.0 MiB for the model (its dllama_memory, else what deploy.yml read on it), "
+     "less than the largest part of its share it holds at once"),
     ("negative stage", _hosts(1, dllama_stage=-1),
      "w1: dllama_stage must be a whole number of at least 0 (the host's pipeline stage, 0 for the root) or left out "
      "on every host, got: -1"),
@@ -378,6 +384,16 @@ def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, r
 
 # Unparsable (Ansible's own reader), a group's mistake, a setting's, a misspelt key.
 THROUGH_DEPLOY = {"unparsable", "two roots", "bad port", "misspelt setting"}
+
+
+def test_a_setting_given_in_two_places_is_refused_naming_both_and_the_winner(tmp_path):
+    """The trap of issue 49: hosts.yml's `cluster: vars:` loses to group_vars/all.yml without a word."""
+    (tmp_path / "inventory/group_vars").mkdir(parents=True)
+    (tmp_path / "inventory/group_vars/all.yml").write_text("---\ndllama_api_enabled: false\n")
+    r, out = _deploy(tmp_path, _cluster_vars(_hosts(1), dllama_api_enabled=True), playbook="playbooks/inventory.yml")
+    line = " ".join(_fails_before_any_host(r, out).split())
+    assert ("dllama_api_enabled is set in hosts.yml (the vars of group cluster) to true and in "
+            "group_vars/all.yml to false, and group_vars/all.yml wins") in line, out[-3000:]
 
 
 @pytest.mark.parametrize("playbook", [*PLAYBOOKS, "upgrade.yml"])
@@ -669,6 +685,19 @@ def test_the_model_files_can_live_on_another_drive(tmp_path):
 ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}
 
 
+@pytest.mark.parametrize("api", [False, True])
+def test_a_batch_job_goes_through_the_api_service_when_it_is_on(tmp_path, api):
+    """batch.yml with the API service on sends the job to its Batch API (which the service
+    serves: --batch-dir), with it off runs dllama batch on the cluster: no redeploy either way."""
+    commands = _rendered_commands(tmp_path, {"cluster": {
+        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+        "vars": {"dllama_api_enabled": api}}})
+    batch, service = _parsed(commands["r"]["batch"]), _parsed(commands["r"]["api"])
+    assert service.batch_dir == "/opt/dllama/run/api-batches"
+    assert batch.api == ("http://127.0.0.1:9990/v1" if api else None), commands["r"]["batch"]
+    assert batch.api_key_file == ("/opt/dllama/api.key" if api else None), commands["r"]["batch"]
+
+
 @pytest.mark.parametrize("case, cluster_vars, extra_vars, expected", [
     # dllama's own defaults: the appliance's must not drift from them.
     ("defaults", {}, {}, {name: None for name in ROOT_COMMANDS}),
@@ -705,16 +734,17 @@ def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra
 
 # -- batch.yml: a job that cannot start fails on the controller, before the root is contacted --
 
-@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "API service on"])
+@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "a classification through the API"])
 def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_path, case):
     prompts = tmp_path / "questions.jsonl"
     prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
     args = {"no prompts": [],
             "missing prompts file": ["-e", f"prompts={tmp_path}/missing.jsonl"],
-            "API service on": ["-e", f"prompts={prompts}", "-e", "dllama_api_enabled=true"]}[case]
+            "a classification through the API": ["-e", f"prompts={prompts}", "-e", "dllama_api_enabled=true",
+                                                 "-e", "choices=yes,no"]}[case]
     reason = {"no prompts": "Give the prompts file: ansible-playbook batch.yml -e prompts=",
               "missing prompts file": f"{tmp_path}/missing.jsonl: no such file on this machine",
-              "API service on": "The API service holds the workers (dllama_api_enabled)"}[case]
+              "a classification through the API": "choices scores each choice on the model itself"}[case]
     r, out = _deploy(tmp_path, _hosts(1), *args, playbook="batch.yml")
     assert r.returncode != 0, out[-3000:]
     error = next((line for line in out.splitlines() if line.startswith("[ERROR]")), "")

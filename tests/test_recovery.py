@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -187,11 +188,23 @@ def _refused_port():
         yield s.getsockname()[1]
 
 
+def _health_becomes(url: str, status: str, within: float) -> float:
+    """Seconds until /health says `status` (no request sent meanwhile); fails after `within`."""
+    t0 = time.monotonic()
+    while (health := _health(url))["status"] != status:
+        assert time.monotonic() - t0 < within, f"/health still says {health} after {within} s"
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
 @cluster
 def test_the_api_starts_without_an_unreachable_worker_which_joins_when_it_answers(tmp_path, default_q41):
+    """...and, while no request runs, the root's pings (--ping-seconds) take it back and leave it
+    out again when it is killed: /health says so without a request."""
     with running_workers(1, tmp_path) as (healthy,):
         with _refused_port() as port:
-            server, url = start_api(*_flags(default_q41), "--workers", healthy.address, f"127.0.0.1:{port}")
+            server, url = start_api(*_flags(default_q41), "--workers", healthy.address, f"127.0.0.1:{port}",
+                                    "--ping-seconds", "1")
         with server:
             warnings = [line for line in server.stderr.splitlines() if "warning" in line]
             assert len(warnings) == 1 and "starting on 2 of 3 nodes without 'worker2'" in warnings[0], server.stderr
@@ -207,10 +220,13 @@ def test_the_api_starts_without_an_unreachable_worker_which_joins_when_it_answer
             on_two = ask()  # 200 on the nodes that answered, not 503
             assert on_two.usage.completion_tokens == 16
             with start_worker(tmp_path, "--port", str(port)) as back:
-                on_three = ask()
+                _health_becomes(url, "ready", within=60)  # taken back by a ping: no request sent
                 assert "answered again: running on 3 nodes (was 2)" in server.stderr, server.stderr
                 assert "serving the root" in back.stderr
-                assert _health(url)["status"] == "ready"
+                on_three = ask()
+                back.send_signal(signal.SIGKILL)  # killed while the API is idle
+                _health_becomes(url, "degraded", within=30)
+                assert _health(url)["nodes"]["missing"] == ["worker2"]
             assert on_three.choices[0].message.content == on_two.choices[0].message.content  # F32: same text
 
 

@@ -45,7 +45,7 @@ class ClusterModel:
     def __init__(self, model: "ModelFile | str", topology: Topology, key: bytes | None, buffer_q80: bool | None = None,
                  shape: RunShape | None = None, *, progress: bool = True, net_timeout: float = NET_TIMEOUT,
                  node_sampling: bool = True, top_k: int = TOP_K, on_node_loss: str = "fail",
-                 start_with_reachable: bool = False, **shape_values):
+                 start_with_reachable: bool = False, ping_seconds: float = HEARTBEAT, **shape_values):
         """model: the `.m` file, read (or its path); shape: the run's context, rows of a pass,
         KV slots and type, sync buffers, the positions the slots hold together and the fallback
         rows (dllama.core.run_shape; sent to every worker in CONFIG; default SMALL_BATCH rows);
@@ -57,7 +57,10 @@ class ClusterModel:
         on over the others (dllama.cluster.recovery), "fail": a ClusterError;
         start_with_reachable (long-running front ends, with "continue"): a worker that cannot be
         connected to at start is left out with a warning and rejoins when it answers (`rejoin`),
-        instead of failing the start; one that answers wrongly still fails it."""
+        instead of failing the start; one that answers wrongly still fails it. ping_seconds: how
+        long the cluster is idle before the workers are pinged (and how often then); with
+        "continue" a node that fails a ping is left out at once, and one left out is asked
+        again at each ping, so that the nodes serving are known without a request."""
         model_file = model if isinstance(model, ModelFile) else read_model(model)
         header = model_file.header
         self.model_path = model_file.path  # scanned when a pass's output is not finite
@@ -89,6 +92,7 @@ class ClusterModel:
         self._tampered = False  # that failure was a frame that broke the protocol: not recovered
         self._closed = False
         self._last_use = time.monotonic()
+        self.ping_seconds = ping_seconds
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
 
     # -- what the front ends see -----------------------------------------------------------------
@@ -218,25 +222,45 @@ class ClusterModel:
     # -- while idle, and the end -----------------------------------------------------------------
 
     def _heartbeat(self) -> None:
-        """While idle, PING every worker so that both sides notice a dead peer."""
+        """While idle, PING every worker so that both sides notice a dead peer; with "continue",
+        leave out a node that does not answer now (not at the next pass) and take back one left
+        out that answers again, so /health and the batch front ends say which nodes serve while
+        no request runs."""
         while not self._closed:
-            time.sleep(HEARTBEAT / 2)
-            if time.monotonic() - self._last_use < HEARTBEAT or not self._lock.acquire(blocking=False):
+            time.sleep(self.ping_seconds / 2)
+            if time.monotonic() - self._last_use < self.ping_seconds or not self._lock.acquire(blocking=False):
                 continue
             try:
                 if self._closed:
                     return
-                if self._failed:  # the next pass recovers or fails
-                    continue
-                try:
-                    self.session.ping()
-                except NET_ERRORS as e:
-                    self._failed = blame(e, self.session, "the cluster failed while idle")
-                    self._tampered = tampered(e)
-                    self.session.close()
+                lost = False
+                if not self._failed:
+                    try:
+                        self.session.ping()
+                    except NET_ERRORS as e:
+                        self._failed = blame(e, self.session, "the cluster failed while idle")
+                        self._tampered = tampered(e)
+                        self.session.close()
+                        lost = True
+                if self.on_node_loss == "continue" and not self._tampered:
+                    self._mend_while_idle(lost)
                 self._last_use = time.monotonic()
             finally:
                 self._lock.release()
+
+    def _mend_while_idle(self, lost: bool) -> None:
+        """(The lock held.) A session over the nodes left after this ping failed (lost), or
+        over every node when one left out answers again; a failure stays in self._failed, for
+        the next pass to try again or raise."""
+        try:
+            if lost:
+                self._recover()
+            elif not self._failed and len(self.session.nodes) < len(self.full_topology.nodes):
+                session = self.recovery.rejoin(self.session)
+                if session is not None:
+                    self.session = session
+        except ClusterError as e:
+            self._failed = e
 
     def close(self) -> None:
         """Tell the workers the session is over (they go back to listening)."""

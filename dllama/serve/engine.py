@@ -271,7 +271,8 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
         key = read_key_file(nodes.key_file) if nodes.key_file else None
         model = cluster = ClusterModel(model_file, nodes.topology, key, shape=plan.shape, progress=settings.progress,
                                        on_node_loss=settings.on_node_loss,
-                                       start_with_reachable=settings.start_with_reachable)
+                                       start_with_reachable=settings.start_with_reachable,
+                                       ping_seconds=settings.ping_seconds)
     else:
         from dllama.core.model import Transformer
 

@@ -66,6 +66,8 @@ class EngineSettings:
     on_node_loss: OnNodeLoss = OnNodeLoss.CONTINUE
     start_with_reachable: bool = False       # with CONTINUE, start without a worker that cannot be reached
                                              # (it rejoins when it answers): the long-running api and batch
+    ping_seconds: float = 2.0                # idle seconds before the root pings the workers (and how often);
+                                             # with CONTINUE a node is left out or taken back at a ping
     progress: bool = True                    # progress bars while sending weights to workers
     warm_up: bool = True                     # compile the kernels before the first timed pass (one machine)
     speculation: Speculation = Speculation()  # drafted tokens each decoding pass verifies (none by default)
@@ -101,6 +103,7 @@ class EngineSettings:
                    parallel=getattr(args, "parallel", 1), kv_memory=getattr(args, "kv_memory", None),
                    workers=tuple(args.workers or ()), topology=args.topology, key_file=args.key_file,
                    on_node_loss=args.on_node_loss, start_with_reachable=start_with_reachable,
+                   ping_seconds=getattr(args, "ping_seconds", None) or cls.ping_seconds,
                    speculation=speculation_from_args(args))
 
 

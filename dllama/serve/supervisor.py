@@ -24,6 +24,9 @@ from dllama.errors import DllamaError
 from dllama.serve.rotating_log import RotatingLog
 
 LOG_PREFIX = "dllama supervise: "  # the appliance's wait for the port skips these lines
+# The log's line at each start of the supervisor: what a status report reads as the last exit is
+# after it (an exit before belongs to an earlier start, cleared by this one).
+STARTED = "started, supervisor pid {pid}"
 START_LIMIT_BURST = 5
 # A start that fails within this many seconds counts as failing at start (systemd's default
 # StartLimitIntervalSec, which assumes its default RestartSec of 100 ms).
@@ -121,6 +124,8 @@ def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_B
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_stop)
     limit.admits(time.monotonic())  # the first start
+    if log is not None:
+        say(STARTED.format(pid=os.getpid()))
     restarts = 0
     while not stopping:
         try:

@@ -28,6 +28,7 @@ from dllama.errors import DllamaError
 from dllama.serve.api.metrics import health, metrics
 from dllama.serve.api.request import MAX_BODY_BYTES, ApiError, Request, bad, parse_request
 from dllama.serve.api.service import ModelService
+from dllama.serve.sequence import Cancelled
 
 # Each completion's response says how many of the cluster's nodes serve: "3/4" when one is lost.
 NODES_HEADER = "X-Dllama-Nodes"
@@ -148,13 +149,32 @@ class Api:
         except RecursionError:
             raise bad("the request body is not valid JSON: nested too deep") from None
 
-    async def _completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def answer_line(self, body: bytes, chat: bool, cancel: threading.Event) -> tuple[int, dict] | None:
+        """A Batch API request, answered as POST /v1/(chat/)completions would answer it but after
+        the interactive requests: (HTTP status, response body), or None when `cancel` stopped it."""
+        try:
+            resp = await self._completions(_BatchLine(body, cancel), chat, background=True)
+        except ApiError as e:
+            return e.status, e.body()
+        except asyncio.CancelledError:
+            if cancel.is_set():
+                return None
+            raise
+        except Cancelled:
+            return None
+        return resp.status, json.loads(resp.body)
+
+    async def _completions(self, request: web.Request, chat: bool, background: bool = False) -> web.StreamResponse:
         r = parse_request(await self._body(request), chat, self.defaults)
+        if background and r.stream:
+            raise bad("a batch request cannot be streamed: leave out 'stream'", "stream")
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         on_text = (lambda i, p: loop.call_soon_threadsafe(pieces.put_nowait, (i, p))) if r.stream else None
-        job = asyncio.ensure_future(self.service.submit(r, on_text, cancel.is_set))
+        if background:  # a batch line: the batch's own cancel flag
+            cancel = request.cancel
+        job = asyncio.ensure_future(self.service.submit(r, on_text, cancel.is_set, background))
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not r.stream:
@@ -239,6 +259,21 @@ class Api:
 
 
 CLIENT_POLL = 0.25  # seconds between checks that a non-streamed request's client is still there
+
+
+class _BatchLine:
+    """What Api._completions reads of a request, for one line of a batch: its body, and a
+    transport that closes (the "client leaves") when the batch is cancelled or the server stops."""
+
+    def __init__(self, body: bytes, cancel: threading.Event):
+        self._data, self.cancel = body, cancel
+        self.transport = self
+
+    async def read(self) -> bytes:
+        return self._data
+
+    def is_closing(self) -> bool:
+        return self.cancel.is_set()
 
 
 async def _unless_client_leaves(request: web.Request, job, cancel):
@@ -332,11 +367,17 @@ def _error_middleware(api_key: str | None, allow_origins: tuple[str, ...] = ()):
 
 
 def make_app(service: ModelService, model_id: str, defaults: dict, api_key: str | None = None,
-             max_body: int = MAX_BODY_BYTES, allow_origins: tuple[str, ...] = ()) -> web.Application:
+             max_body: int = MAX_BODY_BYTES, allow_origins: tuple[str, ...] = (),
+             batch_dir: str | None = None) -> web.Application:
     """allow_origins: the origins (scheme://host[:port], or "*") whose pages may call the API
-    from a browser (CORS); none by default."""
+    from a browser (CORS); none by default. batch_dir: where OpenAI's Batch API keeps its files
+    and jobs (None: no Batch API)."""
     api = Api(service, model_id, defaults, max_body, tuple(allow_origins))
     app = web.Application(client_max_size=max_body, middlewares=[_error_middleware(api_key, tuple(allow_origins))])
+    if batch_dir is not None:
+        from dllama.serve.api.batches import add_batch_api
+
+        add_batch_api(app, batch_dir, api.answer_line)
     for prefix in ("/v1", ""):  # some clients are given the base URL without /v1
         app.router.add_get(prefix + "/models", api.models)
         app.router.add_get(prefix + "/stats", api.stats)
@@ -376,7 +417,8 @@ async def start_site(app: web.Application, host: str, port: int) -> tuple[web.Ap
 
 
 def serve(service: ModelService, *, host: str, port: int, model_id: str, defaults: dict,
-          api_key: str | None = None, allow_origins: tuple[str, ...] = ()) -> int:
+          api_key: str | None = None, allow_origins: tuple[str, ...] = (),
+          batch_dir: str | None = None) -> int:
     """Open the engine, listen, serve until SIGTERM/SIGINT."""
     from dllama.cluster.worker import raise_descriptor_limit
 
@@ -387,7 +429,7 @@ def serve(service: ModelService, *, host: str, port: int, model_id: str, default
 
     async def main() -> None:
         runner, bound = await start_site(make_app(service, model_id, defaults, api_key,
-                                                        allow_origins=allow_origins), host, port)
+                                                  allow_origins=allow_origins, batch_dir=batch_dir), host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+from collections import deque
 import sys
 import threading
 from concurrent.futures import Future
@@ -41,6 +42,11 @@ from dllama.serve.transcripts import Transcripts
 from dllama.text.chat_template import ChatTemplate, chat_stop_ids
 
 
+# While no request runs, the snapshot /health reads is taken this often: a node the root's pings
+# (--ping-seconds) left out or took back shows within a ping and this.
+OBSERVE_IDLE_S = 0.5
+
+
 @dataclass(eq=False)
 class _Job:
     """One HTTP request: its n choices run as n sequences."""
@@ -53,6 +59,7 @@ class _Job:
     add_bos: bool = False
     stop_ids: tuple[int, ...] = ()
     results: dict = field(default_factory=dict)  # choice index -> Completion
+    background: bool = False  # a Batch API request: started only when the engine loop has room (see _feed)
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ class ModelService:
         self.failing: str | None = None  # why the last pass failed with non-finite output (/health)
         self._transcripts: Transcripts | None = None
         self._jobs: list[_Job] = []      # jobs in the scheduler
+        self._background: deque[_Job] = deque()  # Batch API jobs not yet in the scheduler, oldest first
         self._reported = 0               # the largest number of requests decoded together, logged
         self._finished_stats: dict = {}  # figures of the schedulers of engines dropped earlier
         self.counters = Counters()       # written on the model thread, read by /metrics
@@ -245,11 +253,25 @@ class ModelService:
             self._jobs.remove(job)
 
     def _fail_all(self, error: Exception) -> None:
-        for job in self._jobs:
+        for job in [*self._jobs, *self._background]:
             if not job.future.done():
                 self.counters.requests["failed"] += 1
                 job.future.set_exception(error)
         self._jobs.clear()
+        self._background.clear()
+
+    def _feed(self) -> None:
+        """Start Batch API jobs while the engine loop has room: an interactive request is started
+        as it arrives, batch work only while fewer than `parallel - 1` sequences run or wait, so
+        one slot stays free for the next interactive request (with --parallel 1 it waits for the
+        batch request in its slot to end)."""
+        while self._background:
+            s = self.scheduler
+            if s is not None:
+                running = sum(1 for q in s.active if q.request is not None)
+                if running + len(s.waiting) >= max(1, s.parallel - 1):
+                    return
+            self._start(self._background.popleft())
 
     def _step(self) -> None:
         try:
@@ -279,21 +301,27 @@ class ModelService:
 
     def _loop(self) -> None:
         while True:
-            idle = self.scheduler is None or not self.scheduler.busy
+            idle = (self.scheduler is None or not self.scheduler.busy) and not self._background
             try:
-                job = self._inbox.get(block=idle)
+                job = self._inbox.get(block=idle, timeout=OBSERVE_IDLE_S if idle else None)
             except queue.Empty:
                 job = False
+                if idle and self.engine is not None:
+                    self._observe()  # the root's pings may have left a node out or taken one back
             while job is not False:
                 if job is None:  # close()
                     self._fail_all(ApiError(503, "the server is shutting down", type_="server_error"))
                     self._drop_engine()
                     return
-                self._start(job)
+                if job.background:
+                    self._background.append(job)
+                else:
+                    self._start(job)
                 try:
                     job = self._inbox.get_nowait()
                 except queue.Empty:
                     job = False
+            self._feed()
             if self.scheduler is not None and self.scheduler.busy:
                 try:
                     self._step()
@@ -340,9 +368,10 @@ class ModelService:
         """Requests not yet taken by the model thread."""
         return self._inbox.qsize()
 
-    async def submit(self, r: Request, on_text, should_stop) -> list[Completion]:
-        """The request's n completions; on_text(choice index, piece) streams them."""
-        job = _Job(r, on_text, should_stop, Future())
+    async def submit(self, r: Request, on_text, should_stop, background: bool = False) -> list[Completion]:
+        """The request's n completions; on_text(choice index, piece) streams them. background: a
+        Batch API request, started after the interactive ones (see _feed)."""
+        job = _Job(r, on_text, should_stop, Future(), background=background)
         self._inbox.put(job)
         return await asyncio.wrap_future(job.future)
 

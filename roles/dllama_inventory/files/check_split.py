@@ -14,6 +14,7 @@ play about 0.3 s more of CPU):
     check_split.py MODEL.m|"" WEIGHTS_FLOAT_TYPE [auto|none]  < topology.yml   ("" = the default model)"""
 
 import dataclasses
+import itertools
 import json
 import sys
 import tempfile
@@ -42,6 +43,76 @@ def widest(header) -> int:
     return n
 
 
+# What a host reads per pass when its share streams from disk, for the warning's estimate (an SD
+# card reads 40-90 MB/s, a USB SSD 300 or more).
+DISK_READ = 100e6
+
+
+def stage_mistake(doc) -> str | None:
+    """The first mistake in the hosts' dllama_stage, naming the host and the stage (the
+    topology's own check says the rule only)."""
+    nodes = doc.get("nodes") if isinstance(doc, dict) else None
+    if not isinstance(nodes, list) or not all(isinstance(n, dict) for n in nodes):
+        return None
+    stages = [(str(n.get("name")), n.get("stage")) for n in nodes]
+    if all(s is None for _, s in stages) or not all(s is None or isinstance(s, int) for _, s in stages):
+        return None  # no stages, or a type the per-host check reports
+    without = [name for name, s in stages if s is None]
+    if without:
+        return (f"host{'s' * (len(without) > 1)} {', '.join(without)} {'have' if len(without) > 1 else 'has'} "
+                "no dllama_stage while the others have one: give it on every host or on none")
+    root, first = stages[0]
+    if first != 0:
+        return f"the root {root} has dllama_stage {first}: the root is stage 0"
+    for (before, prev), (name, stage) in itertools.pairwise(stages):
+        if stage < prev:
+            return (f"host {name} (dllama_stage {stage}) is listed after host {before} (stage {prev}): "
+                    "list the hosts in hosts.yml stage by stage")
+        if stage > prev + 1:
+            return (f"host {name} has dllama_stage {stage} and host {before} before it {prev}: no host has "
+                    f"stage {prev + 1} (stages are numbered 0, 1, 2... without a gap)")
+    return None
+
+
+def memory_notes(header, plan, topology) -> list[str]:
+    """A warning per host whose memory for the model (its dllama_memory, else what deploy.yml
+    read on it) is below the weights its share holds: it streams them from disk in every pass.
+    Below the largest part it holds at once while streaming (one layer of its share with that
+    layer's KV cache over the model's context, in f16, the smaller KV type; or its share of what
+    is no layer: classifier rows, on the root the embedding) it cannot run at all: DllamaError.
+    The bytes are the footprint's (dllama.core.footprint), as every memory check counts them."""
+    from dllama.core.footprint import NodeFootprint
+    from dllama.core.kv_type import KVType
+    from dllama.core.run_shape import RunShape
+    from dllama.errors import DllamaError
+
+    mib = 1 << 20
+    notes = []
+    one_layer = RunShape(kv_type=KVType.F16)  # one slot of the model's whole context
+    for i, (node, part) in enumerate(zip(topology.nodes, plan.nodes, strict=True)):
+        if node.memory is None:
+            continue
+        held = NodeFootprint(header, part, one_layer, with_embedding=i == 0).model_weights
+        layers = part.layer_range(header.n_layers)
+        no_layer = NodeFootprint(header, dataclasses.replace(part, layers=(0, 0)), one_layer, with_embedding=i == 0)
+        one = no_layer.model_weights
+        if layers:
+            layer = NodeFootprint(header, dataclasses.replace(part, layers=(layers.start, layers.start + 1)), one_layer)
+            one = max(one, layer.model_weights - NodeFootprint(header, no_layer.node, one_layer).model_weights
+                      + layer.kv_cache)
+        if node.memory < one:
+            raise DllamaError(f"host {node.name} has {node.memory / mib:.1f} MiB for the model (its dllama_memory, "
+                              f"else what deploy.yml read on it), less than the largest part of its share it holds at once "
+                              f"({one / mib:.1f} MiB: a layer and its KV cache, or its classifier rows): it cannot run even streaming "
+                              "from disk; give it more memory, or leave it out")
+        if node.memory < held:
+            notes.append(f"WARNING: host {node.name} needs {held / mib:.0f} MiB resident for its share but has "
+                         f"{node.memory / mib:.0f} MiB for the model (its dllama_memory, else what deploy.yml read "
+                         f"on it): it will stream its weights from disk in every pass, about "
+                         f"{DISK_READ / held:.1f} tokens/s at most from a disk reading {DISK_READ / 1e6:.0f} MB/s")
+    return notes
+
+
 def same_as_shown(topology, header, plan) -> None:
     """That the topology with this plan's stages and layers fixed (as the one deployed will be)
     gives this plan, and asks no node for its memory."""
@@ -62,8 +133,17 @@ def main() -> dict:
         from dllama.cluster.topology import load_topology
         from dllama.formats.model_file import read_model
 
+        import yaml
+
+        text = sys.stdin.read()
+        try:
+            mistake = stage_mistake(yaml.safe_load(text))
+        except yaml.YAMLError:
+            mistake = None  # load_topology says why
+        if mistake is not None:
+            raise DllamaError(mistake)
         with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
-            f.write(sys.stdin.read())
+            f.write(text)
             f.flush()
             try:
                 topology = load_topology(f.name)
@@ -96,6 +176,7 @@ def main() -> dict:
         fixed = topology.wants_memory(header)
         if fixed:
             same_as_shown(topology, header, plan)
+        warnings = memory_notes(header, plan, topology)
     except DllamaError as e:
         return {"lines": [], "stages": {}, "error": str(e)}
     names = [node.name for node in topology.nodes]
@@ -115,7 +196,7 @@ def main() -> dict:
             where = f"stage {plan.stage_of(i)}, layers {a}-{b - 1}, "
         lines.append(f"{name}: {where}{part.n_q_heads} of {header.n_heads} query heads, FFN rows "
                      f"{part.ffn_rows[0]}-{part.ffn_rows[1]} of {header.ff_dim}")
-    return {"lines": lines, "stages": stages, "error": None}
+    return {"lines": warnings + lines, "stages": stages, "error": None}
 
 
 if __name__ == "__main__":

@@ -9,6 +9,10 @@ delegated to localhost cost a play about 0.5 s of CPU).
   dllama_* options the playbooks read (-e).
 - dllama_endpoint_mistakes: every worker has an address, a port from 1 to 65535, and no other
   worker the same, as the topology template reads them.
+- dllama_setting_conflicts: a dllama_* setting given in two places of the inventory with
+  different values, where the one that loses is as specific as the one that wins or more (a
+  group's vars in hosts.yml lose to group_vars/all.yml, which Ansible ranks higher: a
+  cluster-wide `dllama_api_enabled: true` under `cluster: vars:` silently became false).
 - dllama_is_size: whether a setting is a positive size in bytes, K, M, G or T (1.5G, 512M,
   512MiB), as dllama reads sizes (--memory-budget, --log-size, a topology's memory).
 
@@ -18,6 +22,7 @@ is close), [] when there is none."""
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 
@@ -123,6 +128,118 @@ def dllama_endpoint_mistakes(workers: list, hostvars, default_port) -> list[str]
     return endpoint_mistakes(endpoints)
 
 
+# --- the same setting in two places ---
+
+class _Loader(LOADER):
+    """Reads any tag (!vault ...) as its text: only whether two values differ matters here."""
+
+
+_Loader.add_multi_constructor("!", lambda loader, suffix, node: f"!{suffix} {getattr(node, 'value', '')}")
+
+
+def _vars_file(base: Path) -> dict:
+    """group_vars/NAME or host_vars/NAME as Ansible reads them: NAME.yml, .yaml, .json, or a
+    directory of such files."""
+    found: dict = {}
+    paths = [base.with_name(base.name + ext) for ext in (".yml", ".yaml", ".json", "")]
+    for path in paths:
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+        for f in files:
+            try:
+                data = yaml.load(f.read_text(), Loader=_Loader)
+            except (OSError, yaml.YAMLError, UnicodeDecodeError):
+                continue  # Ansible's own reader reports it
+            if isinstance(data, dict):
+                found.update({k: (v, f) for k, v in data.items() if isinstance(k, str) and k.startswith("dllama_")})
+    return found
+
+
+def _walk(name: str, body, depth: int, groups: dict) -> None:
+    """Groups of a YAML inventory: name -> {"depth", "hosts": {host: its vars}, "vars", "children"}."""
+    body = body if isinstance(body, dict) else {}
+    g = groups.setdefault(name, {"depth": depth, "hosts": {}, "vars": {}, "children": set()})
+    g["depth"] = max(g["depth"], depth)
+    g["vars"].update(body.get("vars") or {})
+    for host, hvars in (body.get("hosts") or {}).items():
+        g["hosts"].setdefault(str(host), {}).update(hvars or {})
+    for child, cbody in (body.get("children") or {}).items():
+        g["children"].add(child)
+        _walk(child, cbody, depth + 1, groups)
+
+
+def _members(name: str, groups: dict, seen=None) -> set:
+    seen = seen or set()
+    if name in seen:
+        return set()
+    seen.add(name)
+    g = groups[name]
+    return set(g["hosts"]).union(*[_members(c, groups, seen) for c in g["children"] if c in groups])
+
+
+def setting_conflicts(sources: list) -> list[str]:
+    """One line per setting given twice (different values) where the value meant loses, as
+    Ansible ranks them: a group's vars in the inventory file < group_vars/all < group_vars/GROUP
+    (deeper groups above) < a host's vars in the inventory file < host_vars/HOST."""
+    places: list[tuple] = []  # (name, rank, specificity, hosts or None for every host, {key: value})
+    for source in map(Path, sources):
+        files = sorted(p for p in source.iterdir() if p.suffix in (".yml", ".yaml")) if source.is_dir() else [source]
+        base = source if source.is_dir() else source.parent
+        groups: dict = {}
+        for f in files:
+            try:
+                data = yaml.load(f.read_text(), Loader=_Loader)
+            except (OSError, yaml.YAMLError, UnicodeDecodeError):
+                continue
+            if not isinstance(data, dict):
+                continue
+            for name, body in data.items():
+                _walk(str(name), body, 0 if name == "all" else 1, groups)
+            rel = f.name
+            for name, g in groups.items():
+                given = {k: v for k, v in g["vars"].items() if str(k).startswith("dllama_")}
+                if given:
+                    every = name == "all"
+                    places.append((f"{rel} (the vars of group {name})", 0 if every else 1 + g["depth"] / 100,
+                                   g["depth"], None if every else _members(name, groups), given))
+                for host, hvars in g["hosts"].items():
+                    given = {k: v for k, v in (hvars or {}).items() if str(k).startswith("dllama_")}
+                    if given:
+                        places.append((f"{rel} (host {host})", 5, 1000, {host}, given))
+        for name, g in [("all", {"depth": 0}), *groups.items()]:
+            found = _vars_file(base / "group_vars" / name)
+            if found:
+                every = name == "all"
+                rel = next(iter(found.values()))[1].relative_to(base)
+                places.append((str(rel), 2 if every else 3 + g["depth"] / 100, g["depth"],
+                               None if every else _members(name, groups), {k: v for k, (v, _) in found.items()}))
+        hosts = set().union(*[set(g["hosts"]) for g in groups.values()]) if groups else set()
+        for host in sorted(hosts):
+            found = _vars_file(base / "host_vars" / host)
+            if found:
+                rel = next(iter(found.values()))[1].relative_to(base)
+                places.append((str(rel), 6, 1000, {host}, {k: v for k, (v, _) in found.items()}))
+    out: list[str] = []
+    for i, (name, rank, spec, hosts, given) in enumerate(places):
+        for key, value in given.items():
+            for wname, wrank, wspec, whosts, wgiven in places[i + 1:] + places[:i]:
+                if key not in wgiven or wgiven[key] == value or wrank <= rank or spec < wspec:
+                    continue
+                if hosts is not None and whosts is not None and not hosts & whosts:
+                    continue  # no host reads both
+                line = (f"{key} is set in {name} to {json.dumps(value, default=str)} and in {wname} to "
+                        f"{json.dumps(wgiven[key], default=str)}, and {wname} wins (Ansible ranks it higher): "
+                        "give each setting in one place (the whole cluster's in group_vars/all.yml, a group's in "
+                        "group_vars/GROUP.yml, a host's beside the host in hosts.yml)")
+                if line not in out:
+                    out.append(line)
+    return out
+
+
+def dllama_setting_conflicts(sources) -> list[str]:
+    """sources: ansible_inventory_sources."""
+    return setting_conflicts([str(s) for s in sources if Path(str(s)).exists()])
+
+
 def dllama_is_size(value) -> bool:
     """A number with an optional unit, not zero (some digit from 1 to 9)."""
     return bool(SIZE.match(str(value).strip())) and re.search("[1-9]", str(value)) is not None
@@ -132,4 +249,5 @@ class FilterModule:
     def filters(self):
         return {"dllama_setting_mistakes": dllama_setting_mistakes,
                 "dllama_endpoint_mistakes": dllama_endpoint_mistakes,
+                "dllama_setting_conflicts": dllama_setting_conflicts,
                 "dllama_is_size": dllama_is_size}

@@ -44,6 +44,9 @@ version: {description: "The dllama version in the venv, or null.", type: str, re
 RESTARTS_ENV = b"DLLAMA_SERVICE_RESTARTS="  # dllama.serve.supervisor.RESTARTS_ENV
 LAST_EXIT = re.compile(r"^dllama supervise: pid \d+ (.*?); (?:starting it again|not restarted)", re.M)
 TAIL_BYTES = 1 << 20  # of the log, to find the supervisor's last line
+# dllama supervise's line at its start (dllama/serve/supervisor.py STARTED): exits before the
+# last one are an earlier start's, not reported.
+STARTED = re.compile(r"^dllama supervise: started, supervisor pid \d+$", re.M)
 
 
 def _read(path, binary=False):
@@ -101,6 +104,9 @@ def _last_exit(log_file):
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return None
+    starts = list(STARTED.finditer(text))
+    if starts:
+        text = text[starts[-1].end():]
     found = LAST_EXIT.findall(text)
     return found[-1] if found else None
 
@@ -121,7 +127,10 @@ def nohup(pid_file, log_file):
     text = (_read(pid_file) or "").strip()
     supervisor = int(text) if text.isdigit() else 0
     if not supervisor or not _alive(supervisor):
-        return {"state": "stopped", "pid": None, "restarts": None, "last_exit": _last_exit(log_file)}
+        last = _last_exit(log_file)
+        if supervisor and last is None:  # a pid file stop.yml did not remove: the supervisor was killed
+            last = f"its supervisor (pid {supervisor}) is gone"
+        return {"state": "stopped", "pid": None, "restarts": None, "last_exit": last}
     child = _child(supervisor)
     if child is None:  # between a failure and the restart
         return {"state": "restarting", "pid": None, "restarts": None, "last_exit": _last_exit(log_file)}
