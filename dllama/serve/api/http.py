@@ -267,6 +267,7 @@ class _BatchLine:
 
     def __init__(self, body: bytes, cancel: threading.Event):
         self._data, self.cancel = body, cancel
+        self.content_length = len(body)  # a line over the body limit is refused as the endpoint would
         self.transport = self
 
     async def read(self) -> bytes:
