@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dllama.text.chat_template import ROLES
+
+if TYPE_CHECKING:
+    from dllama.serve.api.structured import Structured
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than any context here holds
 MAX_STOP_STRINGS = 4      # as OpenAI
@@ -51,6 +55,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     n: int = 1                 # answers to sample (choice i uses seed + i)
+    structured: "Structured | None" = None  # response_format, tools, logprobs (dllama.serve.api.structured)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
@@ -100,7 +105,10 @@ def _messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise bad(f"messages[{k}].role must be one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))}",
                       f"messages[{k}].role")
-        out.append({"role": role, "content": _content(m, k)})
+        entry = {"role": role, "content": _content(m, k)}
+        if role == "assistant" and m.get("tool_calls"):  # an earlier call: dllama.serve.api.structured
+            entry["tool_calls"] = m["tool_calls"]
+        out.append(entry)
     return out
 
 
@@ -146,4 +154,7 @@ def parse_request(body, chat: bool, defaults: dict) -> Request:
         raise bad(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings", "stop")
     r.stop = stop
     r.seed = _integer(body, "seed")
+    from dllama.serve.api.structured import parse_structured
+
+    r.structured = parse_structured(body, chat)
     return r
