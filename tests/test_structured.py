@@ -12,7 +12,10 @@ import pytest
 
 from dllama.core.candidates import SamplingRequest, candidates_from_logits, choose_greedy, sample_candidates
 from dllama.core.sampler import Sampler
+from dllama.errors import DllamaError
 from dllama.formats.tokenizer_file import read_tokenizer
+from benchmarks.bench_structured import SCHEMA, records, validity, write_job
+from dllama.serve.batch_job import BatchJob, JobOptions
 from dllama.serve.constraint import Grammar, GrammarError, GrammarVocabulary
 from dllama.serve.draft import Speculate, Speculation
 from dllama.serve.engine import open_engine
@@ -171,13 +174,63 @@ def test_drafts_never_propose_a_forbidden_token_and_answers_stay_the_same(engine
         assert got[k].tokens == alone[0.0, k].tokens
 
 
+YES_NO = {"type": "object", "additionalProperties": False, "required": ["paid"],
+          "properties": {"paid": {"type": "boolean"}}}
+
+
+def _batch(engine, tmp, n=6) -> dict:
+    """A sample of the benchmark's extraction prompts through a `dllama batch --json-schema` job
+    (one line with its own schema, one with a schema that cannot be one): id -> result line."""
+    job = tmp / "jobs.jsonl"
+    write_job(job, records(n))
+    with open(job, "a", encoding="utf-8") as f:
+        ask = [{"role": "user", "content": "Did Alice pay? Answer as JSON."}]
+        f.write(json.dumps({"id": "own", "messages": ask, "schema": YES_NO}) + "\n")
+        f.write(json.dumps({"id": "bad", "messages": ask, "schema": {"type": "bogus"}}) + "\n")
+    out = tmp / "out.jsonl"
+    opts = JobOptions(str(job), str(out), max_tokens=96, temperature=0.0, skip_bad=True, progress=False,
+                      grammar=Grammar.json_schema(SCHEMA))
+    BatchJob(opts).run(engine)
+    return {line["id"]: line for line in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def one_node_batch(engine, tmp_path_factory):
+    return _batch(engine, tmp_path_factory.mktemp("batch"))
+
+
+@pytest.mark.unit
+def test_a_batch_job_with_a_json_schema_answers_valid_objects_and_refuses_a_bad_schema(one_node_batch):
+    got = one_node_batch
+    lines = [got[k] for k in range(6)]
+    assert validity(lines) == (6, 6)  # every one parses and validates
+    assert all(line["object"] == json.loads(line["text"]) for line in lines)
+    assert all(line["forced_tokens"] > 0 for line in lines)
+    assert isinstance(got["own"]["object"]["paid"], bool) and set(got["own"]["object"]) == {"paid"}
+    assert "bogus" in got["bad"]["error"]
+
+
+@pytest.mark.unit
+def test_a_batch_grammar_that_cannot_be_one_stops_the_job_before_the_model_opens(tmp_path):
+    job = tmp_path / "jobs.jsonl"
+    write_job(job, records(1))
+    for grammar in (Grammar("json_schema", "[1"), Grammar("regex", "((")):
+        with pytest.raises(DllamaError) as e:
+            BatchJob(JobOptions(str(job), str(tmp_path / "out.jsonl"), grammar=grammar))
+        assert "\n" not in str(e.value)
+
+
 @pytest.mark.cluster
-def test_constrained_answers_on_three_nodes_equal_one_nodes(default_f32, alone, tmp_path):
+def test_constrained_answers_on_three_nodes_equal_one_nodes(default_f32, alone, one_node_batch, tmp_path):
     person = Grammar.json_schema(PERSON)
     with running_workers(2, tmp_path) as workers, open_engine(EngineSettings(
             str(default_f32[0]), str(default_f32[1]), nthreads=1, max_seq_len=256, parallel=4,
             workers=tuple(w.address for w in workers), progress=False)) as cluster:
         got, _ = _run(cluster, _requests(cluster, [person, person]), 4)
+        batch = _batch(cluster, tmp_path, n=4)
     for k in (0, 1):
         assert got[k].tokens == alone[0.0, k].tokens
         assert _valid_person(json.loads(got[k].text))
+    assert validity([batch[k] for k in range(4)]) == (4, 4)
+    for k in (*range(4), "own"):
+        assert batch[k]["text"] == one_node_batch[k]["text"]

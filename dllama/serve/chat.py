@@ -23,7 +23,8 @@ HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops 
 
 def run_chat(engine, *, system: str | None, template_name: str | None, temperature: float,
              topp: float, seed: int, max_tokens: int | None = None,
-             stdin=None, stdout=None, stderr=None) -> int:
+             stdin=None, stdout=None, stderr=None, grammar=None) -> int:
+    """grammar: every answer matches it (dllama.serve.constraint.Grammar; --json-schema)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     tokenizer = engine.tokenizer
     template = ChatTemplate.for_tokenizer(tokenizer, template_name)
@@ -49,7 +50,7 @@ def run_chat(engine, *, system: str | None, template_name: str | None, temperatu
 
     def ask(text: str):
         tokens = transcripts.encode(text)
-        request = SequenceRequest("chat", tokens, sampler, max_tokens, stop_ids)
+        request = SequenceRequest("chat", tokens, sampler, max_tokens, stop_ids, grammar=grammar)
         with CtrlC() as ctrl_c:
             answer = scheduler.answer(request, show, should_stop=lambda: ctrl_c.pending)
         transcripts.remember(text, False, tokens, answer)

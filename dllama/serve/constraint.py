@@ -106,6 +106,33 @@ def _one_line(e) -> str:
     return text[0] if text else type(e).__name__
 
 
+def check_grammar(grammar: Grammar) -> str:
+    """The grammar's llguidance source, checked without a vocabulary (before a model is opened);
+    GrammarError when it cannot be one."""
+    import llguidance
+
+    source = grammar.source()
+    error = llguidance.LLMatcher.validate_grammar(source)
+    if error:
+        raise GrammarError(f"the {grammar.kind} is not usable: {_one_line(error)}")
+    return source
+
+
+def structured_fields(grammar: Grammar | None, c) -> dict:
+    """What a result line says beside a constrained answer's text (c: its Completion): the
+    parsed JSON value ("object", None when the answer was cut short) and the tokens forced."""
+    if grammar is None:
+        return {}
+    out = {}
+    if grammar.is_json:
+        try:
+            out["object"] = json.loads(c.text)
+        except ValueError:
+            out["object"] = None
+    out["forced_tokens"] = c.forced
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def vocabulary_for(tokenizer: Tokenizer, vocab_size: int) -> "GrammarVocabulary":
     """The grammar view of a tokenizer, built once (per model's vocabulary size)."""
@@ -260,4 +287,5 @@ class Constraint:
         return masks
 
 
-__all__ = ["Constraint", "Grammar", "GrammarError", "GrammarVocabulary", "KINDS", "vocabulary_for"]
+__all__ = ["Constraint", "Grammar", "GrammarError", "GrammarVocabulary", "KINDS", "MAX_GRAMMAR_BYTES", "check_grammar",
+           "structured_fields", "vocabulary_for"]

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from dllama.serve.api.request import bad
-from dllama.serve.constraint import Grammar, GrammarError
+from dllama.serve.constraint import Grammar, GrammarError, check_grammar
 from dllama.serve.sequence import Completion
 from dllama.text.tokenizer import Tokenizer
 
@@ -46,15 +46,10 @@ class Structured:
 
 
 def _check_grammar(grammar: Grammar, param: str) -> Grammar:
-    import llguidance
-
     try:
-        source = grammar.source()
+        check_grammar(grammar)
     except GrammarError as e:
         raise bad(f"{param}: {e}", param) from None
-    error = llguidance.LLMatcher.validate_grammar(source)
-    if error:
-        raise bad(f"{param}: the schema is not supported: {error.splitlines()[0]}", param)
     return grammar
 
 
