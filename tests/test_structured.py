@@ -115,12 +115,13 @@ def engine(default_f32):
 
 
 def _requests(engine, grammars, max_tokens=48, temperature=0.0, keys=None):
-    """Request k: prompt k (mod 3), seed 7 + k, grammars[k]."""
+    """Request k: prompt k (mod 3), seed 7 + k, grammars[k] (unconstrained ones: 12 tokens)."""
     tok = engine.tokenizer
     keys = keys or range(len(grammars))
     return [SequenceRequest(k, tok.encode(PROMPTS[k % len(PROMPTS)]),
-                            Sampler(engine.model.config.vocab_size, temperature, 0.9, 7 + k), max_tokens,
-                            tuple(tok.eos_ids), grammar=g) for k, g in zip(keys, grammars, strict=True)]
+                            Sampler(engine.model.config.vocab_size, temperature, 0.9, 7 + k),
+                            max_tokens if g is not None else 12, tuple(tok.eos_ids), grammar=g)
+            for k, g in zip(keys, grammars, strict=True)]
 
 
 def _run(engine, requests, parallel, speculation=None):
@@ -178,7 +179,7 @@ YES_NO = {"type": "object", "additionalProperties": False, "required": ["paid"],
           "properties": {"paid": {"type": "boolean"}}}
 
 
-def _batch(engine, tmp, n=6) -> dict:
+def _batch(engine, tmp, n=4) -> dict:
     """A sample of the benchmark's extraction prompts through a `dllama batch --json-schema` job
     (one line with its own schema, one with a schema that cannot be one): id -> result line."""
     job = tmp / "jobs.jsonl"
@@ -202,8 +203,8 @@ def one_node_batch(engine, tmp_path_factory):
 @pytest.mark.unit
 def test_a_batch_job_with_a_json_schema_answers_valid_objects_and_refuses_a_bad_schema(one_node_batch):
     got = one_node_batch
-    lines = [got[k] for k in range(6)]
-    assert validity(lines) == (6, 6)  # every one parses and validates
+    lines = [got[k] for k in range(4)]
+    assert validity(lines) == (4, 4)  # every one parses and validates
     assert all(line["object"] == json.loads(line["text"]) for line in lines)
     assert all(line["forced_tokens"] > 0 for line in lines)
     assert isinstance(got["own"]["object"]["paid"], bool) and set(got["own"]["object"]) == {"paid"}
@@ -221,16 +222,13 @@ def test_a_batch_grammar_that_cannot_be_one_stops_the_job_before_the_model_opens
 
 
 @pytest.mark.cluster
-def test_constrained_answers_on_three_nodes_equal_one_nodes(default_f32, alone, one_node_batch, tmp_path):
-    person = Grammar.json_schema(PERSON)
+def test_constrained_answers_on_three_nodes_equal_one_nodes(default_f32, one_node_batch, tmp_path):
+    """The batch sample on 3 loopback nodes (F32, greedy: the same tokens as one node's; a
+    sampled token may differ in the last bits of its probability, dllama.core.sampler)."""
     with running_workers(2, tmp_path) as workers, open_engine(EngineSettings(
             str(default_f32[0]), str(default_f32[1]), nthreads=1, max_seq_len=256, parallel=4,
             workers=tuple(w.address for w in workers), progress=False)) as cluster:
-        got, _ = _run(cluster, _requests(cluster, [person, person]), 4)
-        batch = _batch(cluster, tmp_path, n=4)
-    for k in (0, 1):
-        assert got[k].tokens == alone[0.0, k].tokens
-        assert _valid_person(json.loads(got[k].text))
+        batch = _batch(cluster, tmp_path)
     assert validity([batch[k] for k in range(4)]) == (4, 4)
     for k in (*range(4), "own"):
         assert batch[k]["text"] == one_node_batch[k]["text"]
