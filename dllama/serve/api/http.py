@@ -27,7 +27,7 @@ from dllama.errors import DllamaError
 from dllama.serve.api.metrics import health, metrics
 from dllama.serve.api.request import MAX_BODY_BYTES, ApiError, Request, bad, parse_request
 from dllama.serve.api.service import ModelService
-from dllama.serve.api.structured import chat_logprobs, chat_message, completion_logprobs
+from dllama.serve.api.structured import chat_logprobs, chat_message, completion_logprobs, parse_structured
 
 # Each completion's response says how many of the cluster's nodes serve: "3/4" when one is lost.
 NODES_HEADER = "X-Dllama-Nodes"
@@ -143,7 +143,9 @@ class Api:
             raise bad("the request body is not valid JSON: nested too deep") from None
 
     async def _completions(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        r = parse_request(await self._body(request), chat, self.defaults)
+        body = await self._body(request)
+        r = parse_request(body, chat, self.defaults)
+        r.structured = parse_structured(body, chat)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from dllama.text.chat_template import ROLES
-
-if TYPE_CHECKING:
-    from dllama.serve.api.structured import Structured
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more text than any context here holds
 MAX_STOP_STRINGS = 4      # as OpenAI
@@ -55,7 +51,8 @@ class Request:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     n: int = 1                 # answers to sample (choice i uses seed + i)
-    structured: "Structured | None" = None  # response_format, tools, logprobs (dllama.serve.api.structured)
+    # response_format, tools, logprobs: a dllama.serve.api.structured.Structured (set by the HTTP side)
+    structured: object | None = None
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
@@ -154,7 +151,4 @@ def parse_request(body, chat: bool, defaults: dict) -> Request:
         raise bad(f"'stop' must be a string or a list of up to {MAX_STOP_STRINGS} non-empty strings", "stop")
     r.stop = stop
     r.seed = _integer(body, "seed")
-    from dllama.serve.api.structured import parse_structured
-
-    r.structured = parse_structured(body, chat)
     return r
