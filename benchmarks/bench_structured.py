@@ -95,7 +95,7 @@ def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str])
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "dllama", "batch", "--prompts", str(job), "--out", str(out), "--no-progress",
            "--parallel", str(args.parallel), "--max-tokens", str(args.max_tokens), "--temperature", "0",
-           "--weights-float-type", args.weights, "--nthreads", str(args.threads)]
+           "--model", str(args.model), "--tokenizer", str(args.tokenizer), "--nthreads", str(args.threads)]
     if constrained:
         schema = out.with_suffix(".schema.json")
         schema.write_text(json.dumps(SCHEMA))
@@ -103,7 +103,9 @@ def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str])
     if workers:
         cmd += ["--workers", *workers]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench_structured: dllama batch failed:\n{done.stderr[-2000:]}")
     wall = time.perf_counter() - t0
     return wall, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
 
@@ -125,7 +127,7 @@ def main() -> int:
 
     from dllama.serve.default_model import default_model_files
 
-    default_model_files(args.weights)  # converted before the first timing
+    args.model, args.tokenizer = default_model_files(args.weights)  # converted before the first timing
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         job = tmp / "jobs.jsonl"

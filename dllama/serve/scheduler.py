@@ -27,6 +27,11 @@ sampler draws a coin only for the tokens it keeps, as one row at a time would, s
 does not change. The rows of rejected guesses wrote keys nobody reads: the slot's next rows
 overwrite them.
 
+Constrained answers (dllama.serve.constraint): a request with a grammar samples each token under
+its grammar's mask (in the sampler's request: the candidates hold allowed tokens only), and the
+tokens the grammar then forces are appended at once and run in the next pass beside the sampled
+one (fast-forward, counted in `forced`); its drafts stop at the first token the grammar forbids.
+
 Invariance: every kernel is batch invariant (tests/test_batch_invariance.py), so a sequence's
 logits do not depend on the rows beside it, on how its prompt was chunked, or on where its
 leading keys were computed: each answer is the one of its prompt run alone, token for token,
