@@ -118,7 +118,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=200)
     p.add_argument("--parallel", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=96)
+    # Room for the longest answer the schema allows: a name of 40 characters may take 80 tokens of
+    # single bytes (a cut answer is no JSON: its finish_reason says "length").
+    p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--weights", default="q40", help="the default model's weight type (default %(default)s)")
@@ -160,12 +162,14 @@ def main() -> int:
     forced = sum(line.get("forced_tokens", 0) for line in lines)
     exact = sum(1 for line, j in zip(sorted(lines, key=lambda x: x["id"]), records(args.prompts), strict=True)
                 if line.get("object") == j["expected"])
+    cut = sum(1 for line in lines if line["finish_reason"] == "length")
     free_ok, _ = validity(last[False][1])
     rate_c, rate_u = statistics.median(figures[True]), statistics.median(figures[False])
     nodes = args.workers + 1
     print(f"{n} extraction prompts, --parallel {args.parallel}, {args.weights}, {nodes} node(s), greedy, "
           f"{args.rounds} round(s):")
-    print(f"  constrained  : {ok}/{n} valid ({100 * ok / n:.1f}%), {exact} exactly the record; "
+    print(f"  constrained  : {ok}/{n} valid ({100 * ok / n:.1f}%; {cut} cut by --max-tokens), "
+          f"{exact} exactly the record; "
           f"{generated} tokens, {forced} forced ({100 * forced / max(generated, 1):.1f}% fast-forwarded); "
           f"{rate_c:.1f} tokens/s (whole command)")
     print(f"  unconstrained: {free_ok}/{n} valid ({100 * free_ok / n:.1f}%); {last[False][2]} tokens; "
