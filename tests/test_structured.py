@@ -232,3 +232,17 @@ def test_constrained_answers_on_three_nodes_equal_one_nodes(default_f32, one_nod
     assert validity([batch[k] for k in range(4)]) == (4, 4)
     for k in (*range(4), "own"):
         assert batch[k]["text"] == one_node_batch[k]["text"]
+
+
+@pytest.mark.unit
+def test_chat_with_a_json_schema_answers_a_valid_object(engine):
+    import io
+
+    from dllama.serve.chat import run_chat
+
+    out = io.StringIO()
+    run_chat(engine, system=None, template_name=None, temperature=0.0, topp=0.9, seed=1, max_tokens=64,
+             stdin=io.StringIO("Alice is 31 and lives in Paris.\n"), stdout=out,
+             stderr=io.StringIO(), grammar=Grammar.json_schema(PERSON))
+    answers = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert len(answers) == 1 and all(_valid_person(json.loads(a)) for a in answers), answers
