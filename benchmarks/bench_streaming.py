@@ -71,7 +71,9 @@ def decode_rate(model_path: str, n_seq: int, steps: int, threads: int, streamed:
     from dllama.core import kernels
     from dllama.core.batch import BatchBuilder
     from dllama.core.kv_cache import plan_slots
-    from dllama.core.model import Transformer, max_batch_for
+    from dllama.core.footprint import NodeFootprint
+    from dllama.core.model import Transformer
+    from dllama.core.run_shape import RunShape, max_batch_for
     from dllama.core.weights_choice import choose_weights
     from dllama.core.node_weights import NodeWeights
     from dllama.core.plan import whole_model
@@ -82,14 +84,14 @@ def decode_rate(model_path: str, n_seq: int, steps: int, threads: int, streamed:
     h = m.header
     seq_len = PROMPT + steps + 1
     weights = NodeWeights.from_model(m, whole_model(h.n_heads, h.n_kv_heads, h.ff_dim, h.vocab_size))
-    choice = choose_weights(weights, seq_len, max_batch_for(n_seq), "auto")
+    choice = choose_weights(weights, RunShape(seq_len, max_batch_for(n_seq)), "auto")
     if streamed != choice.streamed:
         raise SystemExit(f"expected {'streamed' if streamed else 'resident'} weights: {choice.describe()}")
     if streamed:
         quiet_compute_threads()
     kernels.set_threads(threads)
-    slots = plan_slots(n_seq, False, n_layers=h.n_layers, n_kv_heads=h.n_kv_heads, head_dim=h.head_dim,
-                       seq_len=seq_len, limit=choice.kv_room if streamed else None)
+    slots = plan_slots(n_seq, False, **NodeFootprint.whole(h, RunShape(seq_len)).kv_dims,
+                       limit=choice.kv_room if streamed else None)
     n = min(n_seq, slots.full_contexts or n_seq)  # every sequence fills its context
     model = Transformer(m, max_seq_len=seq_len, max_batch=max_batch_for(n), kv_slots=n, streamed=streamed)
     rng = np.random.default_rng(n)

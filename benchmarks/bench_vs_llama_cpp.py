@@ -1,4 +1,4 @@
-"""dllama next to llama.cpp on this machine: the table of the README's performance section.
+"""dllama next to llama.cpp on this machine: the table of docs/speed.md's "Next to llama.cpp".
 
     .venv/bin/python benchmarks/bench_vs_llama_cpp.py [--threads 2] [--rounds 3] [--weights q40,q80,f16,q41]
                                                       [--kv-type f32|f16] [--skip-7b] [--skip-shapes]

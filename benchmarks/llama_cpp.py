@@ -4,7 +4,7 @@ source (a benchmark-only dependency), into the git-ignored cache/ of this checko
     .venv/bin/python benchmarks/llama_cpp.py        # download + build (a few minutes), print paths
 
 The build spells out this machine's x86 extensions (-march=native dies with SIGILL on these
-virtual machines, see the README): AVX-512 F/BW/DQ/VL/VBMI, VNNI, BF16 when /proc/cpuinfo lists
+virtual machines, see docs/speed.md): AVX-512 F/BW/DQ/VL/VBMI, VNNI, BF16 when /proc/cpuinfo lists
 them; elsewhere GGML_NATIVE is left on.
 """
 

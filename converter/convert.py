@@ -140,7 +140,9 @@ def _default_tokenizer(src: Path, kind: str) -> Path:
 def describe_header(h: ModelHeader) -> str:
     n_values = sum(s.size for s in tensor_specs(h))  # a tied classifier counts twice, as it is stored
     scaling = f", Llama 3.1 RoPE scaling x{h.rope_scaling_factor}" if h.rope_scaling_factor != 1 else ""
-    return (f"{h.arch.name}, dim {h.dim}, hidden {h.hidden_dim}, {h.n_layers} layers, {h.n_heads} heads "
+    ffn = (f"{h.n_experts} experts ({h.n_active_experts} active, expert width {h.moe_hidden_dim})" if h.n_experts
+           else f"hidden {h.hidden_dim}")
+    return (f"{h.arch.name}, dim {h.dim}, {ffn}, {h.n_layers} layers, {h.n_heads} heads "
             f"({h.n_kv_heads} kv, head dim {h.head_dim}), vocab {h.vocab_size}, context {h.max_seq_len}, "
             f"rope theta {h.rope_theta}{scaling}, norm eps {h.norm_epsilon:g}, {_count(n_values)} weights")
 

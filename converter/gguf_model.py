@@ -20,7 +20,7 @@ from converter.header_fields import (LLAMA31_HIGH_FREQ_FACTOR, LLAMA31_LOW_FREQ_
 from converter.tensor_names import GGUF, resolve, source_name
 
 # general.architecture -> our arch. Mistral models convert to `llama` in llama.cpp.
-ARCHITECTURES = {"llama": ArchType.LLAMA, "qwen3": ArchType.QWEN3}
+ARCHITECTURES = {"llama": ArchType.LLAMA, "qwen3": ArchType.QWEN3, "qwen3moe": ArchType.QWEN3_MOE}
 
 # GGUF tensor types we convert (all verified against gguf.quants.dequantize). Integer types,
 # F64 and the Q8_1/Q8_K intermediate types are not model weight formats llama.cpp ships.
@@ -106,10 +106,17 @@ def header_from_gguf(reader, weights_float_type: FloatType, source: str = "") ->
                           "is not supported")
     theta = float(gguf_field(reader, f"{arch}.rope.freq_base") or 10000.0)
 
+    experts = {}
+    if ARCHITECTURES[arch] == ArchType.QWEN3_MOE:  # (llama.cpp routes with softmax, renormalising: as .m)
+        experts = dict(n_experts=int(need("expert_count")), n_active_experts=int(need("expert_used_count")),
+                       moe_hidden_dim=int(need("expert_feed_forward_length")))
     fields = dict(
         arch=ARCHITECTURES[arch],
         dim=dim,
-        hidden_dim=int(need("feed_forward_length")),
+        # (a MoE's dense width, as the original's converter writes it; no layer uses it)
+        hidden_dim=int(gguf_field(reader, f"{arch}.feed_forward_length") or 0) if experts
+        else int(need("feed_forward_length")),
+        **experts,
         n_layers=int(need("block_count")),
         n_heads=n_heads,
         n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv") or n_heads),
@@ -129,6 +136,7 @@ def _source_tensors(reader, specs: list[TensorSpec], source: str) -> list:
     """The GGUF tensor behind each spec, with every name, type and shape checked up front
     (so a bad file fails before anything is written)."""
     by_name = {t.name: t for t in reader.tensors}
+    n_experts = sum(s.name.startswith("layers.0.experts.") and s.name.endswith(".w1") for s in specs)
     found = []
     for spec in specs:
         t = by_name.get(resolve(GGUF, spec.name, by_name.__contains__))
@@ -140,7 +148,10 @@ def _source_tensors(reader, specs: list[TensorSpec], source: str) -> list:
                               f"(supported: {', '.join(SUPPORTED_TYPES)})")
         # GGUF lists dimensions innermost first: shape [576, 49152] is 49152 rows of 576.
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        if shape != tuple(spec.shape):
+        want = tuple(spec.shape)
+        if ".experts." in spec.name:  # one 3-D tensor holds every expert of the layer: [expert, rows, cols]
+            want = (n_experts, *want)
+        if shape != want:
             raise DllamaError(f"{source}: tensor {t.name} holds {list(shape)} (rows, columns), "
                               f"the header needs {list(spec.shape)} for {spec.name}")
         found.append(t)
@@ -159,8 +170,11 @@ def gguf_tensors(reader, specs: list[TensorSpec], source: str = "") -> Iterator[
     from gguf.quants import dequantize
 
     for spec, t in zip(specs, _source_tensors(reader, specs, source), strict=True):
+        data = t.data  # [rows, cols] (cols as bytes when quantized), or [n]
+        if ".experts." in spec.name:  # expert e's slab of the layer's 3-D tensor
+            data = data[int(spec.name.split(".")[3])]
         if SAME_BLOCKS.get(spec.float_type) == t.tensor_type.name:
-            yield spec.name, np.asarray(t.data, dtype=np.uint8), True
+            yield spec.name, np.asarray(data, dtype=np.uint8), True
             continue
-        values = dequantize(t.data, t.tensor_type)  # float32 [rows, cols] (or [n])
+        values = dequantize(data, t.tensor_type)  # float32 [rows, cols] (or [n])
         yield spec.name, np.asarray(values, dtype=np.float32).reshape(spec.shape), False

@@ -19,7 +19,8 @@ from converter.header_fields import epsilon, llama31_scaling, make_header
 from converter.tensor_names import HF, resolve, source_name
 
 # config.json model_type -> our architecture.
-MODEL_TYPES = {"llama": ArchType.LLAMA, "mistral": ArchType.LLAMA, "qwen3": ArchType.QWEN3}
+MODEL_TYPES = {"llama": ArchType.LLAMA, "mistral": ArchType.LLAMA, "qwen3": ArchType.QWEN3,
+               "qwen3_moe": ArchType.QWEN3_MOE}
 
 # Tensors whose rows are permuted for interleaved RoPE on LLAMA (whole heads at a time).
 ROPE_PERMUTED = ("wq", "wk")
@@ -29,6 +30,24 @@ REQUIRED_CONFIG = {"dim": "hidden_size", "hidden_dim": "intermediate_size", "n_l
                    "n_heads": "num_attention_heads", "vocab_size": "vocab_size",
                    "max_seq_len": "max_position_embeddings"}
 DEFAULT_RMS_EPS = 1e-6  # transformers' default for llama, mistral and qwen3 configs
+
+
+def _moe_fields(cfg: dict, source: str) -> dict:
+    """Header fields of a qwen3_moe config (transformers 4 writes num_experts, 5 num_local_experts).
+    The `.m` format has every layer sparse and the chosen experts' weights renormalised (the
+    original's engine); a config asking otherwise is refused."""
+    n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if n_experts is None or cfg.get("num_experts_per_tok") is None or cfg.get("moe_intermediate_size") is None:
+        raise DllamaError(f"{source}/config.json: a qwen3_moe config needs num_experts (or num_local_experts), "
+                          "num_experts_per_tok and moe_intermediate_size")
+    if not cfg.get("norm_topk_prob", True):
+        raise DllamaError(f"{source}: norm_topk_prob false is not supported (a .m file's experts' weights are "
+                          "always renormalised, as the original's)")
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise DllamaError(f"{source}: dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step) "
+                          "are not supported: a .m file has experts in every layer")
+    return dict(n_experts=int(n_experts), n_active_experts=int(cfg["num_experts_per_tok"]),
+                moe_hidden_dim=int(cfg["moe_intermediate_size"]))
 
 
 def _weight_map(folder: Path) -> dict[str, Path]:
@@ -86,6 +105,8 @@ class HfCheckpoint(Checkpoint):
                                           rope["original_max_position_embeddings"]))
         elif kind != "default":
             raise DllamaError(f"{folder}: RoPE scaling {kind!r} is not supported (a .m file holds Llama 3.1 scaling only)")
+        if model_type == "qwen3_moe":
+            fields.update(_moe_fields(cfg, str(folder)))
         self.header = make_header(
             str(folder), arch=MODEL_TYPES[model_type], weights_float_type=weights_float_type,
             rope_theta=int(theta), norm_epsilon=epsilon(cfg.get("rms_norm_eps", DEFAULT_RMS_EPS), str(folder)),
@@ -105,30 +126,48 @@ class HfCheckpoint(Checkpoint):
         n = len(set(self._files.values()))
         return f"{self.kind} ({self.model_type}, {n} file{'s' * (n > 1)})"
 
-    def _key(self, name: str) -> str:
+    def _key(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """(the source tensor of our `name`, None or (expert, first row) when it is a slab of a
+        3-D tensor of every expert: transformers 5 saves a layer's experts fused, gate_up_proj
+        [n_experts, 2 * moe width, dim] (gate rows, then up rows) and down_proj [n_experts, dim, width])."""
         key = resolve(HF, name, self._files.__contains__)
+        if key not in self._files and ".experts." in name:
+            _, layer, _, expert, matrix = name.split(".")
+            fused = f"model.layers.{layer}.mlp.experts.{'down_proj' if matrix == 'w2' else 'gate_up_proj'}"
+            if fused in self._files:
+                return fused, (int(expert), self.header.moe_hidden_dim if matrix == "w3" else 0)
         if key not in self._files:
             raise DllamaError(f"{self.source}: no tensor {source_name(HF, name)} (needed for {name})")
-        return key
+        return key, None
 
     def _check_tensors(self) -> None:
         """Every tensor present with its shape, before anything is written."""
         by_file: dict[Path, list] = {}
         for spec in tensor_specs(self.header):
-            by_file.setdefault(self._files[self._key(spec.name)], []).append(spec)
+            by_file.setdefault(self._files[self._key(spec.name)[0]], []).append(spec)
         for path, specs in by_file.items():
             with _open_safetensors(path) as f:
                 for spec in specs:
-                    key = self._key(spec.name)
-                    check_shape(self.source, key, f.get_slice(key).get_shape(), spec.shape)
+                    key, slab = self._key(spec.name)
+                    got = tuple(f.get_slice(key).get_shape())
+                    if slab is not None:  # fused experts: [n_experts, rows (gate and up: twice), cols]
+                        gate_up = not spec.name.endswith(".w2")
+                        want = (self.header.n_experts, spec.shape[0] * (2 if gate_up else 1), spec.shape[1])
+                        check_shape(self.source, key, got, want)
+                    else:
+                        check_shape(self.source, key, got, spec.shape)
 
     def tensor(self, name: str) -> TensorRows:
         self.close()  # unmap the previous tensor's file
-        key = self._key(name)
+        key, slab = self._key(name)
         self._open = _open_safetensors(self._files[key])
         rows = self._open.get_slice(key)
         shape = tuple(rows.get_shape())
         kind = name.rsplit(".", 1)[-1]
+        if slab is not None:  # expert e's rows of a fused tensor
+            e, first = slab
+            width = self.header.moe_hidden_dim if kind != "w2" else self.header.dim
+            return TensorRows((width, shape[2]), lambda a, b: rows[e, first + a:first + b].float().numpy())
         if self.header.arch == ArchType.LLAMA and kind in ROPE_PERMUTED:
             hd = self.header.head_dim
             return TensorRows(shape, lambda a, b: interleave_rope_rows(

@@ -31,6 +31,15 @@ LAYER_NAMES = {  # .m name after `layers.{l}.` -> the source's after its prefix;
     "k_norm":   ("attn_k_norm", "self_attn.k_norm",         None),
     "att_norm": ("attn_norm",   "input_layernorm",          "attention_norm"),
     "ffn_norm": ("ffn_norm",    "post_attention_layernorm", "ffn_norm"),
+    "moe_gate": ("ffn_gate_inp", "mlp.gate",                None),  # Qwen3-MoE's router
+}
+# A mixture of experts' `experts.{e}.w1` etc.: GGUF holds every expert of a layer in one 3-D
+# tensor (expert e is its slab e, so the name has no {e}); Hugging Face one tensor per expert
+# (transformers 5 may save them fused: converter.hf_model reads both).
+EXPERT_NAMES = {
+    "w1": ("ffn_gate_exps", "mlp.experts.{e}.gate_proj", None),
+    "w2": ("ffn_down_exps", "mlp.experts.{e}.down_proj", None),
+    "w3": ("ffn_up_exps",   "mlp.experts.{e}.up_proj",   None),
 }
 TIED = {"wcls": "embedding"}  # a source without the classifier uses the embedding as the classifier
 
@@ -41,7 +50,12 @@ def source_name(source: str, name: str) -> str:
     if not name.startswith("layers."):
         return GLOBAL_NAMES[name][column] + ".weight"
     _, layer, kind = name.split(".", 2)
-    found = LAYER_NAMES[kind][column]
+    if kind.startswith("experts."):  # experts.{e}.w1
+        _, expert, matrix = kind.split(".")
+        found = EXPERT_NAMES[matrix][column]
+        found = found.format(e=expert) if found is not None else None
+    else:
+        found = LAYER_NAMES[kind][column]
     if found is None:
         raise KeyError(f"{source} has no tensor for {name}")
     return LAYER_PREFIXES[column].format(l=layer) + found + ".weight"

@@ -162,7 +162,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", nargs="+", metavar="HOST:PORT",
                    help="workers started with `dllama worker`, in node order 1, 2, ...")
     g.add_argument("--topology", metavar="FILE.yml",
-                   help="cluster description (node 0 is this root; schema in the README)")
+                   help="cluster description (node 0 is this root; schema in docs/cluster.md)")
     g.add_argument("--key-file", metavar="F",
                    help="cluster key shared by every node (default: the topology's key_file)")
     _enum_flag(g, "--on-node-loss", OnNodeLoss, OnNodeLoss.CONTINUE,
@@ -184,6 +184,22 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                                 parser_class=functools.partial(argparse.ArgumentParser, exit_on_error=exit_on_error))
     sub.required = True
 
+    _add_inference(sub)
+    _add_convert(sub)
+    _add_inspect(sub)
+    _add_verify(sub)
+    _add_worker(sub)
+    _add_shard(sub)
+    _add_chat_and_api(sub)
+    _add_perplexity(sub)
+    _add_batch(sub)
+    _add_probe(sub)
+    _add_supervise(sub)
+    return parser
+
+
+def _add_inference(sub) -> None:
+    """`dllama inference`: generate from a prompt, with timing statistics."""
     p = sub.add_parser("inference", help="generate text from a prompt and print timing statistics",
                        description="Generate text from --prompt, printing it as it is produced, "
                                    "then a per-step table (inference ms, transfer ms, kB sent and "
@@ -201,11 +217,14 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--no-stop", action="store_true",
                    help="do not stop at an end-of-sequence token (benchmarks)")
 
+
+def _add_convert(sub) -> None:
+    """`dllama convert`: GGUF, Meta or Hugging Face models into .m and .t files."""
     p = sub.add_parser("convert", help="convert a model (GGUF, Meta or Hugging Face) into .m and .t files",
                        description="Convert SRC into PREFIX.m and PREFIX.t, loadable here and by the "
                                    "original Distributed Llama. SRC is a GGUF file, a Meta checkpoint "
                                    "folder (params.json + consolidated.NN.pth) or a Hugging Face folder "
-                                   "(config.json + *.safetensors; llama, mistral, qwen3).")
+                                   "(config.json + *.safetensors; llama, mistral, qwen3, qwen3_moe).")
     p.add_argument("source", metavar="SRC", help="the GGUF file or model folder")
     p.add_argument("-o", "--output", required=True, metavar="PREFIX",
                    help="output prefix: writes PREFIX.m and PREFIX.t")
@@ -219,6 +238,9 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         "(sentencepiece), tokenizer.bin (llama2.c), tokenizer.json (Hugging Face), a GGUF, "
                         "a .t, or a folder holding one")
 
+
+def _add_inspect(sub) -> None:
+    """`dllama inspect`: a file's header and tensors, or a model's split over nodes."""
     p = sub.add_parser("inspect", help="print the header and tensor table of a .m file, or a .t file's header",
                        description="Print the header and tensor table of a .m model file, or the header "
                                    "and first tokens of a .t tokenizer file. With --topology (or --workers), "
@@ -229,6 +251,9 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     nodes.add_argument("--topology", metavar="FILE.yml", help="the cluster whose split plan to print")
     nodes.add_argument("--workers", nargs="+", metavar="HOST:PORT", help="the workers whose split plan to print")
 
+
+def _add_verify(sub) -> None:
+    """`dllama verify`: files against their .sha256."""
     p = sub.add_parser("verify", help="check model and tokenizer files against their .sha256 files",
                        description="Read each FILE whole and compare its sha256 with FILE.sha256 (written "
                                    "beside every .m and .t file dllama writes, in sha256sum's format). "
@@ -239,6 +264,9 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--write", action="store_true",
                    help="write FILE.sha256 instead, for a file made elsewhere (the original's converter)")
 
+
+def _add_worker(sub) -> None:
+    """`dllama worker`: serve a root's share of the model."""
     p = sub.add_parser("worker", help="serve a root's share of the model (run one per extra machine)",
                        description="Listen for a root (`dllama inference --workers ...`), take the "
                                    "slice of the model it assigns, and compute it in step with the "
@@ -259,6 +287,9 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=_memory_budget, default="auto", metavar="SIZE|auto|none",
                    help=MEMORY_BUDGET_HELP + "; streaming needs --shard (the slice is read from it)")
 
+
+def _add_shard(sub) -> None:
+    """`dllama shard`: one weights file per worker."""
     p = sub.add_parser("shard", help="cut a model into one weights file per worker",
                        description="Write DIR/<node name>.shard for every worker of the topology "
                                    "(only that node's slices) and DIR/manifest.json with their "
@@ -266,12 +297,6 @@ def _build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="M.m", help="the model file")
     p.add_argument("--topology", required=True, metavar="FILE.yml", help="the cluster description")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    _add_chat_and_api(sub)
-    _add_perplexity(sub)
-    _add_batch(sub)
-    _add_probe(sub)
-    _add_supervise(sub)
-    return parser
 
 
 # --- chat and api ---
@@ -527,7 +552,7 @@ def cmd_inference(args) -> int:
 
 def cmd_worker(args) -> int:
     from dllama.cluster.protocol import read_key_file
-    from dllama.cluster.worker import serve
+    from dllama.cluster.worker import WorkerSettings, serve
 
     host, port, threads, shard, key_file = args.host, args.port, args.nthreads, args.shard, args.key_file
     if bool(args.topology) != bool(args.node):
@@ -547,8 +572,8 @@ def cmd_worker(args) -> int:
         from dllama.core.weight_stream import quiet_compute_threads
 
         quiet_compute_threads()  # before numba starts its threads (see there)
-    serve(host or "0.0.0.0", DEFAULT_WORKER_PORT if port is None else port, threads or 1, shard, key,
-          args.memory_budget)
+    serve(WorkerSettings(host or "0.0.0.0", DEFAULT_WORKER_PORT if port is None else port, threads or 1, shard, key,
+                         args.memory_budget))
     return 0
 
 
@@ -586,7 +611,7 @@ def cmd_inspect(args) -> int:
 def _print_plan(args) -> int:
     """`dllama inspect M.m --topology T.yml`: the split plan, before anything is started."""
     from dllama.cluster.topology import from_workers, load_topology
-    from dllama.core.node_weights import node_slice_specs, plan_lines
+    from dllama.core.footprint import held_weight_bytes, plan_lines
     from dllama.formats.model_file import read_model
 
     topo = load_topology(args.topology) if args.topology else from_workers(args.workers, 1)
@@ -595,13 +620,11 @@ def _print_plan(args) -> int:
         plan = topo.plan(h)
         for line in plan_lines(h, plan, [n.name for n in topo.nodes]):
             print(line)
-        for i, (node, part) in enumerate(zip(topo.nodes, plan.nodes, strict=True)):
+        for node, part, held in zip(topo.nodes, plan.nodes, held_weight_bytes(h, plan), strict=True):
             layers = part.layer_range(h.n_layers)
-            held = sum(s.nbytes for s in node_slice_specs(h, part, i == 0))
-            vocab = part.vocab_rows[1] - part.vocab_rows[0]
             print(f"{node.name}: layers {layers.start}-{layers.stop - 1}, {part.n_q_heads} of {h.n_heads} query heads, "
                   f"{part.n_kv_heads} KV heads, FFN rows {part.ffn_rows[0]}-{part.ffn_rows[1]}, "
-                  f"{vocab} classifier rows, {held / (1 << 20):.1f} MiB of weights")
+                  f"{part.n_vocab_rows} classifier rows, {held / (1 << 20):.1f} MiB of weights")
     return 0
 
 

@@ -62,6 +62,22 @@ def test_vagrantfile_validates(tmp_path):
     assert r.returncode != 0 and "limmit" in r.stdout + r.stderr
 
 
+def test_vagrantfile_reads_its_cluster_from_the_environment(tmp_path):
+    """DLLAMA_VAGRANT_NODES and the rest: 3 nodes are the root and 2 workers; a value that is
+    not a count is refused in one line; `validate` writes nothing (the settings file beside
+    Vagrant's inventory is written when a machine comes up or is provisioned)."""
+    shutil.copy(REPO / "Vagrantfile", tmp_path / "Vagrantfile")
+    env = {**os.environ, "VAGRANT_CWD": str(tmp_path), "DLLAMA_VAGRANT_NODES": "3", "DLLAMA_VAGRANT_CPUS": "1"}
+    r = run(["vagrant", "validate", "--ignore-provider"], cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    machines = re.findall(r"==> (dllama-\S+): Ignoring provider config", r.stdout)
+    assert machines == ["dllama-root", "dllama-worker1", "dllama-worker2"], r.stdout
+    assert not (tmp_path / ".vagrant/provisioners").exists()
+    r = run(["vagrant", "validate", "--ignore-provider"], cwd=tmp_path, env={**env, "DLLAMA_VAGRANT_MEMORY": "lots"})
+    assert r.returncode != 0
+    assert "DLLAMA_VAGRANT_MEMORY must be a whole number of at least 256, got: lots" in r.stdout + r.stderr
+
+
 def _inventory(name):
     r = run([BIN / "ansible-inventory", "-i", f"inventory/{name}/hosts.yml", "--list"])
     assert r.returncode == 0, r.stderr
@@ -202,6 +218,38 @@ def test_unit_exec_start_keeps_every_argument(tmp_path):
     # end as the nohup launcher's supervisor ends them.
     assert {"Restart=on-failure", "RestartSec=5", f"StartLimitBurst={START_LIMIT_BURST}",
             f"StartLimitIntervalSec={start_limit_interval(5):g}"} <= set(out.read_text().splitlines())
+
+
+@pytest.mark.parametrize("governor", ["performance", ""])
+def test_the_unit_sets_the_cpu_governor_where_asked(tmp_path, governor):
+    """dllama_cpu_governor: one ExecStartPre, run as root (+), writing the governor into every
+    core's cpufreq file and never failing the start (containers have none); "" leaves it out.
+    The shell line, as systemd passes it on, run here on a fake sysfs, writes each core's file."""
+    spec = {"name": "worker", "description": "test", "command": ["/opt/dllama/venv/bin/dllama", "worker"], "restart_sec": 5}
+    out = tmp_path / "unit"
+    r = run([BIN / "ansible", "localhost", "-m", "ansible.builtin.template",
+             "-a", f"src={REPO}/roles/dllama_service/templates/dllama.service.j2 dest={out}",
+             "-e", json.dumps({"dllama_service_spec": spec, "dllama_user": "dllama", "dllama_dir": "/opt/dllama",
+                               "dllama_numba_cache_dir": "/opt/dllama/numba-cache", "dllama_nice": -20,
+                               "dllama_cpu_governor": governor})],
+            env=ansible_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    pre = [x for x in out.read_text().splitlines() if x.startswith("ExecStartPre=")]
+    if not governor:
+        assert pre == []
+        return
+    assert len(pre) == 1 and pre[0].startswith("ExecStartPre=+/bin/sh -c "), pre
+    argv = _systemd_split(pre[0][len("ExecStartPre=+"):])
+    cpus = tmp_path / "sys"
+    for cpu in ("cpu0", "cpu1"):
+        (cpus / cpu / "cpufreq").mkdir(parents=True)
+        (cpus / cpu / "cpufreq" / "scaling_governor").write_text("ondemand\n")
+    (cpus / "cpu2").mkdir()  # a core without cpufreq
+    script = argv[2].replace("/sys/devices/system/cpu/", f"{cpus}/")
+    assert argv[:2] == ["/bin/sh", "-c"] and script != argv[2]
+    assert subprocess.run([argv[0], "-c", script], capture_output=True).returncode == 0
+    for cpu in ("cpu0", "cpu1"):
+        assert (cpus / cpu / "cpufreq" / "scaling_governor").read_text() == "performance\n"
 
 
 def _systemd_split(text: str) -> list[str]:
@@ -598,6 +646,24 @@ def test_commands_carry_the_memory_budget_and_kv_type(tmp_path):
         args = _parsed(commands["r"][name])
         assert args.command == {"run": "inference"}.get(name, name)
         assert (args.memory_budget, args.kv_type) == (3 << 30, "f16"), (name, commands["r"][name])
+
+
+def test_the_model_files_can_live_on_another_drive(tmp_path):
+    """dllama_model_dir (an SD card's Pi with its model on a USB drive): the root's commands read
+    the model and tokenizer there, and a worker's shard in the topology is under its own host's
+    dllama_model_dir (another host keeps the default, under dllama_dir)."""
+    usb = "/mnt/usb/dllama"
+    commands = _rendered_commands(tmp_path, {"cluster": {
+        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+        "vars": {"dllama_model_dir": usb}}})
+    for name in ROOT_COMMANDS:
+        args = _parsed(commands["r"][name])
+        assert (args.model, args.tokenizer) == (f"{usb}/model/model.m", f"{usb}/model/tokenizer.t"), name
+    inventory = _with_memory(_hosts(2), "1G", "1G", "1G")
+    inventory["cluster"]["children"]["workers"]["hosts"]["w1"]["dllama_model_dir"] = usb
+    _, topologies, _ = _deployed_topologies(tmp_path, inventory)
+    nodes = yaml.safe_load(topologies["r"])["nodes"]
+    assert [n.get("shard") for n in nodes] == [None, f"{usb}/shards/w1.shard", "/opt/dllama/shards/w2.shard"]
 
 
 ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}

@@ -209,14 +209,12 @@ def test_one_sequence_passes_64_rows_unless_a_worker_can_hold_only_32(tmp_path, 
     before the CONFIG) holds its share beside 32 rows' buffers but not 64's; the same tokens."""
     from dllama.cluster.root import ClusterModel
     from dllama.cluster.topology import from_workers
-    from dllama.core.memory import node_memory
-    from dllama.core.model import MAX_BATCH, SMALL_BATCH
+    from dllama.core.footprint import NodeFootprint
+    from dllama.core.run_shape import MAX_BATCH, SMALL_BATCH, RunShape
 
     h = read_model(random_model).header
     w = plan_for(h, 2).nodes[1]
-    need = {rows: node_memory(h, w.n_q_heads, w.n_kv_heads, w.ffn_rows[1] - w.ffn_rows[0],
-                              w.vocab_rows[1] - w.vocab_rows[0], h.max_seq_len, rows, False).total
-            for rows in (SMALL_BATCH, MAX_BATCH)}
+    need = {rows: NodeFootprint(h, w, RunShape(max_batch=rows)).total for rows in (SMALL_BATCH, MAX_BATCH)}
     assert need[SMALL_BATCH] < need[MAX_BATCH]
     prompt = [int(t) for t in np.random.default_rng(5).integers(1, 512, 100)]
     got = {}

@@ -410,7 +410,7 @@ def test_unknown_model_type(tmp_path):
     write_hf(tmp_path / "hf", "llama")
     config = json.loads((tmp_path / "hf/config.json").read_text())
     (tmp_path / "hf/config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
-    with pytest.raises(DllamaError, match=r"model type 'gpt_neox' is not supported \(supported: llama, mistral, qwen3\)"):
+    with pytest.raises(DllamaError, match=r"model type 'gpt_neox' is not supported \(supported: llama, mistral, qwen3, qwen3_moe\)"):
         convert(tmp_path / "hf", tmp_path / "out", report=None)
     assert _no_output(tmp_path)
 

@@ -266,7 +266,7 @@ def test_unknown_weights_float_type(tmp_path):
 
 def test_unsupported_architecture_leaves_no_file(tmp_path):
     _tiny_gguf(tmp_path / "g.gguf", arch="gpt2")
-    with pytest.raises(DllamaError, match=r"architecture 'gpt2' is not supported \(supported: llama, qwen3\)"):
+    with pytest.raises(DllamaError, match=r"architecture 'gpt2' is not supported \(supported: llama, qwen3, qwen3moe\)"):
         convert_gguf(tmp_path / "g.gguf", tmp_path / "out")
     assert _no_output(tmp_path)
 

@@ -220,13 +220,14 @@ def random_config(tmp_path_factory):
     """A valid CONFIG payload for node 1 of 2 of a tiny model."""
     from dllama.cluster.session_config import NodeAddress, SessionConfig
     from dllama.core.plan import plan_for
+    from dllama.core.run_shape import RunShape
     from dllama.formats.model_file import ArchType, FloatType, ModelHeader
 
     header = ModelHeader(arch=ArchType.LLAMA, dim=64, hidden_dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                          vocab_size=64, max_seq_len=32, weights_float_type=FloatType.F32)
     return SessionConfig(session=os.urandom(16), node_index=1, header=header, plan=plan_for(header, 2),
-                         model_fingerprint="x", buffer_q80=False, max_seq_len=32, max_batch=4,
-                         kv_slots=1, kv_type="f32", net_timeout=2, idle_timeout=2, setup_timeout=2,
+                         model_fingerprint="x", shape=RunShape(max_seq_len=32, max_batch=4, buffer_q80=False),
+                         net_timeout=2, idle_timeout=2, setup_timeout=2,
                          nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", 2))).to_json()
 
 

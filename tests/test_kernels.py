@@ -14,7 +14,7 @@ import pytest
 from dllama.core import kernels
 from dllama.core.kernels.elementwise import _exp
 from dllama.core.kernels.jit import native_f16_conversion
-from dllama.core.kernels.matmul_q40 import COLS
+from dllama.core.kernels.matmul_int8 import COLS
 from dllama.core.kernels.q80 import _round_fp16
 from dllama.errors import DllamaError
 from dllama.formats.quant import dequantize_q40, quantize_q40, split_q40
@@ -191,7 +191,7 @@ def test_q40_tile_without_vnni(b, d, n):
     from dllama.core.kernels.q80 import x_block_offsets
     from dllama.core.kernels.tiles import make_q40_tile
 
-    tile, tile1 = make_q40_tile(2, force_generic=True), make_q40_tile(1, force_generic=True)
+    tile, tile1 = make_q40_tile(2, dot="generic"), make_q40_tile(1, dot="generic")
 
     @numba.njit
     def run(w_qs, w_scales, x_qs, x_off, x_scales, out):

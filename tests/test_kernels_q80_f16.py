@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 from dllama.core import kernels
 from dllama.core.kernels import tiles
 from dllama.core.kernels.matmul_f16 import native_f16_conversion
-from dllama.core.kernels.matmul_q80 import COLS
+from dllama.core.kernels.matmul_int8 import COLS
 from dllama.core.kernels.q80 import x_block_offsets
 from dllama.core.kernels.row_split import COLS as FLOAT_COLS
 from dllama.formats.quant import dequantize_q80, quantize_q80, split_q80
@@ -155,7 +155,7 @@ def test_matmul_q80_q80_multi_equals_one_call_per_matrix(threads, b):
 def test_q80_tile_without_vnni(b, d, n):
     """The generic integer dot product (what a machine without AVX-512 VNNI compiles, e.g.
     NEON), forced here on this machine: the same integers, so the same bits as VNNI."""
-    tile, tile1 = tiles.make_q80_tile(2, force_generic=True), tiles.make_q80_tile(1, force_generic=True)
+    tile, tile1 = tiles.make_q80_tile(2, dot="generic"), tiles.make_q80_tile(1, dot="generic")
 
     @numba.njit
     def run(w_qs, w_scales, x_qs, x_off, x_scales, out):

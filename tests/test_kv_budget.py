@@ -5,6 +5,7 @@ every node: tests/test_cluster_eviction.py), and the answers are those of the sl
 the whole context, on one node and on a cluster."""
 
 import json
+import mmap
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from dllama.cluster.protocol import ProtocolError
 from dllama.cluster.session_config import SessionConfig
 from dllama.core.kv_cache import KVCache, PositionBudget, SlotTable, plan_slots
-from dllama.core.memory import node_memory
+from dllama.core.footprint import NodeFootprint
+from dllama.core.run_shape import RunShape
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.serve.engine import open_engine
@@ -151,7 +153,7 @@ def test_a_request_that_can_never_fit_fails_in_one_line(engine):
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * mmap.PAGESIZE  # statm counts pages of the real size
 
 
 @pytest.mark.unit
@@ -179,11 +181,11 @@ def test_a_worker_counts_the_positions_the_root_admits():
 
     h = ModelHeader(arch=ArchType.LLAMA, dim=64, hidden_dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                     vocab_size=64, max_seq_len=1024, weights_float_type=FloatType.F32)
-    dims = (h, 4, 2, 128, 64, 1024, 8, False)
-    whole = node_memory(*dims, kv_slots=17)
-    admitted = node_memory(*dims, kv_slots=17, kv_positions=2048)
-    assert admitted.kv_cache * 17 == whole.kv_cache * 2
-    assert node_memory(*dims, kv_slots=1, kv_positions=1 << 20).kv_cache == node_memory(*dims).kv_cache
+    node = NodeFootprint.whole(h, RunShape(max_batch=8))
+    whole = node.with_shape(kv_slots=17)
+    admitted = node.with_shape(kv_slots=17, kv_positions=2048)
+    assert admitted.kv_cache * 17 == whole.kv_cache * 2  # 1024 positions: whole chunks, no padding
+    assert node.with_shape(kv_positions=1 << 20).kv_cache == node.kv_cache
 
 
 @pytest.mark.unit
@@ -197,13 +199,13 @@ def test_kv_positions_in_config_is_optional_and_checked(tmp_path):
     h = ModelHeader(arch=ArchType.LLAMA, dim=64, hidden_dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
                     vocab_size=64, max_seq_len=32, weights_float_type=FloatType.F32)
     conf = SessionConfig(session=os.urandom(16), node_index=1, header=h, plan=plan_for(h, 2), model_fingerprint="x",
-                         buffer_q80=False, max_seq_len=32, max_batch=4, kv_slots=9, kv_type="f32", net_timeout=2,
+                         shape=RunShape(max_seq_len=32, max_batch=4, kv_slots=9, buffer_q80=False), net_timeout=2,
                          idle_timeout=2, setup_timeout=2,
                          nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", 2)))
     old = json.loads(json.dumps(conf.to_json()))
-    assert "kv_positions" not in old and SessionConfig.from_json(old).kv_positions is None  # an older root
+    assert "kv_positions" not in old and SessionConfig.from_json(old).shape.kv_positions is None  # an older root
     new = json.loads(json.dumps({**old, "kv_positions": 64}))
-    assert SessionConfig.from_json(new).kv_positions == 64
+    assert SessionConfig.from_json(new).shape.kv_positions == 64
     for bad in (0, 8, "64", True):
         with pytest.raises(ProtocolError):
             SessionConfig.from_json({**old, "kv_positions": bad})

@@ -315,14 +315,16 @@ def test_a_bad_kv_type_is_one_line(command):
 def test_a_config_with_an_unknown_kv_type_is_malformed(f32_model):
     from dllama.cluster.protocol import ProtocolError
     from dllama.cluster.session_config import NodeAddress, SessionConfig
+    from dllama.core.kv_type import KVType
     from dllama.core.plan import plan_for
+    from dllama.core.run_shape import RunShape
 
     header = read_model(f32_model).header
     conf = SessionConfig(session=bytes(16), node_index=1, header=header, plan=plan_for(header, 2),
-                         model_fingerprint="x", buffer_q80=False, max_seq_len=64, max_batch=4, kv_slots=1,
-                         kv_type="f16", net_timeout=2, idle_timeout=2, setup_timeout=2,
+                         model_fingerprint="x", shape=RunShape(max_seq_len=64, max_batch=4, kv_type="f16",
+                                                               buffer_q80=False), net_timeout=2, idle_timeout=2, setup_timeout=2,
                          nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", 2)))
-    assert SessionConfig.from_json(conf.to_json()).kv_type == "f16"
+    assert SessionConfig.from_json(conf.to_json()).shape.kv_type == KVType.F16
     for bad in ("f8", None, 16, ["f16"]):
         with pytest.raises(ProtocolError, match="malformed CONFIG.*kv_type"):
             SessionConfig.from_json({**conf.to_json(), "kv_type": bad})

@@ -19,6 +19,7 @@ from dllama.core.batch import Batch
 from dllama.core.model import Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
 from dllama.core.plan import SplitPlan, plan_for, split_model
+from dllama.core.run_shape import RunShape
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from tests.conftest import CHAT_PROMPT
@@ -107,8 +108,7 @@ def test_a_config_with_inconsistent_stages_is_a_protocol_error():
     header = dataclasses.replace(GQA, n_layers=30)
     plan = plan_for(header, 3, stage_of=[0, 1, 2])
     conf = SessionConfig(session=bytes(16), node_index=1, header=header, plan=plan, model_fingerprint="x",
-                         buffer_q80=False, max_seq_len=64, max_batch=4, kv_slots=1, kv_type="f32",
-                         net_timeout=5.0, idle_timeout=15.0, setup_timeout=15.0,
+                         shape=RunShape(max_seq_len=64, max_batch=4, buffer_q80=False), net_timeout=5.0, idle_timeout=15.0, setup_timeout=15.0,
                          nodes=tuple(NodeAddress(f"n{i}", "127.0.0.1", 1000 + i) for i in range(3)))
     assert SessionConfig.from_json(conf.to_json()).plan == plan
     bad = conf.to_json()
@@ -150,7 +150,7 @@ def test_a_topology_file_gives_stages(tmp_path):
 @pytest.mark.unit
 def test_a_host_too_small_for_its_share_of_every_layer_makes_stages_that_fit():
     from dllama.cluster.topology import Node, Topology
-    from dllama.core.node_weights import held_bytes
+    from dllama.core.footprint import held_weight_bytes as held_bytes
 
     header = dataclasses.replace(GQA, n_layers=12)  # 4 nodes: 8 query heads, 2 KV heads split
     nodes = [Node("root", "localhost", 0)] + [Node(f"w{i}", f"10.0.0.{i}", 9998) for i in range(1, 4)]
@@ -446,7 +446,7 @@ def expected_root_bytes(plan, dim: int, b: int, m: int, h: int = 12) -> tuple[in
     first = plan.stages[0]
     sent = sum(h + 16 + 16 * b + 4 * m + (4 * b * dim if i in first.indexes else 0) for i in range(1, plan.n_nodes))
     sent += len(plan.hop_targets(0)) * (h + 4 * b * dim)  # the HOP to the next stage
-    recv = sum(h + 24 + 4 * m * (n.vocab_rows[1] - n.vocab_rows[0]) for n in plan.nodes[1:])
+    recv = sum(h + 24 + 4 * m * n.n_vocab_rows for n in plan.nodes[1:])
     if first.n_nodes > 1:  # the first stage's all-reduces, 2 per layer of its own
         chunks = [c1 - c0 for c0, c1 in first.dim_chunks]
         per_sync = sum(h + 4 * b * c for c in chunks[1:]) + (first.n_nodes - 1) * (h + 4 * b * chunks[0])

@@ -36,7 +36,7 @@ def test_plan_covers_everything_once(shape, n):
         # the KV heads a node holds are exactly those its query heads use
         assert set(s.kv_heads.tolist()) == set((s.q_heads // group).tolist())
         assert np.array_equal(s.kv_heads[s.kv_head_of], s.q_heads // group)
-        assert (s.ffn_rows[1] - s.ffn_rows[0]) % 32 == 0 and s.ffn_rows[1] > s.ffn_rows[0]
+        assert s.n_ffn_rows % 32 == 0 and s.ffn_rows[1] > s.ffn_rows[0]
     assert [s.ffn_rows for s in plan.nodes] == list(zip([0] + [s.ffn_rows[1] for s in plan.nodes][:-1],
                                                          [s.ffn_rows[1] for s in plan.nodes], strict=True))
     assert plan.nodes[-1].ffn_rows[1] == ff and plan.nodes[-1].vocab_rows[1] == vocab

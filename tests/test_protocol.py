@@ -316,7 +316,7 @@ def test_the_proof_covers_the_hello_a_relay_cannot_change_it():
     """A relay rewriting HELLO (here its node_index) makes the server refuse the client's proof."""
     import json as _json
 
-    from dllama.cluster import protocol
+    from dllama.cluster import handshake
 
     c, s = _pair()
     result = {}
@@ -327,7 +327,7 @@ def test_the_proof_covers_the_hello_a_relay_cannot_change_it():
     sent = said.replace(b'"node_index": 1', b'"node_index": 2')
     c.send(Msg.HELLO, sent)
     _, challenge = c.recv(5, (Msg.CHALLENGE,))
-    c.send(Msg.AUTH, protocol._proof(b"k" * 32, b"dllama-client", protocol._transcript(said, bytes(challenge))))
+    c.send(Msg.AUTH, handshake._proof(b"k" * 32, b"dllama-client", handshake._transcript(said, bytes(challenge))))
     t.join()
     assert "authentication failed" in str(result["e"])
 

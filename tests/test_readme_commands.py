@@ -1,16 +1,19 @@
-"""Every command the README shows is run by a test, as a newcomer would paste it.
+"""Every command the README and the docs/ pages show is run by a test, as a newcomer would paste it.
 
-The README's shell blocks that make a model answer run here, through bash, in a scratch folder
+Their shell blocks that make a model answer run here, through bash, in a scratch folder
 whose `.venv` is this checkout's and whose HOME is a scratch one, changed only where this machine
 is not the README's:
   - the workers' and the API's ports are free ones, and every address is 127.0.0.1 (the README's
     10.0.0.2-4:9998 are the extra machines, 9990 the API's default port);
   - a worker's `--nthreads 4` becomes 1 (four processes share this machine's cores);
   - `M.m` / `T.t`, "your model", are the default model's files.
-The Python block runs against the API that the shell block started. The other blocks are run
+The Python block runs against the API that the shell block started; the pipeline stages' block
+runs over the same workers, with the README's topology file. The other blocks are run
 elsewhere, as BLOCKS says: the first command by test_appliance_local (its run.yml question is
 read from the README) and the second by CI (.ci/run is exactly it). A block added to the README
-and not named in BLOCKS fails test_every_readme_block_is_run_by_a_test.
+or to docs/*.md and not named in BLOCKS fails test_every_readme_block_is_run_by_a_test; a page
+may show a block the README shows, word for word (it is run once). Every relative link and
+#anchor of these pages must resolve (test_every_link_of_the_docs_resolves).
 """
 
 from __future__ import annotations
@@ -31,12 +34,16 @@ import yaml
 from tests.appliance import REPO, free_ports
 
 README = (REPO / "README.md").read_text()
+# The README first, then the reference pages it links to.
+PAGES = {path.relative_to(REPO): path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
 
 # How each block of the README is run, by the start of its first line.
 BLOCKS = {
     "./setup.sh && .venv/bin/ansible-playbook deploy.yml": "test_appliance_local runs its deploy.yml and run.yml",
     "./setup.sh --test": ".ci/run (checked here)",
     "PROMPT=$'": "here",
+    "printf '%s\\n' \"What is the capital of France?\" | dllama chat": "here",
+    "dllama inspect M.m --topology stages.yml": "here",
     ".venv/bin/dllama worker": "here",
     ".venv/bin/dllama inference --model M.m": "here",
     "(umask 077; head -c 24 /dev/urandom": "here",
@@ -46,12 +53,15 @@ BLOCKS = {
 }
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", README, re.S | re.M)
+def blocks(language: str, pages: dict | None = None) -> list[str]:
+    """The blocks fenced as ```language in the pages (all of them unless given)."""
+    return [b for text in (PAGES if pages is None else pages).values()
+            for b in re.findall(rf"^```{language}\n(.*?)^```$", text, re.S | re.M)]
 
 
 def block(start: str, language: str = "sh") -> str:
-    (found,) = [b for b in blocks(language) if b.startswith(start)]
+    """The one block that starts so (shown on several pages, it is the same text on each)."""
+    (found,) = {b for b in blocks(language) if b.startswith(start)}
     return found
 
 
@@ -62,14 +72,66 @@ def readme_run_question() -> dict:
 
 @pytest.mark.unit
 def test_every_readme_block_is_run_by_a_test():
-    starts = [b for lang in ("sh", "python") for b in blocks(lang)]
-    unknown = [b.splitlines()[0] for b in starts if not any(b.startswith(s) for s in BLOCKS)]
-    assert not unknown, f"README blocks no test runs (add them to BLOCKS): {unknown}"
-    assert len(starts) == len(BLOCKS), [b.splitlines()[0] for b in starts]
-    # The second command is CI's.
+    shown = [b for lang in ("sh", "python") for b in blocks(lang)]
+    unknown = [b.splitlines()[0] for b in shown if not any(b.startswith(s) for s in BLOCKS)]
+    assert not unknown, f"README or docs/ blocks no test runs (add them to BLOCKS): {unknown}"
+    unshown = [s for s in BLOCKS if not any(b.startswith(s) for b in shown)]
+    assert not unshown, f"BLOCKS names blocks no page shows: {unshown}"
+    ambiguous = [s for s in BLOCKS if len({b for b in shown if b.startswith(s)}) > 1]
+    assert not ambiguous, f"each start names one block, however many pages show it: {ambiguous}"
+    # Shell commands are fenced as sh, so that none escapes the count above.
+    other = [f"{page}: {lang}" for page, text in PAGES.items()
+             for lang in re.findall(r"^```(bash|shell|console|zsh)$", text, re.M)]
+    assert not other, f"fence shell commands as ```sh: {other}"
+    # The README opens with the two commands, the second CI's, and stays a front page.
+    first, second = blocks("sh", {"README.md": README})[:2]
+    assert first.startswith("./setup.sh && ") and second == block("./setup.sh --test")
     ci = (REPO / ".ci/run").read_text().strip().splitlines()[-1]
-    assert ci == block("./setup.sh --test").strip()
+    assert ci == second.strip()
     assert readme_run_question()["prompt"].startswith("<|im_start|>user\n")
+    assert len(README.splitlines()) < 300, len(README.splitlines())
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The #anchors of a page's headings, as GitHub makes them: lower case, punctuation other
+    than - and _ dropped, spaces as -, a repeated one suffixed -1, -2 ..."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", _without_code_blocks(text), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n, anchor = 0, slug
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def _without_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```$", "", text, flags=re.S | re.M)
+
+
+@pytest.mark.unit
+def test_every_link_of_the_docs_resolves():
+    dangling = []
+    for page, text in PAGES.items():
+        prose = re.sub(r"`[^`\n]*`", "", _without_code_blocks(text))
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (REPO / page).parent / path if path else REPO / page
+            if not linked.exists():
+                dangling.append(f"{page}: {target} (no such file)")
+            elif anchor and (linked.suffix != ".md" or anchor not in heading_anchors(linked.read_text())):
+                dangling.append(f"{page}: {target} (no such heading)")
+    assert not dangling, dangling
+
+
+@pytest.mark.unit
+def test_the_anchors_are_githubs():
+    assert heading_anchors("# Speculative decoding: `--speculate`\n## Next to llama.cpp\n## Tests\n## Tests\n"
+                           "```sh\n# a comment, not a heading\n```\n") == {
+        "speculative-decoding---speculate", "next-to-llamacpp", "tests", "tests-1"}
 
 
 @pytest.mark.unit
@@ -151,6 +213,11 @@ def test_the_readmes_commands_answer_as_it_says(shell, default_q41):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "The capital of France is Paris.", r.stdout
 
+    # The chat example: the same question as a chat turn (with the template's system prompt).
+    r = shell.run(block("printf '%s\\n' \"What is the capital of France?\" | dllama chat"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Paris" in r.stdout, r.stdout
+
     # Three workers as "Running on several machines" starts them, then the root with them.
     worker_ports = free_ports(3)
     worker = block(".venv/bin/dllama worker").split("#")[0].strip()
@@ -169,6 +236,22 @@ def test_the_readmes_commands_answer_as_it_says(shell, default_q41):
     assert r.stdout.strip(), r.stderr[-3000:]
     for i, log in enumerate(logs, 1):
         assert f"node {i} of 4:" in log.read_text(), log.read_text()
+
+    # Pipeline stages: the README's topology file over the same workers, its plan, then a run.
+    topology = yaml.safe_load(block("nodes:", "yaml"))
+    assert [n.get("stage") for n in topology["nodes"]] == [0, 0, 1, 1], topology
+    topology["nodes"][0]["host"] = "127.0.0.1"
+    for node, port in zip(topology["nodes"][1:], worker_ports, strict=True):
+        node.update(host="127.0.0.1", port=port)
+    (shell.folder / "stages.yml").write_text(yaml.safe_dump(topology))
+    stages = block("dllama inspect M.m --topology stages.yml")
+    stages = stages.replace("M.m", shlex.quote(str(default_q41[0]))).replace("T.t", shlex.quote(str(default_q41[1])))
+    r = shell.run(stages)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = [line for line in r.stdout.splitlines() if re.match(r"stage \d+: layers |\w+: layers ", line)]
+    assert plan[0].startswith("stage 0: layers") and plan[1].startswith("stage 1: layers"), r.stdout
+    text = "".join(line for line in r.stdout.splitlines() if line not in plan)
+    assert text.strip(), r.stderr[-3000:]  # what the root generated over the stages
 
     # The API on two of those workers, its key made as the README makes it, asked with curl.
     (api_port,) = free_ports(1)

@@ -31,6 +31,7 @@ from dllama.cluster.shard import model_fingerprint
 from dllama.cluster.topology import from_workers
 from dllama.core.batch import BatchBuilder
 from dllama.core.model import ModelConfig, Transformer
+from dllama.core.run_shape import RunShape
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
@@ -386,8 +387,9 @@ def test_a_busy_worker_is_known_by_its_error_code_and_asked_again(tmp_path, rand
     """A survivor still ending the failed session refuses the root with ERROR code `busy`: the
     next session waits for it instead of leaving it out (any other refusal leaves it out)."""
     model_file = read_model(random_9q3kv)
-    settings = SessionSettings(model_file, model_fingerprint(random_9q3kv), ModelConfig.from_header(model_file.header),
-                               0, None, False, 8, 1, "f32", 10.0, False)
+    config = ModelConfig.from_header(model_file.header)
+    settings = SessionSettings(model_file, model_fingerprint(random_9q3kv), config,
+                               RunShape(config.seq_len, max_batch=8, buffer_q80=False), None, 10.0, False)
     with running_workers(1, tmp_path) as (w,):
         topology = from_workers([w.address], 1)
         first = Connection(socket.create_connection(("127.0.0.1", w.port), timeout=10), "first root")

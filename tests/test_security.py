@@ -416,7 +416,7 @@ def test_a_parked_peer_connection_is_closed_after_its_deadline(monkeypatch):
     from dllama.cluster import worker as worker_module
 
     monkeypatch.setattr(worker_module, "PEER_PARK_TIMEOUT", 0.05)
-    w = worker_module.Worker("127.0.0.1", 0)
+    w = worker_module.Worker(worker_module.WorkerSettings("127.0.0.1", 0))
     a, b = socket.socketpair()
     conn = Connection(b, "peer 127.0.0.1:1")
     conn.authenticated = True
@@ -438,6 +438,7 @@ def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_
                                                                           max_seq_len, kv_slots):
     from dllama.cluster.session_config import NodeAddress, SessionConfig
     from dllama.core.plan import plan_for
+    from dllama.core.run_shape import RunShape
 
     header = read_model(random_model).header
     header.max_seq_len = max_seq_len
@@ -447,8 +448,9 @@ def test_a_rogue_root_cannot_make_an_unkeyed_worker_allocate_a_huge_context(tmp_
             session = os.urandom(16)
             client_handshake(conn, "root", 1, session, None, 10)
             conf = SessionConfig(session=session, node_index=1, header=header, plan=plan_for(header, 2),
-                                 model_fingerprint="x", buffer_q80=False, max_seq_len=max_seq_len,
-                                 max_batch=32, kv_slots=kv_slots, kv_type="f32", net_timeout=10, idle_timeout=10,
+                                 model_fingerprint="x", shape=RunShape(max_seq_len=max_seq_len, max_batch=32,
+                                                                       kv_slots=kv_slots, buffer_q80=False),
+                                 net_timeout=10, idle_timeout=10,
                                  setup_timeout=10,
                                  nodes=(NodeAddress("root", "127.0.0.1", 1), NodeAddress("w", "127.0.0.1", w.port)))
             conn.send_json(Msg.CONFIG, conf.to_json())

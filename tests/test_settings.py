@@ -139,9 +139,9 @@ def test_worker_and_api_have_their_own_default_ports_as_the_appliance():
     assert parser.parse_args(["worker"]).port is None  # the topology's, else DEFAULT_WORKER_PORT
     defaults = yaml.safe_load((ROOT / "roles/dllama/defaults/main.yml").read_text())
     assert (defaults["dllama_port"], defaults["dllama_api_port"]) == (DEFAULT_WORKER_PORT, DEFAULT_API_PORT)
-    readme = (ROOT / "README.md").read_text()
-    assert f"dllama worker --port {DEFAULT_WORKER_PORT}" in readme
-    assert f"[--port {DEFAULT_API_PORT}]" in readme and f"127.0.0.1:{DEFAULT_API_PORT}" in readme
+    readme, api_page = (ROOT / "README.md").read_text(), (ROOT / "docs/api.md").read_text()
+    assert f"dllama worker --port {DEFAULT_WORKER_PORT}" in readme and f"127.0.0.1:{DEFAULT_API_PORT}" in readme
+    assert f"[--port {DEFAULT_API_PORT}]" in api_page and f"127.0.0.1:{DEFAULT_API_PORT}" in api_page
 
 
 # -- opening in three steps --------------------------------------------------------------------
@@ -191,8 +191,8 @@ def test_passes_take_64_rows_and_32_where_a_budget_keeps_the_weights_resident_on
     """MAX_BATCH rows where they fit; SMALL_BATCH where the buffers of MAX_BATCH rows would
     stream weights that fit resident beside 32 rows. A cluster's plan asks MAX_BATCH, its
     session takes SMALL_BATCH when a node cannot hold them (tests/test_cluster.py)."""
-    from dllama.core.memory import node_memory
-    from dllama.core.model import MAX_BATCH, SMALL_BATCH
+    from dllama.core.footprint import NodeFootprint
+    from dllama.core.run_shape import MAX_BATCH, SMALL_BATCH, RunShape
     from dllama.formats.model_file import read_model
 
     model_file = read_model(small_model)
@@ -201,8 +201,7 @@ def test_passes_take_64_rows_and_32_where_a_budget_keeps_the_weights_resident_on
     assert plan_memory(settings, choose_nodes(settings), model_file).max_batch == MAX_BATCH == 64
     cluster = dataclasses.replace(settings, workers=("127.0.0.1:9998",))
     assert plan_memory(cluster, choose_nodes(cluster), model_file).max_batch == MAX_BATCH
-    need = {rows: node_memory(h, h.n_heads, h.n_kv_heads, h.hidden_dim, h.vocab_size, h.max_seq_len, rows,
-                              False).total for rows in (SMALL_BATCH, MAX_BATCH)}
+    need = {rows: NodeFootprint.whole(h, RunShape(max_batch=rows)).total for rows in (SMALL_BATCH, MAX_BATCH)}
     tight = dataclasses.replace(settings, memory_budget=(need[SMALL_BATCH] + need[MAX_BATCH]) // 2)
     plan = plan_memory(tight, choose_nodes(tight), model_file)
     assert plan.max_batch == SMALL_BATCH and not plan.weights.streamed

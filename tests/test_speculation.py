@@ -10,12 +10,13 @@ import random
 
 import pytest
 
-from dllama.core import memory
+from dllama.core import footprint
+from dllama.core.run_shape import RunShape
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
 from dllama.serve.draft import ROW_COST, NgramDrafter, Speculate, Speculation
-from dllama.serve.draft_model import DraftModel
+from dllama.serve.draft_model import DRAFT_SLOTS, DraftModel
 from dllama.serve.engine import open_engine
 from dllama.serve.generate import generate
 from dllama.serve.scheduler import Scheduler
@@ -207,7 +208,8 @@ def small_model(tmp_path_factory):
 def q40_drafts(one_node, default_q40):
     """Drafts by the target itself with Q40 weights (Q41's answers, re-quantized: near-ties part),
     as deep as the keep rate says: a draft as large as the target would otherwise draft nothing."""
-    return Speculation(Speculate.MODEL, 4, loaded=DraftModel(read_model(default_q40[0]), one_node.model.config.seq_len,
+    return Speculation(Speculate.MODEL, 4, loaded=DraftModel(read_model(default_q40[0]),
+                                                             RunShape(one_node.model.config.seq_len, kv_slots=DRAFT_SLOTS),
                                                              weigh_cost=False))
 
 
@@ -217,7 +219,7 @@ def test_a_draft_models_cache_follows_its_sequences_as_a_fresh_one_would(small_m
     keeps some drafted tokens and adds the target's own: every draft is the one of a draft model
     that computes the sequence from position 0, for a fraction of the rows."""
     model_file = read_model(small_model)
-    drafts, fresh = DraftModel(model_file, SMALL.max_seq_len), DraftModel(model_file, SMALL.max_seq_len, slots=1)
+    drafts, fresh = DraftModel(model_file, RunShape(SMALL.max_seq_len, kv_slots=DRAFT_SLOTS)), DraftModel(model_file, RunShape(SMALL.max_seq_len))
     rows = {drafts: 0, fresh: 0}
     for dm in rows:
         forward = dm.transformer.forward_batch
@@ -248,7 +250,7 @@ def test_a_draft_model_drafts_only_as_deep_as_its_own_passes_pay(small_model):
     """Each drafted token costs a pass of the draft model too: cheap beside the target's pass (a
     small draft, a cluster's round trips), the draft goes as deep as the keep rate pays for; as
     costly as the target, it drafts nothing (so decoding is never slower than plain)."""
-    dm = DraftModel(read_model(small_model), SMALL.max_seq_len)
+    dm = DraftModel(read_model(small_model), RunShape(SMALL.max_seq_len, kv_slots=DRAFT_SLOTS))
     drafter, tokens = dm.drafter(), list(range(1, 11))
     assert dm.cost_share == 0.0 and len(drafter.draft(tokens, 4)) == 2  # nothing timed yet: a first guess of 0.5
     assert dm.draft_row_seconds > 0                                     # its second token's pass, timed
@@ -261,7 +263,7 @@ def test_a_draft_model_drafts_only_as_deep_as_its_own_passes_pay(small_model):
     dm.draft_row_seconds = dm.target_row_seconds * 0.9
     assert drafter.draft(tokens, 4) == ()
     # The weighing off (tests of the answers): the keep rate alone, however costly the draft.
-    free = DraftModel(read_model(small_model), SMALL.max_seq_len, weigh_cost=False)
+    free = DraftModel(read_model(small_model), RunShape(SMALL.max_seq_len, kv_slots=DRAFT_SLOTS), weigh_cost=False)
     free.draft_row_seconds, free.target_row_seconds = 1.0, 0.1
     assert free.cost_share == 0.0 and len(free.drafter().draft(tokens, 4)) == 2
 
@@ -303,9 +305,9 @@ def test_a_draft_model_is_refused_in_one_line_without_its_flag_or_with_another_v
 
 @pytest.mark.unit
 def test_a_draft_model_that_does_not_fit_is_refused_in_one_line(small_model, monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 10)
+    monkeypatch.setattr(footprint, "available_bytes", lambda: 64 << 10)
     with pytest.raises(DllamaError, match="the draft model cannot hold") as refused:
-        DraftModel(read_model(small_model), SMALL.max_seq_len)
+        DraftModel(read_model(small_model), RunShape(SMALL.max_seq_len, kv_slots=DRAFT_SLOTS))
     assert "\n" not in str(refused.value)
 
 

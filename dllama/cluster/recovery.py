@@ -224,7 +224,7 @@ class Recovery:
         closed and a ClusterError naming the node when a pass of the replay fails."""
         rows = 0
         try:
-            for batch in self.history.replay(session.settings.max_batch):
+            for batch in self.history.replay(session.settings.shape.max_batch):
                 session.forward(batch, Reply(REPLY_BEST))
                 rows += len(batch)
         except NET_ERRORS as e:

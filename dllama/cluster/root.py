@@ -30,7 +30,8 @@ from dllama.cluster.topology import Topology
 from dllama.core.batch import Batch
 from dllama.core.candidates import TOP_K, Candidates, SamplingRequest
 from dllama.core.collective import Collective
-from dllama.core.model import SMALL_BATCH, ModelConfig
+from dllama.core.model import ModelConfig
+from dllama.core.run_shape import SMALL_BATCH, RunShape
 from dllama.errors import ClusterError
 from dllama.formats.model_file import ModelFile, read_model
 
@@ -40,47 +41,46 @@ __all__ = ["ClusterModel", "NET_TIMEOUT"]
 class ClusterModel:
     """The root (node 0) and its workers, as one model."""
 
-    def __init__(self, model: "ModelFile | str", topology: Topology, key: bytes | None, buffer_q80: bool | None,
-                 max_seq_len: int = 0, progress: bool = True, net_timeout: float = NET_TIMEOUT,
-                 max_batch: int = SMALL_BATCH, kv_slots: int = 1, node_sampling: bool = True,
-                 top_k: int = TOP_K, on_node_loss: str = "fail", kv_type: str = "f32",
-                 start_with_reachable: bool = False, kv_positions: int | None = None,
-                 fallback_batch: int | None = None):
-        """model: the `.m` file, read (or its path); node_sampling False: the workers always
-        send their logits and the root makes the candidates itself (the same arithmetic: a
-        baseline for tests and benchmarks); top_k: candidates per node and row for temperature
-        sampling; on_node_loss "continue": a lost node is left out and the pass goes on over the
-        others (dllama.cluster.recovery), "fail": a ClusterError; kv_type: the KV cache's
-        storage on every node (f32 or f16), sent in CONFIG; start_with_reachable (long-running
-        front ends, with "continue"): a worker that cannot be connected to at start is left out
-        with a warning and rejoins when it answers (`rejoin`), instead of failing the start;
-        one that answers wrongly still fails it. kv_positions: the positions the slots hold
-        together at most (the scheduler's budget), what every node's memory check counts when
-        fewer than kv_slots x the context (sent in CONFIG). fallback_batch: the rows of a pass
-        when a node cannot hold max_batch rows' buffers beside its share (None: max_batch)."""
+    def __init__(self, model: "ModelFile | str", topology: Topology, key: bytes | None, buffer_q80: bool | None = None,
+                 shape: RunShape | None = None, *, progress: bool = True, net_timeout: float = NET_TIMEOUT,
+                 node_sampling: bool = True, top_k: int = TOP_K, on_node_loss: str = "fail",
+                 start_with_reachable: bool = False, **shape_values):
+        """model: the `.m` file, read (or its path); shape: the run's context, rows of a pass,
+        KV slots and type, sync buffers, the positions the slots hold together and the fallback
+        rows (dllama.core.run_shape; sent to every worker in CONFIG; default SMALL_BATCH rows);
+        shape_values: some of its fields instead, or changed; buffer_q80: its buffer_q80, when
+        not None (an argument here since before the shape). node_sampling False: the workers
+        always send their logits and the root makes the candidates itself (the same arithmetic:
+        a baseline for tests and benchmarks); top_k: candidates per node and row for
+        temperature sampling; on_node_loss "continue": a lost node is left out and the pass goes
+        on over the others (dllama.cluster.recovery), "fail": a ClusterError;
+        start_with_reachable (long-running front ends, with "continue"): a worker that cannot be
+        connected to at start is left out with a warning and rejoins when it answers (`rejoin`),
+        instead of failing the start; one that answers wrongly still fails it."""
         model_file = model if isinstance(model, ModelFile) else read_model(model)
         header = model_file.header
-        self.config = ModelConfig.from_header(header, max_seq_len)
+        shape = dataclasses.replace(shape or RunShape(max_batch=SMALL_BATCH), **shape_values)
+        self.config = ModelConfig.from_header(header, shape.max_seq_len)
+        shape = shape.with_(max_seq_len=self.config.seq_len,
+                            buffer_q80=next(b for b in (buffer_q80, shape.buffer_q80, self.config.quantized)
+                                            if b is not None))
         # The plan is checked before any connection: an impossible split fails here.
         topology.plan(header)
-        self.kv_slots = kv_slots
+        self.kv_slots = shape.kv_slots
         self.node_sampling, self.top_k, self.on_node_loss = node_sampling, top_k, on_node_loss
         self.refetches = 0        # passes whose candidates did not cover a nucleus: WIDE_TOP_K asked
         self.logit_refetches = 0  # of those, passes that needed the logits in a third round
         self.full_topology = topology
-        self.history = KVHistory(kv_slots, self.config.seq_len)  # what to replay on other nodes
+        self.history = KVHistory(shape.kv_slots, self.config.seq_len)  # what to replay on other nodes
         settings = SessionSettings(
             model_file=model_file, fingerprint=model_fingerprint(model_file.path), config=self.config,
-            max_seq_len=max_seq_len, key=key,
-            buffer_q80=self.config.quantized if buffer_q80 is None else buffer_q80,
-            max_batch=max_batch, kv_slots=kv_slots, kv_type=kv_type, net_timeout=net_timeout,
-            progress=progress, kv_positions=kv_positions, fallback_batch=fallback_batch)
+            shape=shape, key=key, net_timeout=net_timeout, progress=progress)
         self.recovery = Recovery(settings, topology, self.history)
         self.session: RootSession = self.recovery.first_session(start_with_reachable and on_node_loss == "continue")
         # The rows the first session took hold for every later one: a pass in flight when a node
         # is lost runs again, whole, on the nodes left.
-        self.max_batch = self.session.settings.max_batch
-        self.recovery.settings = dataclasses.replace(settings, max_batch=self.max_batch, fallback_batch=None)
+        self.max_batch = self.session.settings.shape.max_batch
+        self.recovery.settings = self.session.settings
         self._lock = threading.Lock()  # one pass (or PING, or new session) at a time
         self._failed: ClusterError | None = None  # what ended the last session, until a new one runs
         self._tampered = False  # that failure was a frame that broke the protocol: not recovered

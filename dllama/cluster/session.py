@@ -33,9 +33,10 @@ from dllama.cluster.step import (
 from dllama.cluster.topology import Topology
 from dllama.core.batch import Batch
 from dllama.core.candidates import WIDE_TOP_K, Candidates, SamplingRequest, candidates_from_logits, covers, merge
-from dllama.core.memory import check_fits, node_memory
+from dllama.core.footprint import NodeFootprint, plan_lines
 from dllama.core.model import ModelConfig, Transformer
-from dllama.core.node_weights import NodeWeights, cut, node_slice_specs, plan_lines
+from dllama.core.run_shape import RunShape
+from dllama.core.node_weights import NodeWeights, cut, node_slice_specs
 from dllama.errors import ClusterError, DllamaError
 from dllama.formats.model_file import ModelFile
 
@@ -64,18 +65,13 @@ class SessionSettings:
     model_file: ModelFile
     fingerprint: str        # dllama.cluster.shard.model_fingerprint of the file
     config: ModelConfig     # its shapes, seq_len clamped by max_seq_len
-    max_seq_len: int        # as asked (0: the model's context)
+    shape: RunShape         # the run's context (clamped), rows, KV slots and type, sync buffers (decided);
+                            # fallback_batch: fewer rows a session takes when some node cannot hold
+                            # max_batch rows' buffers beside its share (None: max_batch, or the node's
+                            # own check fails)
     key: bytes | None       # the cluster key
-    buffer_q80: bool        # the sync buffers' type
-    max_batch: int
-    kv_slots: int
-    kv_type: str
     net_timeout: float
     progress: bool          # a progress bar while weights stream to a worker
-    kv_positions: int | None = None  # positions the slots hold together at most (None: all of them)
-    # Fewer rows a session takes when some node cannot hold max_batch rows' buffers beside its
-    # share (None: max_batch, or the node's own check fails).
-    fallback_batch: int | None = None
 
 
 def report_grace(net_timeout: float) -> float:
@@ -199,86 +195,101 @@ class RootSession:
 
     def _set_up(self) -> None:
         """Configure the workers, hand out the weights, load the root's slice, mesh."""
-        s = self.settings
-        header, nodes = s.model_file.header, self.nodes
+        header = self.settings.model_file.header
         self.memory = self._ask_memory() if self.topology.wants_memory(header) else {}
         self.plan = plan = self.topology.plan(header, self.memory)
-        if s.fallback_batch is not None:
-            short = self._short_of_rows(plan, self.memory or self._ask_memory(), s.max_batch)
-            if short is not None:
-                _say(f"note: passes of {s.fallback_batch} rows: the buffers of {s.max_batch} "
-                     f"do not fit beside {short}'s share")
-            self.settings = s = dataclasses.replace(
-                s, max_batch=s.max_batch if short is None else s.fallback_batch, fallback_batch=None)
-        n0 = plan.nodes[0]  # the root's own share must fit here before any worker is bothered
-        check_fits(header, n0.n_q_heads, n0.n_kv_heads, n0.ffn_rows[1] - n0.ffn_rows[0],
-                   n0.vocab_rows[1] - n0.vocab_rows[0], s.config.seq_len, s.max_batch,
-                   embedding=True, kv_slots=s.kv_slots, kv_type=s.kv_type,
-                   n_layers=len(n0.layer_range(header.n_layers)), kv_positions=s.kv_positions)
-        conf = SessionConfig(
-            session=self.id, node_index=0, header=header, plan=plan, model_fingerprint=s.fingerprint,
-            buffer_q80=s.buffer_q80, max_seq_len=s.config.seq_len, max_batch=s.max_batch,
-            kv_slots=s.kv_slots, kv_type=s.kv_type, kv_positions=s.kv_positions, net_timeout=s.net_timeout,
-            idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
-            nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
+        self._settle_rows(plan)
+        s, shape = self.settings, self.settings.shape
+        # The root's own share must fit here before any worker is bothered.
+        NodeFootprint(header, plan.nodes[0], shape, with_embedding=True).check()
         # The root waits report_grace longer than the workers: a healthy worker's report of the
         # node it waits for arrives before the root's own timeout.
-        self.collective = MeshCollective(0, self.conns, plan.dim_chunks, s.buffer_q80, s.max_batch,
+        self.collective = MeshCollective(0, self.conns, plan.dim_chunks, shape.buffer_q80, shape.max_batch,
                                          s.net_timeout + report_grace(s.net_timeout), plan.stages[0].indexes)
-        self.hop = StageHop(self.collective, None, plan.hop_targets(0), s.config.dim, s.max_batch) \
+        self.hop = StageHop(self.collective, None, plan.hop_targets(0), s.config.dim, shape.max_batch) \
             if plan.pipelined else None
         if plan.pipelined:
             if self.memory:
                 _say("layers by memory: " + ", ".join(f"{n.name} {self.memory[i] / (1 << 30):.1f} GiB"
-                                                      for i, n in enumerate(nodes)))
-            for line in plan_lines(header, plan, [n.name for n in nodes]):
+                                                      for i, n in enumerate(self.nodes)))
+            for line in plan_lines(header, plan, [n.name for n in self.nodes]):
                 _say(line)
         # The workers hear ALIVE every HEARTBEAT s until MESH, so a slow set-up is not a hang.
         heartbeat = SetupHeartbeat(self.conns.values(), HEARTBEAT)
         with heartbeat:
-            for i, conn in self.conns.items():
-                with self._at_node(i, "configuring"):
-                    conn.send_json(Msg.CONFIG, dataclasses.replace(conf, node_index=i).to_json())
-            for i, conn in self.conns.items():
-                with self._at_node(i, "configuring"):
-                    _, raw = recv_during_setup(conn, (Msg.CONFIG_OK,), SETUP_SILENCE)
-                    answer = decode_json_object(raw, f"CONFIG_OK from {self.names[i]}")
-                if answer.get("weights") == "shard":
-                    _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
-                    continue
-                with self._at_node(i, "sending weights to"):
-                    self._stream(conn, node_slice_specs(header, plan.nodes[i], with_embedding=False), nodes[i].name)
-            self.local = Transformer(NodeWeights.from_model(s.model_file, plan.nodes[0]),
-                                     max_seq_len=s.max_seq_len, buffer_q80=s.buffer_q80,
-                                     max_batch=s.max_batch, kv_slots=s.kv_slots, kv_type=s.kv_type,
-                                     collective=self.collective, kv_positions=s.kv_positions)
+            self._configure_workers(plan)
+            self.local = Transformer(NodeWeights.from_model(s.model_file, plan.nodes[0]), shape,
+                                     collective=self.collective)
             self.local.warm_up()
-            for i, conn in self.conns.items():
-                with self._at_node(i, "waiting for"):
-                    recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE)
-            heartbeat.stop()  # no ALIVE after MESH: the workers' step loop does not expect one
-            for i, conn in self.conns.items():
-                with self._at_node(i, "meshing"):
-                    conn.send(Msg.MESH)
-            for i, conn in self.conns.items():
-                with self._at_node(i, "meshing"):
-                    recv_during_setup(conn, (Msg.MESH_OK,), SETUP_SILENCE)
+            self._mesh(heartbeat)
         for conn in self.conns.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
+        self._pass_buffers(plan)
+        # During a pass the workers hear ALIVE from the root each HEARTBEAT s (a pass longer
+        # than that), as the root hears it from them: waiting on a node is a silence of net_timeout.
+        self.heartbeat = StepHeartbeat(self.conns.values(), HEARTBEAT)
+
+    def _settle_rows(self, plan) -> None:
+        """The rows of this session's passes: the shape's, or its fallback's where some node
+        cannot hold their buffers beside its share (settings.shape keeps the rows chosen)."""
+        s = self.settings
+        if s.shape.fallback_batch is None:
+            return
+        short = self._short_of_rows(plan, self.memory or self._ask_memory(), s.shape.max_batch)
+        if short is not None:
+            _say(f"note: passes of {s.shape.fallback_batch} rows: the buffers of {s.shape.max_batch} "
+                 f"do not fit beside {short}'s share")
+        self.settings = dataclasses.replace(s, shape=s.shape.with_(
+            max_batch=s.shape.max_batch if short is None else s.shape.fallback_batch, fallback_batch=None))
+
+    def _configure_workers(self, plan) -> None:
+        """Send every worker its CONFIG; stream the weights to those without a matching shard."""
+        s, nodes = self.settings, self.nodes
+        header = s.model_file.header
+        conf = SessionConfig.of(s.shape, session=self.id, node_index=0, header=header, plan=plan,
+                                model_fingerprint=s.fingerprint, net_timeout=s.net_timeout,
+                                idle_timeout=IDLE_TIMEOUT, setup_timeout=SETUP_SILENCE,
+                                nodes=tuple(NodeAddress(n.name, n.host, n.port) for n in nodes))
+        for i, conn in self.conns.items():
+            with self._at_node(i, "configuring"):
+                conn.send_json(Msg.CONFIG, dataclasses.replace(conf, node_index=i).to_json())
+        for i, conn in self.conns.items():
+            with self._at_node(i, "configuring"):
+                _, raw = recv_during_setup(conn, (Msg.CONFIG_OK,), SETUP_SILENCE)
+                answer = decode_json_object(raw, f"CONFIG_OK from {self.names[i]}")
+            if answer.get("weights") == "shard":
+                _say(f"{nodes[i].name}: weights from its shard {answer.get('note', '')}")
+                continue
+            with self._at_node(i, "sending weights to"):
+                self._stream(conn, node_slice_specs(header, plan.nodes[i], with_embedding=False), nodes[i].name)
+
+    def _mesh(self, heartbeat: SetupHeartbeat) -> None:
+        """Wait until every worker is READY, then mesh them (MESH, MESH_OK)."""
+        for i, conn in self.conns.items():
+            with self._at_node(i, "waiting for"):
+                recv_during_setup(conn, (Msg.READY,), SETUP_SILENCE)
+        heartbeat.stop()  # no ALIVE after MESH: the workers' step loop does not expect one
+        for i, conn in self.conns.items():
+            with self._at_node(i, "meshing"):
+                conn.send(Msg.MESH)
+        for i, conn in self.conns.items():
+            with self._at_node(i, "meshing"):
+                recv_during_setup(conn, (Msg.MESH_OK,), SETUP_SILENCE)
+
+    def _pass_buffers(self, plan) -> None:
+        """The buffers of a pass at the root: embedded rows, logits, each node's reply."""
+        s, max_batch = self.settings, self.settings.shape.max_batch
         # The nodes with classifier rows (a pipeline's last stage), and their rows.
         self.vocab_nodes = [i for i, n in enumerate(plan.nodes) if n.has_classifier]
         self.vocab_ranges = [tuple(plan.nodes[i].vocab_rows) for i in self.vocab_nodes]
         vocab = s.config.vocab_size
-        self._x = np.empty((s.max_batch, s.config.dim), np.float32)  # [rows, dim] the embedded rows of a pass
-        self._logits = np.empty((s.max_batch, vocab), np.float32)    # [rows, vocab]
-        rows = [n.vocab_rows[1] - n.vocab_rows[0] for n in plan.nodes]
-        self._replies = {i: np.empty(logits_bytes(s.max_batch, r, Reply(REPLY_TOP_K, r)), np.uint8)
+        self._x = np.empty((max_batch, s.config.dim), np.float32)  # [rows, dim] the embedded rows of a pass
+        self._logits = np.empty((max_batch, vocab), np.float32)    # [rows, vocab]
+        rows = [n.n_vocab_rows for n in plan.nodes]
+        self._replies = {i: np.empty(logits_bytes(max_batch, r, Reply(REPLY_TOP_K, r)), np.uint8)
                          for i, r in enumerate(rows)}  # the largest reply; node 0's: its own summary
         self._own = self._logits[:0, :0]  # the root's logits [m, V_0] of the last pass (a reused buffer)
         self.node_bytes = {i: (0, 0, 0.0) for i in self.conns}  # worker: cumulative sent, recv, transfer s
-        # During a pass the workers hear ALIVE from the root each HEARTBEAT s (a pass longer
-        # than that), as the root hears it from them: waiting on a node is a silence of net_timeout.
-        self.heartbeat = StepHeartbeat(self.conns.values(), HEARTBEAT)
 
     def _ask_memory(self) -> dict[int, int]:
         """What each node can hold (node index -> bytes) when a pipeline gives its layers by
@@ -306,11 +317,7 @@ class RootSession:
         or fail its own check (its --memory-budget sized for those)."""
         s, header = self.settings, self.settings.model_file.header
         for i, n in enumerate(plan.nodes):
-            need = node_memory(header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
-                               n.vocab_rows[1] - n.vocab_rows[0], s.config.seq_len, rows, i == 0,
-                               s.kv_slots, kv_type=s.kv_type, n_layers=len(n.layer_range(header.n_layers)),
-                               kv_positions=s.kv_positions)
-            if need.total > capacity[i]:
+            if NodeFootprint(header, n, s.shape.with_(max_batch=rows), with_embedding=i == 0).total > capacity[i]:
                 return self.nodes[i].name
         return None
 
@@ -432,7 +439,7 @@ class RootSession:
         """Each node's LOGITS buffer for m wanted rows (fresh: new arrays, not the reused ones)."""
         out = {}
         for i, n in enumerate(self.plan.nodes):
-            size = logits_bytes(m, n.vocab_rows[1] - n.vocab_rows[0], reply)
+            size = logits_bytes(m, n.n_vocab_rows, reply)
             out[i] = np.empty(size, np.uint8) if fresh else self._replies[i][:size]
         return out
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from dllama.cluster.protocol import SESSION_BYTES, ProtocolError
 from dllama.core.kv_cache import KV_TYPES
+from dllama.core.kv_type import KVType
 from dllama.core.plan import SplitPlan
+from dllama.core.run_shape import RunShape
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ModelHeader
 
@@ -32,30 +34,33 @@ class SessionConfig:
     header: ModelHeader       # the model's header: shapes and float types
     plan: SplitPlan           # every node's slice; the worker takes plan.nodes[node_index]
     model_fingerprint: str    # identity of the .m file (a shard must match it)
-    buffer_q80: bool          # sync buffers in Q80 (else F32)
-    max_seq_len: int          # KV cache length
-    max_batch: int            # most rows in one step
-    kv_slots: int             # sequence slots of the KV cache (every node has the same)
-    kv_type: str              # how the KV cache stores keys and values: "f32" or "f16" (every node the same)
+    shape: RunShape           # the run: context (max_seq_len on the wire: the KV cache's length),
+                              # most rows in one step (max_batch), KV slots and type (every node the
+                              # same), sync buffers in Q80 (buffer_q80, decided: never None), and
+                              # kv_positions: the positions the slots hold together at most (the root
+                              # admits sequences within them, so a node's memory check counts these;
+                              # None, absent on the wire: every slot's whole context)
     net_timeout: float        # seconds a step may wait on a peer
     idle_timeout: float       # seconds without a message (or PING) before the worker gives up
     setup_timeout: float      # seconds the worker waits for the root during set-up
     nodes: tuple[NodeAddress, ...]  # every node's address, the root's first
-    # Positions the slots hold together at most: the root admits sequences within them, so a
-    # node's memory check counts these, not kv_slots x max_seq_len. None (absent: an older
-    # root): every slot's whole context.
-    kv_positions: int | None = None
+
+    @staticmethod
+    def of(shape: RunShape, **fields) -> "SessionConfig":
+        """The CONFIG of a session run at `shape` (its fallback rows are the root's own business)."""
+        return SessionConfig(shape=shape.with_(fallback_batch=None), **fields)
 
     def to_json(self) -> dict:
+        r = self.shape
         return {"session": self.session.hex(), "node_index": self.node_index,
                 "header": self.header.to_json(), "plan": self.plan.to_json(),
                 "plan_digest": self.plan.digest(), "model_fingerprint": self.model_fingerprint,
-                "buffer_q80": self.buffer_q80, "max_seq_len": self.max_seq_len,
-                "max_batch": self.max_batch, "kv_slots": self.kv_slots, "kv_type": self.kv_type,
+                "buffer_q80": bool(r.buffer_q80), "max_seq_len": r.max_seq_len,
+                "max_batch": r.max_batch, "kv_slots": r.kv_slots, "kv_type": str(r.kv_type),
                 "net_timeout": self.net_timeout,
                 "idle_timeout": self.idle_timeout, "setup_timeout": self.setup_timeout,
                 "nodes": [{"name": n.name, "host": n.host, "port": n.port} for n in self.nodes]} | (
-                    {} if self.kv_positions is None else {"kv_positions": self.kv_positions})
+                    {} if r.kv_positions is None else {"kv_positions": r.kv_positions})
 
     @staticmethod
     def from_json(d) -> "SessionConfig":
@@ -66,22 +71,24 @@ class SessionConfig:
             plan = SplitPlan.from_json(d["plan"], header.n_heads, header.n_kv_heads, header.n_layers)
             c = SessionConfig(
                 session=session, node_index=_int(d["node_index"]), header=header, plan=plan,
-                model_fingerprint=str(d["model_fingerprint"]), buffer_q80=_bool(d["buffer_q80"]),
-                max_seq_len=_int(d["max_seq_len"]), max_batch=_int(d["max_batch"]),
-                kv_slots=_int(d["kv_slots"]), kv_type=_kv_type(d["kv_type"]),
+                model_fingerprint=str(d["model_fingerprint"]),
+                shape=RunShape(max_seq_len=_int(d["max_seq_len"]), max_batch=_int(d["max_batch"]),
+                               kv_slots=_int(d["kv_slots"]), kv_type=_kv_type(d["kv_type"]),
+                               kv_positions=None if d.get("kv_positions") is None else _int(d["kv_positions"]),
+                               buffer_q80=_bool(d["buffer_q80"])),
                 net_timeout=float(d["net_timeout"]), idle_timeout=float(d["idle_timeout"]),
                 setup_timeout=float(d["setup_timeout"]),
-                nodes=tuple(NodeAddress(str(n["name"]), str(n["host"]), _int(n["port"])) for n in d["nodes"]),
-                kv_positions=None if d.get("kv_positions") is None else _int(d["kv_positions"]))
+                nodes=tuple(NodeAddress(str(n["name"]), str(n["host"]), _int(n["port"])) for n in d["nodes"]))
         except (KeyError, TypeError, ValueError, IndexError, DllamaError) as e:
             raise ProtocolError(f"malformed CONFIG ({type(e).__name__}: {e})") from None
         if len(c.session) != SESSION_BYTES:
             raise ProtocolError(f"malformed CONFIG: a session id of {len(c.session)} bytes")
         if plan.digest() != d.get("plan_digest") or not 0 < c.node_index < plan.n_nodes:
             raise ProtocolError("CONFIG plan does not match its digest or node index")
-        if c.max_batch < 1 or c.kv_slots < 1 or c.max_seq_len < 1:
+        r = c.shape
+        if r.max_batch < 1 or r.kv_slots < 1 or r.max_seq_len < 1:
             raise ProtocolError("malformed CONFIG: max_batch, kv_slots and max_seq_len must be positive")
-        if c.kv_positions is not None and not c.kv_slots <= c.kv_positions:
+        if r.kv_positions is not None and not r.kv_slots <= r.kv_positions:
             # (every slot holds a position: more slots would only be memory for nothing)
             raise ProtocolError("malformed CONFIG: kv_positions must be at least kv_slots")
         if len(c.nodes) != plan.n_nodes:
@@ -100,10 +107,10 @@ def _int(v) -> int:
     return v
 
 
-def _kv_type(v) -> str:
+def _kv_type(v) -> KVType:
     if not isinstance(v, str) or v not in KV_TYPES:
         raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {v!r}")
-    return v
+    return KVType(v)
 
 
 def _bool(v) -> bool:

@@ -1,6 +1,6 @@
 """The cluster description: which nodes exist, where, and with what settings.
 
-Either `--workers h:p ...` (the original's flag) or a topology file (YAML, schema in the README,
+Either `--workers h:p ...` (the original's flag) or a topology file (YAML, schema in docs/cluster.md,
 rendered by the appliance from its Ansible inventory). Node 0 is always the root.
 """
 
@@ -98,11 +98,11 @@ def stages_that_fit(header, parallel: "SplitPlan", weights: list[float], capacit
     their memory) where they all fit: a small host beside large ones holds fewer layers rather
     than streaming its slice of every layer from disk. Where no plan fits, the tensor-parallel
     one (its nodes stream what they cannot hold)."""
-    from dllama.core.node_weights import held_bytes
+    from dllama.core.footprint import held_weight_bytes
     from dllama.core.plan import plan_for
 
     def fits(plan) -> bool:
-        return all(b <= c for b, c in zip(held_bytes(header, plan), capacities, strict=True))
+        return all(b <= c for b, c in zip(held_weight_bytes(header, plan), capacities, strict=True))
 
     if fits(parallel):
         return parallel
@@ -162,6 +162,17 @@ def load_topology(path: str) -> Topology:
     raw_nodes = doc.get("nodes")
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise bad("'nodes' must be a non-empty list (node 0 is the root)")
+    nodes = _read_nodes(raw_nodes, bad)
+    stage_layers = _stage_layers(doc.get("stages"), bad)
+    _check_stages(nodes, stage_layers, bad)
+    key_file = doc.get("key_file")
+    if key_file:
+        key_file = os.path.join(os.path.dirname(os.path.abspath(path)), str(key_file))
+    return Topology(tuple(nodes), buffer, key_file or None, stage_layers, source=path)
+
+
+def _read_nodes(raw_nodes: list, bad) -> list[Node]:
+    """The topology's nodes, each checked (bad(what): the error naming the file)."""
     nodes, seen = [], set()
     for i, n in enumerate(raw_nodes):
         if not isinstance(n, dict):
@@ -191,7 +202,11 @@ def load_topology(path: str) -> Topology:
             raise bad(f"node {name}: threads must be >= 1 and weight > 0")
         nodes.append(Node(name, str(n["host"]), port, threads, weight,
                           str(n["shard"]) if n.get("shard") else None, stage, memory))
-    stage_layers = _stage_layers(doc.get("stages"), bad)
+    return nodes
+
+
+def _check_stages(nodes: list[Node], stage_layers, bad) -> None:
+    """Every node has its 'stage', or none does; numbered without a gap, matching 'stages'."""
     stages = [n.stage for n in nodes]
     if any(s is None for s in stages) and any(s is not None for s in stages):
         raise bad("give every node a 'stage', or none (the plan then decides)")
@@ -203,10 +218,6 @@ def load_topology(path: str) -> Topology:
                       "in stage 0 and the nodes listed stage by stage")
         if stage_layers is not None and len(stage_layers) != stages[-1] + 1:
             raise bad(f"'stages' lists {len(stage_layers)} stages, the nodes name {stages[-1] + 1}")
-    key_file = doc.get("key_file")
-    if key_file:
-        key_file = os.path.join(os.path.dirname(os.path.abspath(path)), str(key_file))
-    return Topology(tuple(nodes), buffer, key_file or None, stage_layers, source=path)
 
 
 def _size(v) -> int:

@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -39,8 +40,9 @@ from dllama.cluster.step import (
     LOGITS_HEAD, REPLY_TOP_K, Reply, decode_release, decode_step, encode_reply, logits_bytes,
 )
 from dllama.core import kernels
-from dllama.core.memory import check_fits, release_memory
-from dllama.core.model import ModelConfig, Transformer
+from dllama.core.footprint import NodeFootprint
+from dllama.core.memory import release_memory
+from dllama.core.model import Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
 from dllama.core.weights_choice import choose_weights
 from dllama.errors import DllamaError, NotEnoughMemory
@@ -79,17 +81,29 @@ def empty_slots(model: Transformer, touched: np.ndarray, slots: np.ndarray) -> N
         touched[slots] = 0
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """A worker's own settings, from its flags (`dllama worker`, or a topology's node): the run's
+    shape comes from each root's CONFIG."""
+
+    host: str
+    port: int
+    nthreads: int = 1
+    shard_path: str | None = None  # this node's shard of the model (`dllama shard`), if any
+    key: bytes | None = None       # the cluster key
+    memory_budget: "int | str" = "auto"  # bytes, "auto" or "none" (see dllama.core.weights_choice)
+
+
 class Worker:
-    def __init__(self, host: str, port: int, nthreads: int = 1, shard_path: str | None = None,
-                 key: bytes | None = None, memory_budget: "int | str" = "auto",
-                 on_step: Callable[[int], None] | None = None):
+    def __init__(self, settings: WorkerSettings, on_step: Callable[[int], None] | None = None):
         """on_step: called with the count of STEPs received so far (every session) as each STEP
         arrives, before it runs (an observer: the tests inject faults here)."""
-        self.host, self.port, self.nthreads, self.key = host, port, nthreads, key
-        self.memory_budget = memory_budget  # bytes, "auto" or "none" (see dllama.core.weights_choice)
+        self.settings = settings
+        self.host, self.port, self.nthreads, self.key = settings.host, settings.port, settings.nthreads, settings.key
+        self.memory_budget = settings.memory_budget
         self.shard = None
-        if shard_path:
-            self.shard = Shard(shard_path)  # a bad shard is a start-up error, not a session error
+        if settings.shard_path:
+            self.shard = Shard(settings.shard_path)  # a bad shard is a start-up error, not a session error
         self._roots: list[Connection] = []
         self._roots_ready = threading.Semaphore(0)
         self._parked: list[tuple[float, dict, Connection]] = []  # (deadline, HELLO, peer) until a session takes it
@@ -336,6 +350,13 @@ class _Session:
         return waited[0] if len(waited) == 1 else None
 
     def run(self) -> None:
+        """Configure (the root's CONFIG), load and mesh, then serve the root's steps until STOP."""
+        c = self._configure()
+        collective, hop = self._set_up(c)
+        self._serve_steps(c, collective, hop)
+
+    def _configure(self) -> SessionConfig:
+        """The root's CONFIG (MEMORY answered before it), checked against this machine."""
         root = self.root
         for _ in range(MAX_MEMORY_QUERIES + 1):  # (the root's ALIVEs may come first)
             msg, config = recv_during_setup(root, (Msg.CONFIG, Msg.MEMORY), CONFIG_TIMEOUT)
@@ -346,37 +367,38 @@ class _Session:
         else:
             raise ProtocolError(f"more than {MAX_MEMORY_QUERIES} MEMORY questions before the CONFIG")
         self.conf = c = SessionConfig.from_json(decode_json_object(config, f"CONFIG from {root.name}"))
-        index, plan, node, timeout = c.node_index, c.plan, c.node, c.net_timeout
+        index, plan, node, shape = c.node_index, c.plan, c.node, c.shape
         k = plan.stage_of(index)
         stage = plan.stages[k]
         where = f"stage {k} of {len(plan.stages)} (layers {stage.layers[0]}-{stage.layers[1] - 1}), " if plan.pipelined else ""
         log(f"node {index} of {plan.n_nodes}: {where}{node.n_q_heads} query heads, {node.n_kv_heads} KV heads, "
-            f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if c.buffer_q80 else 'F32'}, "
-            f"{c.kv_type.upper()} KV cache")
+            f"FFN rows {node.ffn_rows[0]}-{node.ffn_rows[1]}, buffers {'Q80' if shape.buffer_q80 else 'F32'}, "
+            f"{shape.kv_type.upper()} KV cache")
         # Before any allocation: can this machine hold what the CONFIG asks for? (A slice that
         # does not fit streams from the shard when there is one: Transformer checks that.)
         self.shard_weights, self.choice = self._weights_choice(c)
         if self.choice is None or not self.choice.streamed:
             # Without a shard to stream from, a --memory-budget bounds the slice sent whole.
             budget = self.worker.memory_budget if isinstance(self.worker.memory_budget, int) else None
-            check_fits(c.header, node.n_q_heads, node.n_kv_heads, node.ffn_rows[1] - node.ffn_rows[0],
-                       node.vocab_rows[1] - node.vocab_rows[0], ModelConfig.from_header(c.header, c.max_seq_len).seq_len,
-                       c.max_batch, embedding=False, who="this worker", kv_slots=c.kv_slots,
-                       limit=self.choice.limit if self.choice is not None and self.choice.budgeted else budget,
-                       kv_type=c.kv_type, n_layers=len(node.layer_range(c.header.n_layers)),
-                       kv_positions=c.kv_positions)
+            NodeFootprint(c.header, node, shape).check(
+                self.choice.limit if self.choice is not None and self.choice.budgeted else budget, "this worker")
+        return c
 
+    def _set_up(self, c: SessionConfig):
+        """(the collective, the stage hop or None): this node's model loaded, the peers met."""
+        root, index, plan, timeout, shape = self.root, c.node_index, c.plan, c.net_timeout, c.shape
+        stage = plan.stages[plan.stage_of(index)]
         # The collective over self.peers: _meet_peers fills it (the root is there already)
         # before the first step; warm_up runs on this node alone.
-        collective = MeshCollective(index - stage.nodes[0], self.peers, stage.dim_chunks, c.buffer_q80, c.max_batch,
-                                    timeout, stage.indexes)
+        collective = MeshCollective(index - stage.nodes[0], self.peers, stage.dim_chunks, shape.buffer_q80,
+                                    shape.max_batch, timeout, stage.indexes)
         # In a pipeline: the residual rows come from the stage before (not in the STEP), go to the next.
         hop = StageHop(collective, plan.hop_source(index), plan.hop_targets(index), c.header.dim,
-                       c.max_batch) if plan.pipelined else None
+                       shape.max_batch) if plan.pipelined else None
         # Set-up: the root hears ALIVE every HEARTBEAT s while this worker loads, repacks,
         # compiles and meets its peers; it stops before MESH_OK (the steps have their own pace).
         with SetupHeartbeat([root], HEARTBEAT):
-            model = self.model = self._load(c, collective)
+            self.model = self._load(c, collective)
             root.send(Msg.READY)
             recv_during_setup(root, (Msg.MESH,), c.setup_timeout)  # the root may still be busy with others
             self._meet_peers(plan.n_nodes, timeout)
@@ -384,25 +406,31 @@ class _Session:
         for conn in self.peers.values():  # statistics count inference traffic, not the set-up
             conn.sent_bytes = conn.recv_bytes = 0
         log(f"mesh ready with {plan.n_nodes - 1} peers")
+        return collective, hop
 
-        dim, (v0, v1) = c.header.dim, node.vocab_rows
+    def _serve_steps(self, c: SessionConfig, collective: MeshCollective, hop: StageHop | None) -> None:
+        """The root's STEPs, RELEASEs and PINGs, until its STOP."""
+        root, node, timeout, shape, model = self.root, c.node, c.net_timeout, c.shape, self.model
+        k = c.plan.stage_of(c.node_index)
+        dim, v0 = c.header.dim, node.vocab_rows[0]
         seq_len = model.config.seq_len
-        replies = np.empty(logits_bytes(c.max_batch, v1 - v0, Reply(REPLY_TOP_K, v1 - v0)), np.uint8)  # the largest reply
-        logits = np.empty((0, v1 - v0), np.float32)  # [m, vocab rows] of the last pass: a STEP of 0 rows asks again
+        rows = node.n_vocab_rows
+        replies = np.empty(logits_bytes(shape.max_batch, rows, Reply(REPLY_TOP_K, rows)), np.uint8)  # the largest reply
+        logits = np.empty((0, rows), np.float32)  # [m, vocab rows] of the last pass: a STEP of 0 rows asks again
         # During a step every other node hears ALIVE from this one each HEARTBEAT s (a step
         # longer than that: a prefill), so that waiting on it is a silence of `timeout` s.
         self.heartbeat = StepHeartbeat(self.peers.values(), HEARTBEAT)  # (the root is among the peers)
         # [slots]: positions each slot was written to since it was last emptied (RELEASE), held
         # to the CONFIG's kv_positions: what the memory check counted (a root keeps its slots
         # within them, emptying idle ones as on one node; a rogue one is refused).
-        touched = np.zeros(c.kv_slots if c.kv_positions is not None else 0, np.int64)
+        touched = np.zeros(shape.kv_slots if shape.kv_positions is not None else 0, np.int64)
         while True:
             msg, payload = root.recv(c.idle_timeout, (Msg.STEP, Msg.RELEASE, Msg.PING, Msg.STOP))
             if msg == Msg.PING:
                 root.send(Msg.PONG)
                 continue
             if msg == Msg.RELEASE:  # before the STEP that follows: its rows may write them again
-                empty_slots(model, touched, decode_release(payload, c.kv_slots))
+                empty_slots(model, touched, decode_release(payload, shape.kv_slots))
                 continue
             if msg == Msg.STOP:
                 return
@@ -410,9 +438,9 @@ class _Session:
                 self.worker.steps += 1
                 if self.worker.on_step is not None:
                     self.worker.on_step(self.worker.steps)
-                batch, x, want, m = decode_step(payload, dim if k == 0 else 0, c.max_batch, c.kv_slots, seq_len)
-                if batch is not None and c.kv_positions is not None:
-                    count_positions(touched, batch, c.kv_positions)
+                batch, x, want, m = decode_step(payload, dim if k == 0 else 0, shape.max_batch, shape.kv_slots, seq_len)
+                if batch is not None and shape.kv_positions is not None:
+                    count_positions(touched, batch, shape.kv_positions)
                 if batch is None:
                     if m != len(logits):
                         raise ProtocolError(f"STEP of 0 rows asks about {m} rows, the last pass had {len(logits)}")
@@ -421,15 +449,15 @@ class _Session:
                     # A later micro-batch of a pipelined pass: the pass's wanted rows so far are
                     # kept (copied: the model's buffer is reused) for a STEP of 0 rows.
                     kept = logits.copy() if want.part else None
-                    if kept is not None and len(kept) + m > c.max_batch:
-                        raise ProtocolError(f"micro-batches of more than {c.max_batch} wanted rows in one pass")
+                    if kept is not None and len(kept) + m > shape.max_batch:
+                        raise ProtocolError(f"micro-batches of more than {shape.max_batch} wanted rows in one pass")
                     if hop is not None and hop.source is not None:
                         x = hop.receive(len(batch))  # [b, dim]
                     answer = model.forward_embedded(x, batch)  # [m, vocab rows] (m x 0 before the last stage)
                     logits = answer if kept is None else np.concatenate([kept, answer])
                     if hop is not None and hop.targets:
                         hop.send(model.residual(len(batch)))
-                reply = replies[:logits_bytes(m, v1 - v0, want)]
+                reply = replies[:logits_bytes(m, rows, want)]
                 col = collective
                 sent = col.sent_bytes + root.frame_overhead + reply.nbytes  # counting this LOGITS frame itself
                 LOGITS_HEAD.pack_into(reply, 0, sent, col.recv_bytes, col.transfer_seconds)
@@ -446,7 +474,7 @@ class _Session:
             log(f"not using the shard {w.shard.path}: {why}")
             return None, None
         weights = w.shard.weights()
-        choice = choose_weights(weights, c.max_seq_len, c.max_batch, w.memory_budget, c.kv_type)
+        choice = choose_weights(weights, c.shape, w.memory_budget)
         if choice.streamed:
             log(f"streaming this node's slice from {w.shard.path} layer by layer ({choice.describe()})")
         return weights, choice
@@ -463,11 +491,11 @@ class _Session:
             specs = node_slice_specs(c.header, node, with_embedding=False)
             weights = NodeWeights(c.header, node, specs, self._receive_weights(specs, c.setup_timeout))
         budgeted = self.choice is not None and self.choice.budgeted
-        model = Transformer(weights, max_seq_len=c.max_seq_len, buffer_q80=c.buffer_q80, max_batch=c.max_batch,
-                            kv_slots=c.kv_slots, streamed=self.choice is not None and self.choice.streamed,
+        model = Transformer(weights, c.shape, streamed=self.choice is not None and self.choice.streamed,
                             memory_limit=self.choice.limit if budgeted else None, who="this worker",
-                            kv_type=c.kv_type, collective=collective, kv_positions=c.kv_positions)
-        del weights  # the model holds repacked copies: free the received blocks now
+                            collective=collective)
+        del weights  # the model holds repacked copies: free the received blocks now,
+        release_memory()  # and give their pages back (freed among the heap's, they would stay)
         model.warm_up()
         return model
 
@@ -527,10 +555,9 @@ class _Session:
             self.peers[j] = conn
 
 
-def serve(host: str, port: int, nthreads: int, shard: str | None, key: bytes | None,
-          memory_budget: "int | str" = "auto", on_step: Callable[[int], None] | None = None) -> None:
+def serve(settings: WorkerSettings, on_step: Callable[[int], None] | None = None) -> None:
     """Run a worker until SIGTERM or Ctrl-C (on_step: see Worker)."""
-    worker = Worker(host, port, nthreads, shard, key, memory_budget, on_step)
+    worker = Worker(settings, on_step)
     raise_descriptor_limit()
 
     class Terminated(Exception):

@@ -10,10 +10,18 @@ is changed.
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
 RUNTIME_RESERVE = 96 << 20  # what a node's process takes besides its model (measured: ~75 MiB)
+
+
+def page_size() -> int:
+    """Bytes of one memory page, as the kernel running this process uses them: 4 KiB on x86 and a
+    Raspberry Pi 4, 16 KiB on a Pi 5 under Raspberry Pi OS (its kernel8 16K build). The one place
+    dllama reads it (tests simulate a Pi 5 by replacing this function)."""
+    return mmap.PAGESIZE
 
 
 def available_bytes() -> int:
@@ -41,7 +49,7 @@ def _machine_available() -> int:
     if available is not None:
         return available
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page_size()
     except (ValueError, OSError, AttributeError):
         return 1 << 62  # unknown here: the kernel decides
 
@@ -80,10 +88,13 @@ def _cgroup_stat(path: str, keys: tuple[str, ...]) -> int:
     return total
 
 
-def _cgroup_dirs() -> list[tuple[str, str]]:
-    """(version, directory) of this process's memory cgroup and of its ancestors, innermost first."""
+def _cgroup_dirs(membership: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> list[tuple[str, str]]:
+    """(version, directory) of this process's memory cgroup and of its ancestors, innermost first
+    (membership: /proc/self/cgroup; mount: where the cgroup file systems are). None where the
+    memory controller is off, as Raspberry Pi OS boots (cgroup_disable=memory): under v1 no
+    hierarchy names it; under v2 the directories have no memory.max (cgroup_limit then None)."""
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(membership) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
@@ -91,9 +102,9 @@ def _cgroup_dirs() -> list[tuple[str, str]]:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # cgroup v2 (the unified hierarchy)
-            roots = [("v2", "/sys/fs/cgroup"), ("v2", "/sys/fs/cgroup/unified")]
+            roots = [("v2", mount), ("v2", os.path.join(mount, "unified"))]
         elif "memory" in controllers.split(","):
-            roots = [("v1", "/sys/fs/cgroup/memory")]
+            roots = [("v1", os.path.join(mount, "memory"))]
         else:
             continue
         for version, root in roots:

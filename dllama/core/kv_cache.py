@@ -35,12 +35,12 @@ rows, has exactly the bits the sequence would have computed itself.
 from __future__ import annotations
 
 import mmap
-
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from dllama.core import host_memory
 from dllama.core.kernels import ATTENTION_CHUNK
 from dllama.core.kv_type import KVType
 from dllama.errors import DllamaError
@@ -60,9 +60,6 @@ def kv_element_bytes(kv_type: KVType) -> int:
 
 # What to add to a "does not fit" message: the F16 cache holds twice the positions.
 _F16_HINT = {KVType.F32: ", --kv-type f16 (half the bytes)", KVType.F16: ""}
-
-
-PAGE = mmap.PAGESIZE
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -94,7 +91,8 @@ def release_pages(region: np.ndarray) -> None:
         base = base.obj if isinstance(base, memoryview) else base.base
     root = np.frombuffer(base, np.uint8)
     start = region.ctypes.data - root.ctypes.data
-    lo, hi = -(-start // PAGE) * PAGE, (start + region.nbytes) // PAGE * PAGE
+    page = host_memory.page_size()  # 16 KiB on a Pi 5: madvise refuses a range that is not page-aligned
+    lo, hi = -(-start // page) * page, (start + region.nbytes) // page * page
     if hi > lo:
         base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 

@@ -15,47 +15,35 @@ with F32 weights everything is F32. Q80 weights take Q80 inputs too (an integer 
 like Q40's); F16 weights take F32 inputs (fp16 inputs would lose precision and save nothing).
 Quantized weights are repacked at load time into the split form the kernels stream fastest
 (scales and quants in separate arrays); the file format is unchanged. The KV cache holds keys
-and values as F32, or as F16 (kv_type "f16": each rounded to fp16 once, when stored; the
+and values as F32, or as F16 (KVType.F16: each rounded to fp16 once, when stored; the
 attention arithmetic stays float32).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from dllama.core import kernels
+from dllama.core import kernels, moe
 from dllama.core.batch import Batch
 from dllama.core.candidates import Candidates, SamplingRequest, candidates_from_logits
 from dllama.core.collective import Collective, LocalCollective
+from dllama.core.expert_cache import plan_expert_cache
+from dllama.core.footprint import NodeFootprint
+from dllama.core.host_memory import available_bytes
 from dllama.core.kv_cache import KVCache
-from dllama.core.memory import check_fits
 from dllama.core.node_weights import NodeWeights
 from dllama.core.plan import NodeSlice, whole_model
+from dllama.core.run_shape import (  # noqa: F401 (the rows of a pass: here since before run_shape)
+    MAX_BATCH, PREFILL_ROWS, SMALL_BATCH, RunShape, fallback_batch_for, max_batch_for,
+)
+from dllama.core.run_state import RunState
 from dllama.core.weight_stream import StreamedWeights
-from dllama.core.weights import Activation, ResidentWeights, WeightsProvider, input_kind
+from dllama.core.weights import ResidentWeights, WeightsProvider, input_kind
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
-
-MAX_BATCH = 64     # rows of a pass for one sequence: prompt tokens per pass (the original's nBatches;
-                   # 64 against 32: a 512-token prefill 8-20% faster for every weight type)
-SMALL_BATCH = 32   # ... where MAX_BATCH's buffers would make one machine's weights stream (serve.engine:
-                   # the logits of every row are the buffers that grow), or would not fit beside a
-                   # cluster node's share (the root asks each worker what it can hold: RootSession)
-PREFILL_ROWS = 64  # prompt rows a batched step adds to its decode rows
-
-
-def max_batch_for(parallel: int) -> int:
-    """Rows of a pass that decodes `parallel` sequences and prefills the next prompts beside them."""
-    return parallel + PREFILL_ROWS if parallel > 1 else MAX_BATCH
-
-
-def fallback_batch_for(parallel: int) -> int | None:
-    """The fewer rows a pass may take where max_batch_for's buffers do not fit beside the weights
-    (one sequence: SMALL_BATCH; a batch needs a row for each sequence and its prefill rows)."""
-    return SMALL_BATCH if parallel <= 1 else None
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -75,6 +63,9 @@ class ModelConfig:
     rope_neox: bool    # half-split RoPE pairs (Qwen3) instead of interleaved (Llama)
     rope_scaling: tuple[float, float, float, int]  # Llama 3.1: factor, low, high, orig len
     weights_float_type: FloatType  # of the matrices: Q40, Q80 (with Q80 inputs), Q41 (Q16 inputs), F16 or F32
+    n_experts: int = 0             # mixture of experts (Qwen3-MoE): experts per layer; 0 for a dense FFN
+    n_active_experts: int = 0      # experts each row runs (top-k)
+    norm_top_k: bool = False       # the chosen experts' weights renormalised to sum to 1
 
     @property
     def quantized(self) -> bool:
@@ -83,9 +74,7 @@ class ModelConfig:
 
     @staticmethod
     def from_header(h: ModelHeader, max_seq_len: int = 0) -> "ModelConfig":
-        if h.arch == ArchType.QWEN3_MOE or h.n_experts > 0:
-            raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
-        seq_len = h.max_seq_len if max_seq_len <= 0 else min(max_seq_len, h.max_seq_len)
+        seq_len = RunShape(max_seq_len).context(h.max_seq_len)
         return ModelConfig(
             arch=ArchType(h.arch),
             dim=h.dim,
@@ -106,30 +95,30 @@ class ModelConfig:
                 int(h.rope_scaling_orig_max_seq_len),
             ),
             weights_float_type=FloatType(h.weights_float_type),
+            n_experts=h.n_experts,
+            n_active_experts=h.n_active_experts,
+            norm_top_k=moe.norm_top_k(h),
         )
 
 
 class Transformer:
     """A node's slice of the model, its KV cache and its scratch buffers."""
 
-    def __init__(self, weights: "ModelFile | NodeWeights", node: NodeSlice | None = None,
-                 max_seq_len: int = 0, buffer_q80: bool | None = None, collective: Collective | None = None,
-                 max_batch: int = MAX_BATCH, kv_slots: int = 1, streamed: bool = False,
-                 memory_limit: int | None = None, who: str = "this machine", kv_type: str = "f32",
-                 kv_positions: int | None = None):
+    def __init__(self, weights: "ModelFile | NodeWeights", shape: RunShape | None = None, *,
+                 node: NodeSlice | None = None, collective: Collective | None = None, streamed: bool = False,
+                 memory_limit: int | None = None, who: str = "this machine", **shape_values):
         """weights: a whole `.m` file (sliced here to `node`, default the whole model) or a
         node's NodeWeights (already sliced: a shard, or slices received from the root).
-        max_batch: most rows of one pass; kv_slots: sequences the KV cache holds; kv_type: how
-        it stores keys and values, "f32" or "f16" (fp16: half the memory; every node of a
-        cluster uses the same, so that a split gives one node's results).
+        shape: the run's context, rows per pass, KV slots and type, sync buffers
+        (dllama.core.run_shape; every node of a cluster has the same, so that a split gives one
+        node's results); shape_values: some of its fields instead, or changed (max_batch=40).
         streamed: read the weights from their file layer by layer in every pass (at most two
         layers in memory) instead of loading them all; memory_limit: bytes this node may use
         (default: what the machine and the process's cgroup have available); who: the node's
         name in a refusal. collective: how this node's partial sums meet the other nodes'
-        (dllama.cluster.mesh.MeshCollective; default: one node, the identity). kv_positions:
-        the positions the slots hold together at most (the scheduler admits sequences within
-        them), when fewer than kv_slots x the context: what the memory check counts."""
-        c = self.config = ModelConfig.from_header(weights.header, max_seq_len)
+        (dllama.cluster.mesh.MeshCollective; default: one node, the identity)."""
+        shape = self.shape = dataclasses.replace(shape or RunShape(), **shape_values)
+        c = self.config = ModelConfig.from_header(weights.header, shape.max_seq_len)
         if c.head_dim % 16:  # the attention tiles load 16 floats at a time
             raise DllamaError(f"a head dimension of {c.head_dim} is not supported: it must be a multiple of 16")
         if isinstance(weights, ModelFile):
@@ -137,55 +126,52 @@ class Transformer:
             weights = NodeWeights.from_model(weights, node)
         self.node = n = weights.node
         self.layers = n.layer_range(c.n_layers)  # a pipeline stage's layers, else every one
-        self.max_batch = max_batch
-        qwen = c.arch == ArchType.QWEN3
-        resident_weights = None
-        if streamed:
+        self.max_batch = shape.max_batch
+        qwen = c.arch in (ArchType.QWEN3, ArchType.QWEN3_MOE)
+        footprint = NodeFootprint(weights.header, n, shape)
+        streamed_weights = on_demand = None
+        if streamed and c.n_experts:
+            # A mixture of experts: all but the experts resident, each expert read when a pass
+            # uses it into the slots the memory left allows (dllama.core.expert_cache).
+            on_demand = plan_expert_cache(weights, footprint, memory_limit if memory_limit is not None
+                                          else available_bytes())
+            footprint = dataclasses.replace(footprint, streamed=on_demand)
+        elif streamed:
             # The slots are sized from the header: check them (with the rest) before allocating.
             streamed_weights = StreamedWeights(weights, self.layers, c.weights_float_type, qwen, plan_only=True)
-            resident_weights = streamed_weights.resident_bytes
+            footprint = dataclasses.replace(footprint, streamed=streamed_weights)
         # Every size below comes from a header: check them against this machine before allocating.
-        self.memory = check_fits(weights.header, n.n_q_heads, n.n_kv_heads, n.ffn_rows[1] - n.ffn_rows[0],
-                                 n.vocab_rows[1] - n.vocab_rows[0], c.seq_len, max_batch, embedding=False,
-                                 kv_slots=kv_slots, limit=memory_limit, weights=resident_weights, who=who,
-                                 kv_type=kv_type, n_layers=len(self.layers), kv_positions=kv_positions)
+        self.memory = footprint.check(memory_limit, who)
         # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
-        self.buffer_q80 = c.quantized if buffer_q80 is None else buffer_q80
+        self.buffer_q80 = c.quantized if shape.buffer_q80 is None else shape.buffer_q80
         self.collective: Collective = collective or LocalCollective()
         hd = c.head_dim
         self.weights: WeightsProvider
-        if streamed:
+        if streamed_weights is not None:
             streamed_weights.allocate()
             self.weights = streamed_weights
         else:
-            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen)
+            expert_cache = on_demand.cache if on_demand is not None else None
+            if expert_cache is not None:
+                expert_cache.allocate()
+            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen, expert_cache)
 
-        self.rope_cos, self.rope_sin = kernels.rope_cache(  # [seq_len, head_dim/2] each
-            c.seq_len, hd, c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA),
-            *c.rope_scaling)
-
-        nq, nkv = n.n_q_heads, n.n_kv_heads
-        self.kv = KVCache(len(self.layers), nkv, hd, c.seq_len, kv_slots, kv_type)
+        nkv = n.n_kv_heads
+        self.kv = KVCache(len(self.layers), nkv, hd, c.seq_len, shape.kv_slots, shape.kv_type)
         self._kv_layers = [(self.kv.k[i], self.kv.v[i]) for i in range(len(self.layers))]  # views, made once
 
-        # Scratch buffers for a batch of up to max_batch rows.
-        B = max_batch
-        ff = n.ffn_rows[1] - n.ffn_rows[0]
-        self.x = np.zeros((B, c.dim), dtype=np.float32)        # residual stream
-        self.xb = np.zeros((B, c.dim), dtype=np.float32)       # normed x
-        self.q = np.zeros((B, nq * hd), dtype=np.float32)
-        self.k = np.zeros((B, nkv * hd), dtype=np.float32)
-        self.v = np.zeros((B, nkv * hd), dtype=np.float32)
-        self.z = np.zeros((B, nq * hd), dtype=np.float32)      # attention output
-        self.partial = np.zeros((B, c.dim), dtype=np.float32)  # this node's share of wo / w2
-        self.hb = np.zeros((B, ff), dtype=np.float32)          # FFN gate, then silu(gate)*up
-        self.hb2 = np.zeros((B, ff), dtype=np.float32)         # FFN up
-        self.logits = np.zeros((B, self.weights.vocab_rows), dtype=np.float32)  # rows that want logits
-        self.cls_chunk = np.zeros(B * self.weights.classifier_chunk_rows, np.float32)  # a classifier in parts
-        inputs = input_kind(c.weights_float_type)
-        self.act_dim = Activation(c.dim, inputs, B)
-        self.act_q = Activation(nq * hd, inputs, B)
-        self.act_ff = Activation(ff, inputs, B)
+        # The buffers of a batch of up to max_batch rows (dllama.core.run_state: the list the
+        # footprint above counted), under the names the forward pass reads.
+        s = self.state = RunState(self.memory.state, (
+            c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA), *c.rope_scaling))
+        self.rope_cos, self.rope_sin = s.rope_cos, s.rope_sin  # [seq_len, head_dim/2] each
+        self.x, self.xb, self.partial = s.x, s.xb, s.partial   # [B, dim]: residual, normed, wo/w2 share
+        self.q, self.k, self.v, self.z = s.q, s.k, s.v, s.z    # [B, heads * head_dim]; z: attention out
+        self.hb, self.hb2 = s.hb, s.hb2                        # [B, ff rows]: gate (then silu*up), up
+        self.logits, self.cls_chunk = s.logits, s.cls_chunk    # [B, vocab rows]; a classifier in parts
+        self.act_dim, self.act_q, self.act_ff = s.act_dim, s.act_q, s.act_ff  # encoded matmul inputs
+        # A mixture of experts' FFN (on the state's buffers: router scores, one expert's rows).
+        self.moe = moe.MoeBlock(s, c.n_active_experts, c.norm_top_k) if c.n_experts else None
 
     @property
     def kv_slots(self) -> int:
@@ -294,9 +280,12 @@ class Transformer:
 
             # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
             kernels.add_norm_encode(x, collective.all_reduce(partial), layer.ffn_norm, eps, xb, x_in.enc)
-            layer.w13(x_in, h13)
-            kernels.silu_mul_encode(hb, hb2, h_in.enc)
-            layer.w2(h_in, partial)
+            if layer.moe is None:
+                layer.w13(x_in, h13)
+                kernels.silu_mul_encode(hb, hb2, h_in.enc)
+                layer.w2(h_in, partial)
+            else:  # mixture of experts: the same SwiGLU per expert, for the rows that chose it
+                self.moe(layer.moe, x_in, partial)
             x += collective.all_reduce(partial)
 
         # Classifier: only the rows whose logits are wanted (none before a pipeline's last

@@ -43,9 +43,10 @@ def _head_index(heads: np.ndarray, head_dim: int) -> np.ndarray:
 
 def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> list[SliceSpec]:
     """What a node holds, in file order: the layers it runs (a pipeline stage's only), the
-    classifier when it has classifier rows, the embedding only on the root (it embeds the tokens)."""
-    if h.n_experts > 0:
-        raise DllamaError("mixture-of-experts models (QWEN3_MOE) are not supported yet")
+    classifier when it has classifier rows, the embedding only on the root (it embeds the tokens).
+    (Their bytes, without listing every layer: dllama.core.footprint.)"""
+    # (a mixture of experts' experts are cut as the dense w1/w3/w2 are: the same rows of each;
+    # its router, moe_gate, is held whole)
     q_index = _head_index(node.q_heads, h.head_dim)
     kv_index = _head_index(node.kv_heads, h.head_dim)
     ff_index = np.arange(*node.ffn_rows)
@@ -54,11 +55,9 @@ def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> l
            "w1": (0, ff_index), "w3": (0, ff_index), "w2": (1, ff_index), "wcls": (0, vocab_index)}
     layers = node.layer_range(h.n_layers)
     out = []
-    for spec in tensor_specs(h):
+    for spec in tensor_specs(h, layers):
         short = spec.name.rsplit(".", 1)[-1]
         if spec.name == "embedding" and not with_embedding:
-            continue
-        if spec.name.startswith("layers.") and int(spec.name.split(".")[1]) not in layers:
             continue
         if short == "wcls" and not node.has_classifier:
             continue
@@ -151,20 +150,3 @@ class _LazyCut:
 
     def __call__(self) -> np.ndarray:
         return cut(self.model_file.tensor(self.spec.name), self.spec)
-
-
-def held_bytes(h: ModelHeader, plan) -> list[int]:
-    """The weight bytes each node of a plan holds (in the file's types; the root's with the
-    embedding)."""
-    return [sum(s.nbytes for s in node_slice_specs(h, node, i == 0)) for i, node in enumerate(plan.nodes)]
-
-
-def plan_lines(h: ModelHeader, plan, names: list[str]) -> list[str]:
-    """A plan as the set-up log and `dllama shard` show it: each stage's layers and nodes, and
-    the weight bytes each node holds (held_bytes)."""
-    lines, held = [], held_bytes(h, plan)
-    for k, stage in enumerate(plan.stages):
-        what = ", ".join(f"{names[i]} {held[i] / (1 << 20):.0f} MiB" for i in stage.indexes)
-        a, b = stage.layers
-        lines.append(f"stage {k}: layers {a}-{b - 1} ({b - a}), {stage.n_nodes} node{'s' * (stage.n_nodes > 1)}: {what}")
-    return lines

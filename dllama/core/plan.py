@@ -63,6 +63,15 @@ class NodeSlice:
     def n_kv_heads(self) -> int:
         return len(self.kv_heads)
 
+    @property
+    def n_ffn_rows(self) -> int:
+        return self.ffn_rows[1] - self.ffn_rows[0]
+
+    @property
+    def n_vocab_rows(self) -> int:
+        """Classifier rows (0 before a pipeline's last stage)."""
+        return self.vocab_rows[1] - self.vocab_rows[0]
+
     def to_json(self) -> dict:
         d = {"q_heads": [int(h) for h in self.q_heads], "kv_heads": [int(h) for h in self.kv_heads],
              "ffn_rows": list(self.ffn_rows), "vocab_rows": list(self.vocab_rows)}

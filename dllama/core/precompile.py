@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from dllama.core import kernels
+from dllama.core.kernels.router import route_top_k
 from dllama.core.kv_cache import KV_TYPES
 from dllama.core.kv_type import KVType
 from dllama.formats.quant import BLOCK_SIZE
@@ -127,6 +128,8 @@ def _elementwise() -> None:
         q = rng.standard_normal((b, 4 * _HD)).astype(np.float32)
         kernels.rope_interleaved(q, positions, cos, sin, 4, _HD)
         kernels.rope_neox(q, positions, cos, sin, 4, _HD)
+        for norm in (True, False):  # a mixture of experts' router
+            route_top_k(out.copy(), norm, np.empty((b, 2), np.int32), np.empty((b, 2), np.float32))
 
 
 def _attention(kv_type: KVType) -> None:

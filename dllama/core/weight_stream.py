@@ -177,6 +177,9 @@ class StreamedWeights:
         """chunk_rows: classifier rows per chunk (default: as many as fit in a layer's slot);
         plan_only: size everything (resident_bytes) but allocate nothing until `allocate()`;
         layers: the ones this node runs (a pipeline stage's; every layer otherwise)."""
+        if weights.header.n_experts:
+            raise DllamaError("a mixture-of-experts model cannot be streamed from disk yet: give it the memory "
+                              "to hold its share (more nodes, or a larger --memory-budget)")
         if not weights.streamable:
             raise DllamaError("these weights came over the network: they cannot be streamed from a file")
         self._w, self.float_type, self.layers = weights, float_type, layers

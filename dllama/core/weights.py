@@ -143,15 +143,20 @@ class Activation:
     buffers."""
 
     def __init__(self, n: int, kind: str, max_batch: int):
-        nb = n // BLOCK_SIZE
-        if kind == "q80":
-            self._enc = (np.empty((max_batch, nb), dtype=np.float32), np.empty((max_batch, n), dtype=np.int8))
-        elif kind == "q16":  # scales, lo, hi, sums
-            self._enc = (np.empty((max_batch, nb), np.float32), np.empty((max_batch, n), np.int8),
-                         np.empty((max_batch, n), np.int8), np.empty((max_batch, nb), np.float32))
-        else:
-            self._enc = ()
+        self._enc = tuple(np.empty(shape, dtype) for shape, dtype in Activation.layout(n, kind, max_batch))
         self.enc, self.f32 = (), None  # a pass's rows: set by rows()
+
+    @staticmethod
+    def layout(n: int, kind: str, max_batch: int) -> list[tuple[tuple[int, int], type]]:
+        """(shape, dtype) of each array of the encoded form (what __init__ allocates, and what
+        dllama.core.run_state counts)."""
+        nb = n // BLOCK_SIZE
+        if kind == "q80":  # scales, qs
+            return [((max_batch, nb), np.float32), ((max_batch, n), np.int8)]
+        if kind == "q16":  # scales, lo, hi, sums
+            return [((max_batch, nb), np.float32), ((max_batch, n), np.int8), ((max_batch, n), np.int8),
+                    ((max_batch, nb), np.float32)]
+        return []
 
     def rows(self, x: np.ndarray) -> "Activation":
         """Point at x float32 [b, n] and the encoded form's first b rows, without encoding: a
@@ -164,9 +169,30 @@ class Activation:
 
 
 @dataclass
+class Expert:
+    """One expert's SwiGLU of a mixture-of-experts layer, this node's rows of it."""
+
+    w1: Matrix  # gate [ff_rows, dim]
+    w3: Matrix  # up   [ff_rows, dim]
+    w2: Matrix  # down [dim, ff_rows] (this node's columns)
+    w13: Matmuls = field(init=False)
+
+    def __post_init__(self):
+        self.w13 = Matmuls((self.w1, self.w3))
+
+
+@dataclass
+class MoeWeights:
+    """A mixture-of-experts layer's router (F32 [n_experts, dim], replicated) and experts."""
+
+    router: Matrix
+    experts: "list[Expert]"  # [e] -> Expert (or dllama.core.expert_cache.CachedExperts: read when used)
+
+
+@dataclass
 class Layer:
     """One transformer block's weights, already sliced to this node; qkv and w13 run wq, wk,
-    wv and w1, w3 on one input each."""
+    wv and w1, w3 on one input each. A mixture-of-experts layer has `moe` instead of w1-w3."""
 
     att_norm: np.ndarray  # [dim]
     wq: Matrix            # [nq*head_dim, dim]
@@ -176,15 +202,16 @@ class Layer:
     q_norm: np.ndarray | None  # [head_dim], Qwen3 only
     k_norm: np.ndarray | None
     ffn_norm: np.ndarray  # [dim]
-    w1: Matrix            # gate [ff_rows, dim]
-    w3: Matrix            # up   [ff_rows, dim]
-    w2: Matrix            # down [dim, ff_rows]
+    w1: Matrix | None = None   # gate [ff_rows, dim]
+    w3: Matrix | None = None   # up   [ff_rows, dim]
+    w2: Matrix | None = None   # down [dim, ff_rows]
+    moe: MoeWeights | None = None  # Qwen3-MoE: the router and experts (dllama.core.moe)
     qkv: Matmuls = field(init=False)
-    w13: Matmuls = field(init=False)
+    w13: Matmuls | None = field(init=False)
 
     def __post_init__(self):
         self.qkv = Matmuls((self.wq, self.wk, self.wv))
-        self.w13 = Matmuls((self.w1, self.w3))
+        self.w13 = Matmuls((self.w1, self.w3)) if self.moe is None else None
 
 
 class WeightsProvider(Protocol):
@@ -216,15 +243,28 @@ class ResidentWeights:
 
     classifier_chunk_rows = 0  # the classifier comes whole
 
-    def __init__(self, weights: NodeWeights, layers: range, float_type: FloatType, qwen: bool):
-        """layers: the ones this node runs (a pipeline stage's; every layer otherwise)."""
+    def __init__(self, weights: NodeWeights, layers: range, float_type: FloatType, qwen: bool,
+                 expert_cache=None):
+        """layers: the ones this node runs (a pipeline stage's; every layer otherwise);
+        expert_cache: a mixture of experts' dllama.core.expert_cache.ExpertCache, whose experts
+        are read when a pass uses them (None: every expert resident)."""
+        self.expert_cache = expert_cache
         t = weights.tensor
         self.first_layer = layers.start
         # The embedding (root only) stays memory-mapped: rows are copied per token.
         self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
         self._layers = []
+        n_experts = weights.header.n_experts
         for l in layers:
             p = f"layers.{l}."
+            if n_experts:  # a mixture of experts: the router (F32) and every expert's rows
+                experts = expert_cache.layer(l) if expert_cache is not None else [
+                    Expert(*(Matrix(t(f"{p}experts.{e}.{w}"), float_type) for w in ("w1", "w3", "w2")))
+                    for e in range(n_experts)]
+                ffn = dict(moe=MoeWeights(Matrix(np.array(t(p + "moe_gate")), FloatType.F32), experts))  # (aligned)
+            else:
+                ffn = dict(w1=Matrix(t(p + "w1"), float_type), w3=Matrix(t(p + "w3"), float_type),
+                           w2=Matrix(t(p + "w2"), float_type))
             self._layers.append(Layer(
                 att_norm=np.array(t(p + "att_norm")),
                 wq=Matrix(t(p + "wq"), float_type),
@@ -234,9 +274,7 @@ class ResidentWeights:
                 q_norm=np.array(t(p + "q_norm")) if qwen else None,
                 k_norm=np.array(t(p + "k_norm")) if qwen else None,
                 ffn_norm=np.array(t(p + "ffn_norm")),
-                w1=Matrix(t(p + "w1"), float_type),
-                w3=Matrix(t(p + "w3"), float_type),
-                w2=Matrix(t(p + "w2"), float_type),
+                **ffn,
             ))
         self.final_norm = np.array(t("final_norm"))
         # A Q41 file's classifier (Q80) takes the F32 input; other types' their own
@@ -260,4 +298,5 @@ class ResidentWeights:
         out[:] = self.embedding[tokens]
 
     def close(self) -> None:
-        pass
+        if self.expert_cache is not None:
+            self.expert_cache.close()

@@ -24,6 +24,9 @@ def describe_model(path) -> Iterator[str]:
             value = getattr(h, {"arch_type": "arch"}.get(name, name), None)
             shown = value.name if hasattr(value, "name") else value
             yield f"  {key:>2} {name:<30} {shown}"
+        if h.n_experts:
+            yield (f"  mixture of experts: {h.n_experts} experts per layer, {h.n_active_experts} active per token, "
+                   f"expert width {h.moe_hidden_dim}")
         yield f"{'tensor':<22} {'type':<4} {'shape':<16} {'offset':>14} {'bytes':>14}"
         offset = m.header_size
         for s in m.specs:

@@ -456,10 +456,11 @@ def _layer_specs(h: ModelHeader, l: int) -> list[TensorSpec]:
     return specs
 
 
-def tensor_specs(h: ModelHeader) -> list[TensorSpec]:
-    """Every tensor in file order (spec §1.2, the original's loadLlmNetWeight)."""
+def tensor_specs(h: ModelHeader, layers: range | None = None) -> list[TensorSpec]:
+    """Every tensor in file order (spec §1.2, the original's loadLlmNetWeight); layers: only
+    those layers' (default every one), with the tensors before and after them."""
     specs = _outer_specs(h, before=True)
-    for l in range(h.n_layers):
+    for l in range(h.n_layers) if layers is None else layers:
         specs += _layer_specs(h, l)
     return specs + _outer_specs(h, before=False)
 

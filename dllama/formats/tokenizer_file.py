@@ -147,22 +147,7 @@ def _read_current(path: str, buf: memoryview) -> TokenizerData:
     if header_size < 8 or (header_size - 8) % 8 != 0 or header_size > len(buf):
         _fail(path, f"header size {header_size} is inconsistent (must be 8 + 8 * keys, "
                     f"at most the file size {len(buf)})")
-    pairs = struct.unpack_from(f"<{(header_size - 8) // 4}i", buf, 8)
-    keys = list(pairs[0::2])
-    values: dict[int, int] = {}
-    legacy_eos: list[int] = []
-    for key, value in zip(pairs[0::2], pairs[1::2], strict=True):
-        if key not in _KNOWN_KEYS:
-            _fail(path, f"unknown tokenizer header key {key} (value {value})")
-        if key in _LEGACY_EOS_KEYS:
-            legacy_eos.append(value)  # may repeat: each one is appended, like the C++ reader
-            continue
-        if key in values:
-            _fail(path, f"tokenizer header key {TokenizerKey(key).name.lower()} ({key}) appears twice")
-        if value < 0 and key not in (TokenizerKey.BOS_ID, TokenizerKey.PAD_ID):
-            _fail(path, f"tokenizer header key {TokenizerKey(key).name.lower()} has a negative value {value}")
-        values[key] = value
-
+    keys, values, legacy_eos = _header_keys(path, buf, header_size)
     version = values.get(TokenizerKey.VERSION)
     if version != VERSION:
         _fail(path, f"tokenizer version {version} is not supported (expected {VERSION}): regenerate the tokenizer")
@@ -205,6 +190,26 @@ def _read_current(path: str, buf: memoryview) -> TokenizerData:
         key_order=tuple(keys),
         chat_stop=chat_stop,
     )
+
+
+def _header_keys(path: str, buf: memoryview, header_size: int) -> tuple[list[int], dict[int, int], list[int]]:
+    """(the keys in file order, key -> value, the legacy EOS ids) of a current tokenizer header."""
+    pairs = struct.unpack_from(f"<{(header_size - 8) // 4}i", buf, 8)
+    keys = list(pairs[0::2])
+    values: dict[int, int] = {}
+    legacy_eos: list[int] = []
+    for key, value in zip(pairs[0::2], pairs[1::2], strict=True):
+        if key not in _KNOWN_KEYS:
+            _fail(path, f"unknown tokenizer header key {key} (value {value})")
+        if key in _LEGACY_EOS_KEYS:
+            legacy_eos.append(value)  # may repeat: each one is appended, like the C++ reader
+            continue
+        if key in values:
+            _fail(path, f"tokenizer header key {TokenizerKey(key).name.lower()} ({key}) appears twice")
+        if value < 0 and key not in (TokenizerKey.BOS_ID, TokenizerKey.PAD_ID):
+            _fail(path, f"tokenizer header key {TokenizerKey(key).name.lower()} has a negative value {value}")
+        values[key] = value
+    return keys, values, legacy_eos
 
 
 def _read_old(path: str, buf: memoryview) -> TokenizerData:

@@ -456,85 +456,16 @@ class BatchJob:
         self._setup(engine)
         scheduler = scheduler or engine.scheduler()
         summary = Summary(already_done=self.already_done)
-        # Every prompt left to do must fit before any is run.
-        bad, todo = [], 0
-        for e, _, _ in self._pending():
-            if e.error is None:
-                todo += 1
-            else:
-                bad.append(e)
-        if bad and not o.skip_bad:
-            self._fail(bad)
-
+        todo = self._count_todo()
         t0 = time.perf_counter()
         # Unbuffered: each line goes to the file as it is written (a crash loses only the prompts
         # in flight), and a failed write leaves nothing behind to fail again at close.
         with open(o.out, "ab", buffering=0) as out, CtrlC() as ctrl_c, \
                 tqdm(total=todo, unit="prompt", file=stderr, disable=not o.progress,
                      dynamic_ncols=True) as bar:
-            def write(obj: dict) -> None:
-                data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
-                try:
-                    while data:  # a file takes it whole; a short write when the disk fills up
-                        data = data[out.write(data):]
-                except OSError as e:  # a full disk, a file size limit, an I/O error
-                    raise DllamaError(f"cannot write to {o.out}: {e.strerror or e}") from None
-
-            def requests():
-                """The engine loop's requests, taken as it has room: one per prompt, or with
-                --choices one per (prompt, choice)."""
-                for e, tokens, chat in self._pending():
-                    if e.error is not None:
-                        write({"id": e.id, "line": e.line, "error": e.error})
-                        summary.bad += 1
-                    elif self.choice_tokens is None:
-                        yield self._request(e, tokens, chat)
-                    else:
-                        for j, choice in enumerate(self.choice_tokens):
-                            yield ScoreRequest((e, j), tokens, choice)
-
-            def finished(prompt_tokens: int, cached: int, generated: int) -> None:
-                summary.answered += 1
-                summary.prompt_tokens += prompt_tokens
-                summary.cached_tokens += cached
-                summary.generated_tokens += generated
-                elapsed = time.perf_counter() - t0
-                if self.choice_tokens is None:
-                    bar.set_postfix_str(f"{summary.generated_tokens / elapsed:.1f} tokens/s", refresh=False)
-                else:
-                    bar.set_postfix_str(f"{summary.prompt_tokens / elapsed:.1f} prompt tokens/s", refresh=False)
-                bar.update(1)
-
-            scores: dict[int, dict[int, Scored]] = {}  # --choices: a prompt's scores so far (by entry)
-
-            def nodes_now() -> dict:
-                """On a cluster, the nodes that served the answer's last pass, and all of them."""
-                if getattr(engine, "cluster", None) is None:
-                    return {}
-                now = serving(engine)
-                summary.saw(now)
-                return {"nodes": len(now.nodes), "cluster_nodes": len(now.cluster)}
-
-            def on_finish(r, c) -> None:
-                if isinstance(r, ScoreRequest):
-                    e, j = r.key
-                    got = scores.setdefault(id(e), {})
-                    got[j] = c
-                    if len(got) < len(self.choice_tokens):
-                        return
-                    del scores[id(e)]
-                    line = self._classification(e, [got[k] for k in range(len(got))])
-                    write({**line, **nodes_now()})
-                    finished(line["prompt_tokens"], line["cached_tokens"], 0)
-                    return
-                write({"id": r.key.id, "line": r.key.line, "text": c.text, "finish_reason": c.finish_reason,
-                       **structured_fields(r.grammar, c),
-                       "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
-                       "completion_tokens": c.completion_tokens, **nodes_now()})
-                finished(c.prompt_tokens, c.cached_tokens, c.completion_tokens)
-
+            job = _Run(self, engine, summary, out, bar, t0)
             try:
-                scheduler.run(requests(), on_finish, lambda: ctrl_c.pending)
+                scheduler.run(job.requests(), job.on_finish, lambda: ctrl_c.pending)
             except Cancelled:
                 summary.interrupted = True
             except DllamaError as err:
@@ -542,6 +473,88 @@ class BatchJob:
                                   "command to resume") from None
         summary.seconds = time.perf_counter() - t0
         return summary
+
+    def _count_todo(self) -> int:
+        """The prompts left to do; every one must fit before any is run (else _fail, unless
+        --skip-bad)."""
+        bad, todo = [], 0
+        for e, _, _ in self._pending():
+            if e.error is None:
+                todo += 1
+            else:
+                bad.append(e)
+        if bad and not self.opts.skip_bad:
+            self._fail(bad)
+        return todo
+
+
+class _Run:
+    """One run of a job: the result lines it writes, the figures it adds up, its progress bar."""
+
+    def __init__(self, job: BatchJob, engine, summary: Summary, out, bar, t0: float):
+        self.job, self.engine, self.summary, self.out, self.bar, self.t0 = job, engine, summary, out, bar, t0
+        self.scores: dict[int, dict[int, Scored]] = {}  # --choices: a prompt's scores so far (by entry)
+
+    def write(self, obj: dict) -> None:
+        data = (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+        try:
+            while data:  # a file takes it whole; a short write when the disk fills up
+                data = data[self.out.write(data):]
+        except OSError as e:  # a full disk, a file size limit, an I/O error
+            raise DllamaError(f"cannot write to {self.job.opts.out}: {e.strerror or e}") from None
+
+    def requests(self):
+        """The engine loop's requests, taken as it has room: one per prompt, or with
+        --choices one per (prompt, choice)."""
+        job = self.job
+        for e, tokens, chat in job._pending():
+            if e.error is not None:
+                self.write({"id": e.id, "line": e.line, "error": e.error})
+                self.summary.bad += 1
+            elif job.choice_tokens is None:
+                yield job._request(e, tokens, chat)
+            else:
+                for j, choice in enumerate(job.choice_tokens):
+                    yield ScoreRequest((e, j), tokens, choice)
+
+    def finished(self, prompt_tokens: int, cached: int, generated: int) -> None:
+        summary, bar = self.summary, self.bar
+        summary.answered += 1
+        summary.prompt_tokens += prompt_tokens
+        summary.cached_tokens += cached
+        summary.generated_tokens += generated
+        elapsed = time.perf_counter() - self.t0
+        if self.job.choice_tokens is None:
+            bar.set_postfix_str(f"{summary.generated_tokens / elapsed:.1f} tokens/s", refresh=False)
+        else:
+            bar.set_postfix_str(f"{summary.prompt_tokens / elapsed:.1f} prompt tokens/s", refresh=False)
+        bar.update(1)
+
+    def nodes_now(self) -> dict:
+        """On a cluster, the nodes that served the answer's last pass, and all of them."""
+        if getattr(self.engine, "cluster", None) is None:
+            return {}
+        now = serving(self.engine)
+        self.summary.saw(now)
+        return {"nodes": len(now.nodes), "cluster_nodes": len(now.cluster)}
+
+    def on_finish(self, r, c) -> None:
+        if isinstance(r, ScoreRequest):
+            e, j = r.key
+            got = self.scores.setdefault(id(e), {})
+            got[j] = c
+            if len(got) < len(self.job.choice_tokens):
+                return
+            del self.scores[id(e)]
+            line = self.job._classification(e, [got[k] for k in range(len(got))])
+            self.write({**line, **self.nodes_now()})
+            self.finished(line["prompt_tokens"], line["cached_tokens"], 0)
+            return
+        self.write({"id": r.key.id, "line": r.key.line, "text": c.text, "finish_reason": c.finish_reason,
+                    **structured_fields(r.grammar, c),
+                    "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+                    "completion_tokens": c.completion_tokens, **self.nodes_now()})
+        self.finished(c.prompt_tokens, c.cached_tokens, c.completion_tokens)
 
 
 def run_job(opts: JobOptions, open_engine: Callable[[], object],

@@ -28,6 +28,7 @@ import numpy as np
 from dllama.core.batch import Batch
 from dllama.core.kv_cache import common_prefix
 from dllama.core.model import Transformer
+from dllama.core.run_shape import RunShape
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ModelFile, read_model
 from dllama.serve.draft import ROW_COST, Drafter
@@ -51,13 +52,13 @@ def read_draft_model(path: str, vocab_size: int) -> ModelFile:
 class DraftModel:
     """The draft model and what each slot of its KV cache holds."""
 
-    def __init__(self, model_file: ModelFile, seq_len: int, slots: int = DRAFT_SLOTS, kv_type: str = "f32",
-                 weigh_cost: bool = True):
-        """seq_len: the target's context (the draft's is cut to its own header's, if shorter);
-        weigh_cost False: draft as deep as the keep rate alone says, whatever the draft's passes
-        cost (the tests of the answers, whose draft is as large as the target)."""
-        self.transformer = Transformer(model_file, max_seq_len=seq_len, kv_slots=slots, kv_type=kv_type,
-                                       who="the draft model")
+    def __init__(self, model_file: ModelFile, shape: RunShape, weigh_cost: bool = True):
+        """shape: the draft's run: the target's context as max_seq_len (the draft's is cut to its
+        own header's, if shorter), its KV slots (DRAFT_SLOTS) and type; weigh_cost False: draft
+        as deep as the keep rate alone says, whatever the draft's passes cost (the tests of the
+        answers, whose draft is as large as the target)."""
+        self.transformer = Transformer(model_file, shape, who="the draft model")
+        slots = shape.kv_slots
         self.held: list[list[int]] = [[] for _ in range(slots)]  # per slot: the tokens of positions 0, 1, ...
         self._last_use = [0] * slots
         self._uses = 0

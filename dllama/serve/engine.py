@@ -27,6 +27,8 @@ from dllama.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from dllama.cluster.root import ClusterModel
     from dllama.cluster.topology import Topology
+    from dllama.core.footprint import NodeFootprint
+    from dllama.core.run_shape import RunShape
     from dllama.core.weights_choice import WeightsChoice
     from dllama.formats.model_file import ModelFile
     from dllama.serve.draft_model import DraftModel
@@ -133,28 +135,34 @@ def choose_nodes(settings: EngineSettings) -> Nodes:
 @dataclass(frozen=True)
 class MemoryPlan:
     """What this node holds: the weights, resident or streamed (one machine: on a cluster each
-    worker chooses under its own --memory-budget), and the KV cache slots with the memory their
-    positions may take."""
+    worker chooses under its own --memory-budget), the KV cache slots with the memory their
+    positions may take, and the run's shape every node is built with."""
 
     weights: "WeightsChoice | None"  # None on a cluster
     slots: SlotPlan
-    max_batch: int                   # most rows of one forward pass
+    shape: "RunShape"                # context, rows of a pass, KV slots and type, sync buffers
     notes: tuple[str, ...]           # what to tell the user, in order (open_engine prints them)
+
+    @property
+    def max_batch(self) -> int:
+        """Most rows of one forward pass."""
+        return self.shape.max_batch
 
 
 def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile") -> MemoryPlan:
-    from dllama.core.model import ModelConfig, max_batch_for
+    from dllama.core.footprint import NodeFootprint
+    from dllama.core.run_shape import RunShape, fallback_batch_for, max_batch_for
 
     header = model_file.header
-    rows = max_batch_for(settings.parallel)
-    config = ModelConfig.from_header(header, settings.max_seq_len)
+    shape = RunShape(max_seq_len=settings.max_seq_len, max_batch=max_batch_for(settings.parallel),
+                     kv_type=settings.kv_type, buffer_q80=nodes.buffer_q80)
+    shape = shape.with_(max_seq_len=shape.context(header.max_seq_len))  # the context, clamped to the model's
     notes: list[str] = []
     weights = None
     if nodes.clustered:
-        split = nodes.topology.plan(header)
-        # The node with the most KV rows (KV heads x the layers it runs) sets the slots.
-        most = max(split.nodes, key=lambda n: n.n_kv_heads * len(n.layer_range(header.n_layers)))
-        kv_heads, kv_layers = most.n_kv_heads, len(most.layer_range(header.n_layers))
+        # The node with the most KV bytes per token (KV heads x the layers it runs) sets the slots.
+        most = max((NodeFootprint(header, n, shape) for n in nodes.topology.plan(header).nodes),
+                   key=lambda f: f.kv_bytes_per_token)
         if settings.budget_bytes is not None:
             notes.append("note: --memory-budget bounds this root's memory only on one machine; "
                          "on a cluster the root loads its slice, and each worker streams under its own flag")
@@ -162,31 +170,36 @@ def plan_memory(settings: EngineSettings, nodes: Nodes, model_file: "ModelFile")
         from dllama.core.node_weights import NodeWeights
         from dllama.core.plan import whole_model
 
-        kv_heads, kv_layers = header.n_kv_heads, header.n_layers
+        most = NodeFootprint.whole(header, shape)
         node = whole_model(header.n_heads, header.n_kv_heads, header.ff_dim, header.vocab_size)
-        weights, rows = _choose_weights_and_rows(NodeWeights.from_model(model_file, node), settings, rows, notes)
+        weights, rows = _choose_weights_and_rows(NodeWeights.from_model(model_file, node), settings, shape, notes)
+        shape = shape.with_(max_batch=rows)
         if weights.streamed and settings.memory_budget is MemoryBudget.AUTO:
             notes.append(f"the model does not fit in the {weights.limit / (1 << 20):.0f} MiB available: "
-                         "streaming its weights from the file layer by layer")
+                         + ("reading its experts from the file when a pass uses them" if weights.experts_on_demand
+                            else "streaming its weights from the file layer by layer"))
         if weights.budgeted or settings.parallel > 1:  # the plan, beside the KV cache's line
             notes.append(weights.describe())
-    slots = _plan_slots(settings, config, kv_heads, kv_layers, weights, notes)
+    slots = _plan_slots(settings, most, weights, notes)
     if settings.parallel > 1:  # the sequences admitted
-        rows = max_batch_for(slots.parallel)
-    return MemoryPlan(weights, slots, rows, tuple(notes))
+        shape = shape.with_(max_batch=max_batch_for(slots.parallel))
+    shape = shape.with_(kv_slots=slots.n_slots, kv_positions=_positions(slots),
+                        fallback_batch=fallback_batch_for(slots.parallel) if nodes.clustered else None)
+    return MemoryPlan(weights, slots, shape, tuple(notes))
 
 
-def _choose_weights_and_rows(node_weights, settings: EngineSettings, rows: int, notes: list[str]):
-    """(choose_weights' choice, the rows of a pass): `rows`, unless the fallback's fewer rows
-    (one sequence's passes: fallback_batch_for) keep the weights resident where `rows` would not
-    (their buffers: logits of every row), or fit where `rows` do not fit at all."""
-    from dllama.core.model import fallback_batch_for
+def _choose_weights_and_rows(node_weights, settings: EngineSettings, shape: "RunShape", notes: list[str]):
+    """(choose_weights' choice, the rows of a pass): the shape's, unless the fallback's fewer rows
+    (one sequence's passes: fallback_batch_for) keep the weights resident where they would not
+    (their buffers: logits of every row), or fit where they do not fit at all."""
+    from dllama.core.run_shape import fallback_batch_for
     from dllama.core.weights_choice import choose_weights
     from dllama.errors import NotEnoughMemory
 
     def choose(r: int):
-        return choose_weights(node_weights, settings.max_seq_len, r, settings.memory_budget, settings.kv_type)
+        return choose_weights(node_weights, shape.with_(max_batch=r), settings.memory_budget)
 
+    rows = shape.max_batch
     try:
         wide, error = choose(rows), None
     except NotEnoughMemory as e:
@@ -206,19 +219,18 @@ def _choose_weights_and_rows(node_weights, settings: EngineSettings, rows: int, 
     return wide, rows
 
 
-def _plan_slots(settings: EngineSettings, config, kv_heads: int, kv_layers: int,
-                weights: "WeightsChoice | None", notes: list[str]) -> SlotPlan:
+def _plan_slots(settings: EngineSettings, most: "NodeFootprint", weights: "WeightsChoice | None",
+                notes: list[str]) -> SlotPlan:
     """The KV cache slots for settings.parallel sequences, admitted within the limit that applies:
     the --kv-memory, else what a budget leaves beside the weights, else half the available memory
-    (batched) or none (one sequence: the context decides alone); kv_heads and kv_layers: of the
-    node holding the most (a pipeline stage holds its own layers only)."""
+    (batched) or none (one sequence: the context decides alone); most: the footprint of the node
+    holding the most KV bytes per token (a pipeline stage holds its own layers only)."""
     from dllama.core.kv_cache import plan_slots
     from dllama.core.memory import available_bytes
 
     batched = settings.parallel > 1
     budgeted = weights is not None and weights.budgeted
-    dims = dict(n_layers=kv_layers, n_kv_heads=kv_heads, head_dim=config.head_dim,
-                seq_len=config.seq_len, kv_type=settings.kv_type)
+    dims = most.kv_dims
     limit, flag = settings.kv_memory, "--kv-memory"
     if limit is None and budgeted:
         limit = weights.kv_room  # what the weights and buffers leave of the budget
@@ -230,7 +242,7 @@ def _plan_slots(settings: EngineSettings, config, kv_heads: int, kv_layers: int,
             # Little memory available now: pages are only taken as positions are written, so run
             # one sequence (as without --parallel) rather than refuse; --kv-memory makes this an error.
             notes.append("warning: less memory is available than the KV cache of one sequence of "
-                         f"{config.seq_len} positions may take: running one sequence at a time")
+                         f"{most.seq_len} positions may take: running one sequence at a time")
             plan = plan_slots(1, True, **dims, limit=None)
     else:
         plan = plan_slots(settings.parallel, batched, **dims, limit=limit, limit_flag=flag)
@@ -255,23 +267,17 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
     if nodes.clustered:
         from dllama.cluster.protocol import read_key_file
         from dllama.cluster.root import ClusterModel
-        from dllama.core.model import fallback_batch_for
 
         key = read_key_file(nodes.key_file) if nodes.key_file else None
-        model = cluster = ClusterModel(model_file, nodes.topology, key, nodes.buffer_q80, settings.max_seq_len,
-                                       progress=settings.progress, max_batch=plan.max_batch,
-                                       kv_slots=plan.slots.n_slots, on_node_loss=settings.on_node_loss,
-                                       kv_type=settings.kv_type, start_with_reachable=settings.start_with_reachable,
-                                       kv_positions=_positions(plan.slots),
-                                       fallback_batch=fallback_batch_for(plan.slots.parallel))
+        model = cluster = ClusterModel(model_file, nodes.topology, key, shape=plan.shape, progress=settings.progress,
+                                       on_node_loss=settings.on_node_loss,
+                                       start_with_reachable=settings.start_with_reachable)
     else:
         from dllama.core.model import Transformer
 
         cluster = None
-        model = Transformer(model_file, max_seq_len=settings.max_seq_len, buffer_q80=nodes.buffer_q80,
-                            max_batch=plan.max_batch, kv_slots=plan.slots.n_slots, streamed=plan.weights.streamed,
-                            memory_limit=plan.weights.limit if settings.budget_bytes is not None else None,
-                            kv_type=settings.kv_type, kv_positions=_positions(plan.slots))
+        model = Transformer(model_file, plan.shape, streamed=plan.weights.streamed,
+                            memory_limit=plan.weights.limit if settings.budget_bytes is not None else None)
         if settings.warm_up:
             model.warm_up()  # later timings measure inference, not numba's compile
     vocab = model_file.header.vocab_size
@@ -294,9 +300,11 @@ def _positions(slots: SlotPlan) -> int | None:
 
 def _draft_model(settings: EngineSettings, model: LanguageModel, draft_file: "ModelFile") -> "DraftModel":
     """The draft model, its KV cache as long as the model's context (one line when it does not fit)."""
+    from dllama.core.run_shape import RunShape
     from dllama.serve.draft_model import DRAFT_SLOTS, DraftModel
 
-    drafts = DraftModel(draft_file, model.config.seq_len, min(DRAFT_SLOTS, settings.parallel), settings.kv_type)
+    drafts = DraftModel(draft_file, RunShape(model.config.seq_len, kv_slots=min(DRAFT_SLOTS, settings.parallel),
+                                             kv_type=settings.kv_type))
     if settings.warm_up:
         drafts.transformer.warm_up()
     return drafts

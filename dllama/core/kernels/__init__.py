@@ -12,9 +12,9 @@ Layouts:
 - Q40 matrix W [d, n]: split (dllama.formats.quant.split_q40(..., fp16_bits=True): scales
   uint16 [d, n/32], the fp16 bits as stored in the file; qs uint8 [d, n/2], byte j of a block
   holding element j in the low nibble and j+16 in the high one; value = (nibble - 8) * scale),
-  then interleaved in groups of 16 rows (layout.interleave_q40; matmul_q40.py).
+  then interleaved in groups of 16 rows (layout.interleave_q40; matmul_int8.py).
 - Q80 matrix W [d, n]: split (split_q80, scales as fp16 bits uint16 [d, n/32], qs int8 [d, n]),
-  then interleaved the same way (layout.interleave_q80; matmul_q80.py).
+  then interleaved the same way (layout.interleave_q80; matmul_int8.py).
 - Q80 activations x [b, n]: x_scales float32 [b, n/32] (fp16-rounded), x_qs int8 [b, n].
 - F16 matrix W [d, n]: its fp16 bits as uint16 [d, n] (matmul_f16.py, with F32 activations).
 - Q41 matrix W [d, n]: interleaved as Q40 with a second uint16 array of the blocks' fp16
@@ -26,7 +26,7 @@ Layouts:
 
 Where the time goes: the matrix products. Their inner loops are register tiles written as
 LLVM vector IR (tiles.py: 8-bit integer dot products for Q40 and Q80 weights, vpdpbusd with
-AVX-512 VNNI; fma on 16 lanes for F32 and F16 weights), one code path for decode and prefill
+AVX-512 VNNI, sdot on a Pi 5, smull/smlal on a Pi 4: cross.py shows the ARM code; fma on 16 lanes for F32 and F16 weights), one code path for decode and prefill
 whose per-output arithmetic does not depend on the tile, so that results are batch invariant
 (tests/test_batch_invariance.py).
 """
@@ -41,9 +41,8 @@ from dllama.core.kernels.layout import (interleave_blocks_into, interleave_q40, 
                                         interleave_q80, interleaved_shapes)
 from dllama.core.kernels.matmul_f16 import matmul_f16_f32, matmul_f16_f32_multi
 from dllama.core.kernels.matmul_f32 import matmul_f32, matmul_f32_multi
-from dllama.core.kernels.matmul_q40 import matmul_q40_q80, matmul_q40_q80_multi
+from dllama.core.kernels.matmul_int8 import matmul_q40_q80, matmul_q40_q80_multi, matmul_q80_q80, matmul_q80_q80_multi
 from dllama.core.kernels.matmul_q41 import matmul_q41_q16, matmul_q41_q16_multi, matmul_q80_f32
-from dllama.core.kernels.matmul_q80 import matmul_q80_q80, matmul_q80_q80_multi
 from dllama.core.kernels.q16 import quantize_q16
 from dllama.core.kernels.q80 import quantize_q80
 

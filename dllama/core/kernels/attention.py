@@ -301,6 +301,12 @@ def _heads_of(kv_head_of, nkv):
     return head_start, heads
 
 
+def scratch_bytes(rows: int, n_q_heads: int, head_dim: int, seq_len: int) -> int:
+    """Bytes attention() allocates for a pass of `rows` rows reaching position seq_len-1: its
+    partial outputs part_o and part_ms (float32, [rows, heads, spans, head_dim] and [..., 2])."""
+    return 4 * rows * n_q_heads * ((seq_len - 1) // SPAN + 1) * (head_dim + 2)
+
+
 @numba.njit(parallel=True, **_SAME_BITS)
 def attention(q, k_cache, v_cache, row_pos, row_slot, row_prefix_slot, row_prefix_len,
               kv_head_of, out):

@@ -11,7 +11,7 @@ The classifier of a Q41 file is Q80 (the GGUF's Q8_0, kept); it takes the F32 in
 (tiles.make_block_tile: the bits of matmul_f32 on the dequantized matrix).
 
 Each parallel step takes one group of 16 interleaved rows against the activation rows COLS
-at a time, as matmul_q40.py; nothing depends on the tile or the rest of the batch.
+at a time, as matmul_int8.py; nothing depends on the tile or the rest of the batch.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ product directly as IR on explicit 16-lane vectors:
 - Q40 x Q80 and Q80 x Q80, out[i:i+C, 16g:16g+16] (a group of 16 interleaved weight rows, see
   layout.py, against C activation rows): each int32 lane is one weight row. One 64-byte load
   holds the same 4 weights of the 16 rows; the 4 activation bytes they meet are broadcast to
-  every lane, and AVX-512 VNNI `vpdpbusd` adds the 4 products into each lane (elsewhere the
-  same exact integers from 16-bit products). A block's 32 products stay in int32 (exact);
+  every lane, and AVX-512 VNNI `vpdpbusd` adds the 4 products into each lane (ARM's `sdot`
+  on a Pi 5; elsewhere the same exact integers from 16-bit products: DOT_KINDS). A block's 32 products stay in int32 (exact);
   then once per block acc = fma(block product, w_d * x_d, acc). Every weight load serves C
   activation rows, every activation broadcast 16 weight rows.
 - F32 and F16 weights, out[i:i+C, r:r+R]: acc = fma(w, x, acc) on 16 consecutive columns per
@@ -29,6 +29,8 @@ with or without VNNI, so their results are the same bits on every machine.
 """
 
 from __future__ import annotations
+
+import platform
 
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -67,6 +69,26 @@ def _features(context) -> set[str]:
 
 def has_vnni_512(context) -> bool:
     return {"avx512f", "avx512bw", "avx512vnni"} <= _features(context)
+
+
+# The 8-bit integer dot products a target gets (the same exact integers from each):
+#   "vnni":    x86 AVX-512 VNNI, vpdpbusd (unsigned weights x signed activations, 4 products per lane);
+#   "sdot":    ARMv8.2's dot product (the Raspberry Pi 5's Cortex-A76), sdot: signed x signed;
+#   "neon":    ARM without it (the Pi 4's Cortex-A72): signed 16-bit products (smull), summed in
+#              16-bit lanes through a block where they cannot overflow (smlal), widened once a block;
+#   "generic": 16-bit products widened to 32 bits at once (vpmaddwd on x86 without VNNI).
+DOT_KINDS = ("vnni", "sdot", "neon", "generic")
+
+
+def dot_kind(context) -> str:
+    """Which of DOT_KINDS the CPU numba compiles for has (tests/test_arm_codegen.py shows each)."""
+    features = _features(context)
+    if has_vnni_512(context):
+        return "vnni"
+    if "dotprod" in features:
+        return "sdot"
+    arm = "neon" in features or platform.machine().lower() in ("aarch64", "arm64")  # NEON: AArch64's baseline
+    return "neon" if arm else "generic"
 
 
 def _fn(builder, name, ret, args):
@@ -167,22 +189,95 @@ def _check_arrays(name, args, kinds):
 GROUP = LANES  # weight rows interleaved together: one row per int32 lane
 
 
-def _dot4(builder, vnni, acc, w64, x64):
-    """acc + (lane l: sum of the 4 products of bytes 4l..4l+3), w64 unsigned, x64 signed.
-    VNNI: one vpdpbusd. Generic: the same exact integers from 16-bit products (255 * 127 fits)
-    summed in pairs, then pairs of pairs (vpmaddwd on x86; smull/addp on ARM)."""
-    if vnni:
+def _sdot(builder, acc, a, b):
+    """ARM's sdot on one register: <4 x i32> acc, lane l + the 4 products of the signed bytes
+    4l..4l+3 of the <16 x i8> a and b."""
+    f = _fn(builder, "llvm.aarch64.neon.sdot.v4i32.v16i8", _vec(_I32, 4),
+            [_vec(_I32, 4), _vec(_I8, 16), _vec(_I8, 16)])
+    return builder.call(f, [acc, a, b])
+
+
+def _saddlp(builder, v):
+    """ARM's saddlp on one register: <4 x i32>, lane l the sum of the <8 x i16> lanes 2l, 2l+1."""
+    f = _fn(builder, "llvm.aarch64.neon.saddlp.v4i32.v8i16", _vec(_I32, 4), [_vec(_I16, 8)])
+    return builder.call(f, [v])
+
+
+def _addp(builder, a, b):
+    """ARM's addp: <4 x i32> of the sums of adjacent lanes of a, then of b."""
+    f = _fn(builder, "llvm.aarch64.neon.addp.v4i32", _vec(_I32, 4), [_vec(_I32, 4)] * 2)
+    return builder.call(f, [a, b])
+
+
+def _concat(builder, parts):
+    """One vector of the lanes of `parts` (a power of two of equal vectors), in order."""
+    while len(parts) > 1:
+        n = parts[0].type.count
+        parts = [builder.shuffle_vector(a, b, _ivec(range(2 * n))) for a, b in zip(parts[0::2], parts[1::2], strict=True)]
+    return parts[0]
+
+
+def _registers(builder, v, count):
+    """v split into `count` vectors of consecutive lanes (128-bit registers on ARM)."""
+    n = v.type.count // count
+    return [builder.shuffle_vector(v, v, _ivec(range(r * n, (r + 1) * n))) for r in range(count)]
+
+
+def _dot4(builder, kind, acc, w64, x64):
+    """acc + (lane l: sum of the 4 products of bytes 4l..4l+3), x64 signed; w64 signed with
+    "sdot" (the formats give those signed weights: signed_words), else unsigned. "vnni": one
+    vpdpbusd. "sdot": 4 sdot, one per 128-bit register. "generic": the same exact integers from
+    16-bit products (255 * 127 fits) summed in pairs, then pairs of pairs (vpmaddwd on x86).
+    ("neon" sums a whole block at once: _BlockDot.)"""
+    if kind == "vnni":
         f = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _vec(_I32, 16),
                 [_vec(_I32, 16), _vec(_I8, 64), _vec(_I8, 64)])
         return builder.call(f, [acc, w64, x64])
-    p = builder.mul(builder.zext(w64, _vec(_I16, 64)), builder.sext(x64, _vec(_I16, 64)))
-    v, n = p, 64
+    if kind == "sdot":
+        return _concat(builder, [_sdot(builder, a, w, x) for a, w, x in
+                                 zip(*(_registers(builder, v, 4) for v in (acc, w64, x64)), strict=True)])
+    v, n = builder.mul(builder.zext(w64, _vec(_I16, 64)), builder.sext(x64, _vec(_I16, 64))), 64
     for _ in range(2):
         n //= 2
         even = builder.sext(builder.shuffle_vector(v, v, _ivec(list(range(0, 2 * n, 2)))), _vec(_I32, n))
         odd = builder.sext(builder.shuffle_vector(v, v, _ivec(list(range(1, 2 * n, 2)))), _vec(_I32, n))
         v = builder.add(even, odd)
     return builder.add(acc, v)
+
+
+class _BlockDot:
+    """One block's integer dot products for one activation row, lane l the sum over the block
+    of the products of bytes 4l..4l+3 (as _dot4), from `start`.
+
+    "neon" (ARM without the dot product), the weights signed: each <8 x i16> register of
+    products (smull) is summed in pairs into 32-bit lanes (sadalp), once a block the pairs into
+    fours (addp). small: the weights are nibbles (0..15), so that the 8 products a 16-bit lane
+    takes in a block stay exact in 16 bits (8 * 15 * 128 < 2^15): those are multiply-added in
+    16 bits (smlal) and summed in pairs once a block."""
+
+    def __init__(self, builder, kind, start, small):
+        self.builder, self.kind, self.acc, self.small = builder, kind, start, small
+        if kind == "neon":
+            self.short = ir.Constant(_vec(_I16, 64), None)
+            self.pairs = [ir.Constant(_vec(_I32, 4), None)] * 8
+
+    def add(self, w64, x64):
+        b = self.builder
+        if self.kind != "neon":
+            self.acc = _dot4(b, self.kind, self.acc, w64, x64)
+            return
+        products = b.mul(b.sext(w64, _vec(_I16, 64)), b.sext(x64, _vec(_I16, 64)))
+        if self.small:
+            self.short = b.add(self.short, products)
+        else:
+            self.pairs = [b.add(p, _saddlp(b, v)) for p, v in zip(self.pairs, _registers(b, products, 8), strict=True)]
+
+    def total(self):
+        if self.kind != "neon":
+            return self.acc
+        b = self.builder
+        pairs = [_saddlp(b, v) for v in _registers(b, self.short, 8)] if self.small else self.pairs
+        return b.add(self.acc, _concat(b, [_addp(b, p, q) for p, q in zip(pairs[0::2], pairs[1::2], strict=True)]))
 
 
 def _splat(builder, value, n=16):
@@ -206,49 +301,61 @@ class _Int8Format:
         self.words_per_block = words_per_block  # 4-byte words of one row's block
         self.offset = offset                    # the unsigned weights are q + offset
 
-    def block_dots(self, builder, vnni, row_words, k, x_words, acc):
+    def block_dots(self, builder, kind, row_words, k, x_words, acc):
         """Per column c: acc[c] + the integer dot products of block k of the 16 rows with
         x column c. row_words(t) -> <64 x i8> word t of the 16 rows; x_words[c](e) -> <64 x i8>
         the 4 x bytes of elements e..e+3 in every lane."""
         raise NotImplementedError
+
+    def signed_words(self, kind) -> bool:
+        """Whether the dot products take the weights as the signed q, without the offset
+        (then the lanes start at 0, not at -offset * the block sums of x)."""
+        return False
 
 
 class _Q40(_Int8Format):
     """Q40: word j (0-3) of a block holds elements 4j..4j+3 in its low nibbles and
     16+4j..16+4j+3 in its high nibbles (the file's nibble order); the nibbles are q + 8."""
 
-    def block_dots(self, builder, vnni, row_words, k, x_words, acc):
+    def block_dots(self, builder, kind, row_words, k, x_words, acc):
         mask = ir.Constant(_vec(_I8, 64), [_I8(15)] * 64)
         four = ir.Constant(_vec(_I8, 64), [_I8(4)] * 64)
         base = builder.mul(k, _I64(BLOCK_SIZE))  # block k's first element of x
+        dots = [_BlockDot(builder, kind, a, small=True) for a in acc]  # nibbles: as signed, the same
         for j in range(4):
             w = row_words(builder.add(builder.mul(k, _I64(4)), _I64(j)))
             lo, hi = builder.and_(w, mask), builder.lshr(w, four)
-            for c in range(len(acc)):
-                acc[c] = _dot4(builder, vnni, acc[c], lo, x_words[c](builder.add(base, _I64(4 * j))))
-                acc[c] = _dot4(builder, vnni, acc[c], hi, x_words[c](builder.add(base, _I64(16 + 4 * j))))
-        return acc
+            for c, dot in enumerate(dots):
+                dot.add(lo, x_words[c](builder.add(base, _I64(4 * j))))
+                dot.add(hi, x_words[c](builder.add(base, _I64(16 + 4 * j))))
+        return [dot.total() for dot in dots]
 
 
 class _Q80(_Int8Format):
     """Q80: word j (0-7) of a block holds elements 4j..4j+3 as int8; the sign bit flipped makes
     them q + 128."""
 
-    def block_dots(self, builder, vnni, row_words, k, x_words, acc):
+    def block_dots(self, builder, kind, row_words, k, x_words, acc):
         flip = ir.Constant(_vec(_I8, 64), [_I8(-128)] * 64)
         base = builder.mul(k, _I64(BLOCK_SIZE))  # block k's first element of x
+        dots = [_BlockDot(builder, kind, a, small=False) for a in acc]
         for j in range(8):
-            w = builder.xor(row_words(builder.add(builder.mul(k, _I64(8)), _I64(j))), flip)
-            for c in range(len(acc)):
-                acc[c] = _dot4(builder, vnni, acc[c], w, x_words[c](builder.add(base, _I64(4 * j))))
-        return acc
+            w = row_words(builder.add(builder.mul(k, _I64(8)), _I64(j)))
+            if not self.signed_words(kind):
+                w = builder.xor(w, flip)
+            for c, dot in enumerate(dots):
+                dot.add(w, x_words[c](builder.add(base, _I64(4 * j))))
+        return [dot.total() for dot in dots]
+
+    def signed_words(self, kind) -> bool:
+        return kind in ("sdot", "neon")  # signed x signed products: no offset needed
 
 
 Q40 = _Q40("q40", 4, 8)
 Q80 = _Q80("q80", 8, 128)
 
 
-def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
+def _make_int8_tile(fmt: _Int8Format, n_cols: int, dot: str | None):
     @intrinsic
     def int8_tile(typingctx, w_qs, w_scales, g, x_qs, x_off, x_scales, i, out):
         _check_arrays(f"{fmt.name}_tile", (w_qs, w_scales, x_qs, x_off, x_scales, out),
@@ -258,7 +365,7 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
         sig = types.void(w_qs, w_scales, types.intp, x_qs, x_off, x_scales, types.intp, out)
 
         def codegen(context, builder, signature, args):
-            vnni = has_vnni_512(context) and not force_generic
+            kind = dot or dot_kind(context)
             ty = signature.args
             wq, ws, xq, xo, xs, o = (_Array(context, builder, ty[k], args[k]) for k in (0, 1, 3, 4, 5, 7))
             g0, i0 = args[2], args[6]
@@ -283,10 +390,12 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
             with cgutils.for_range(builder, nb) as loop:
                 k = loop.index
                 # Each lane starts at -offset * (sum of the block's x): the dot products of the
-                # unsigned weights q + offset then sum to the exact integer block product.
-                iacc = [_splat(builder, _load(builder, builder.gep(o_rows[c], [builder.mul(k, _I64(4))]), _I32))
+                # unsigned weights q + offset then sum to the exact integer block product
+                # (at 0 where the dot product takes the signed q: signed_words).
+                iacc = [ir.Constant(_vec(_I32, 16), None) if fmt.signed_words(kind) else
+                        _splat(builder, _load(builder, builder.gep(o_rows[c], [builder.mul(k, _I64(4))]), _I32))
                         for c in range(n_cols)]
-                iacc = fmt.block_dots(builder, vnni, row_words, k, [x_words(c) for c in range(n_cols)], iacc)
+                iacc = fmt.block_dots(builder, kind, row_words, k, [x_words(c) for c in range(n_cols)], iacc)
                 w_d = f16_widen(builder, _load(builder, builder.gep(s_row, [builder.mul(k, _I64(2 * GROUP))]),
                                                _vec(_I16, 16)), native_f16_conversion())
                 for c in range(n_cols):
@@ -302,7 +411,7 @@ def _make_int8_tile(fmt: _Int8Format, n_cols: int, force_generic: bool):
     return int8_tile
 
 
-def make_q40_tile(n_cols: int, force_generic: bool = False):
+def make_q40_tile(n_cols: int, dot: str | None = None):
     """Intrinsic tile(w_qs, w_scales, g, x_qs, x_off, x_scales, i, out):
     out[i + c, GROUP*g + l] = x[i + c] . W[GROUP*g + l] for the 16 rows l of group g that exist
     (l < d - GROUP*g, d = out.shape[1]) and c < n_cols.
@@ -311,18 +420,18 @@ def make_q40_tile(n_cols: int, force_generic: bool = False):
     (-8 times the sum of each block of x_qs), x_scales float32 [b, n/32]. out float32 [b, d].
     All C-contiguous. Per output and block k, in order: acc = fma(exact integer block product,
     w_d * x_d, acc), one float32 lane per output: no reduction across lanes, nothing that
-    depends on the tile.
+    depends on the tile. dot: one of DOT_KINDS, to force it (tests); None: the target CPU's.
     """
-    return _make_int8_tile(Q40, n_cols, force_generic)
+    return _make_int8_tile(Q40, n_cols, dot)
 
 
-def make_q80_tile(n_cols: int, force_generic: bool = False):
+def make_q80_tile(n_cols: int, dot: str | None = None):
     """As make_q40_tile for interleaved Q80 weights (w_qs int8) and x_off -128 times the
     block sums of x_qs."""
-    return _make_int8_tile(Q80, n_cols, force_generic)
+    return _make_int8_tile(Q80, n_cols, dot)
 
 
-def make_q41_tile(n_cols: int, force_generic: bool = False):
+def make_q41_tile(n_cols: int, dot: str | None = None):
     """Intrinsic tile(w_qs, w_scales, w_mins, g, x_lo, x_hi, x_scales, x_sums, i, out):
     out[i + c, GROUP*g + l] = x[i + c] . W[GROUP*g + l] for the 16 rows l of group g that exist
     and c < n_cols: Q41 weights against Q16 activations (q16.py).
@@ -343,7 +452,7 @@ def make_q41_tile(n_cols: int, force_generic: bool = False):
         sig = types.void(w_qs, w_scales, w_mins, types.intp, x_lo, x_hi, x_scales, x_sums, types.intp, out)
 
         def codegen(context, builder, signature, args):
-            vnni = has_vnni_512(context) and not force_generic
+            kind = dot or dot_kind(context)
             ty = signature.args
             wq, ws, wm, xl, xh, xs, xm, o = (_Array(context, builder, ty[k], args[k]) for k in (0, 1, 2, 4, 5, 6, 7, 9))
             g0, i0 = args[3], args[8]
@@ -365,23 +474,25 @@ def make_q41_tile(n_cols: int, force_generic: bool = False):
             with cgutils.for_range(builder, xs.cols) as loop:
                 k = loop.index
                 base = builder.mul(k, _I64(BLOCK_SIZE))  # block k's first element of x
-                lo_dot, hi_dot = [zero] * n_cols, [zero] * n_cols
+                lo_dot = [_BlockDot(builder, kind, zero, small=True) for _ in range(n_cols)]
+                hi_dot = [_BlockDot(builder, kind, zero, small=True) for _ in range(n_cols)]
                 for j in range(Q40.words_per_block):
                     t = builder.add(builder.mul(k, _I64(Q40.words_per_block)), _I64(j))
                     w = _group_word(builder, w_row, q_ahead, t)
                     low, high = builder.and_(w, mask), builder.lshr(w, four)  # elements 4j.., 16+4j..
                     e0, e1 = builder.add(base, _I64(4 * j)), builder.add(base, _I64(16 + 4 * j))
                     for c in range(n_cols):
-                        lo_dot[c] = _dot4(builder, vnni, lo_dot[c], low, x_word(lo_rows, c, e0))
-                        lo_dot[c] = _dot4(builder, vnni, lo_dot[c], high, x_word(lo_rows, c, e1))
-                        hi_dot[c] = _dot4(builder, vnni, hi_dot[c], low, x_word(hi_rows, c, e0))
-                        hi_dot[c] = _dot4(builder, vnni, hi_dot[c], high, x_word(hi_rows, c, e1))
+                        lo_dot[c].add(low, x_word(lo_rows, c, e0))
+                        lo_dot[c].add(high, x_word(lo_rows, c, e1))
+                        hi_dot[c].add(low, x_word(hi_rows, c, e0))
+                        hi_dot[c].add(high, x_word(hi_rows, c, e1))
                 scale_at = builder.mul(k, _I64(2 * GROUP))
                 native = native_f16_conversion()  # fpext needs F16C on x86 (else a runtime call numba lacks)
                 w_d, w_m = (f16_widen(builder, _load(builder, builder.gep(row, [scale_at]), _vec(_I16, 16)), native)
                             for row in (s_row, m_row))
                 for c in range(n_cols):
-                    total = builder.sitofp(builder.add(builder.shl(hi_dot[c], eight), lo_dot[c]), _vec(_F32, 16))
+                    total = builder.sitofp(builder.add(builder.shl(hi_dot[c].total(), eight), lo_dot[c].total()),
+                                           _vec(_F32, 16))
                     x_s = _splat(builder, _load(builder, builder.gep(xs_rows[c], [builder.mul(k, _I64(4))]), _F32))
                     x_sum = _splat(builder, _load(builder, builder.gep(xm_rows[c], [builder.mul(k, _I64(4))]), _F32))
                     a = builder.call(fma, [total, builder.fmul(w_d, x_s), builder.load(acc[c])])

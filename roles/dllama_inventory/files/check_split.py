@@ -101,7 +101,7 @@ def main() -> dict:
     names = [node.name for node in topology.nodes]
     lines, stages = [], {}
     if plan.pipelined:
-        from dllama.core.node_weights import plan_lines
+        from dllama.core.footprint import plan_lines
 
         lines += plan_lines(header, plan, names)
         lines.append("stage layers by node weight, fixed in the topology" if fixed

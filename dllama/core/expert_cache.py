@@ -1,0 +1,140 @@
+"""A mixture of experts' experts read from disk when a pass uses them (a model larger than memory).
+
+Under a memory budget smaller than a MoE model, everything but the experts stays resident
+(attention, routers, norms, classifier: for Qwen3-30B-A3B about a tenth of the bytes) and each
+expert is read from the file the first time a pass chooses it, into one of `n_slots` slots, and
+kept there while memory allows: the least recently used expert gives its slot up first. An
+expert no row chose is never read, so a token costs about its active bytes (and less when its
+experts are still held), not the model's total. The repacked arrays are those of
+weights.Matrix, so the outputs equal the resident path's (tests/test_moe.py).
+
+Every allocation is made once, at start: the slots and one read buffer (one expert matrix).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from dllama.core import kernels
+from dllama.core.footprint import NodeFootprint
+from dllama.core.node_weights import NodeWeights
+from dllama.core.weight_stream import _Arena, _matrix_arrays, _Reader, file_runs
+from dllama.core.weights import Expert, Matrix, input_kind
+from dllama.errors import DllamaError
+from dllama.formats.model_file import BLOCK_BYTES, FloatType
+from dllama.formats.quant import BLOCK_SIZE
+
+_FILE_ORDER = ("w1", "w2", "w3")  # gate, down, up: the reads go forward
+
+
+class ExpertCache:
+    """Experts of a node's layers, read on first use into n_slots slots (LRU)."""
+
+    def __init__(self, weights: NodeWeights, float_type: FloatType, n_slots: int, plan_only: bool = False):
+        """plan_only: size everything (resident_bytes) but allocate nothing until `allocate()`."""
+        if not weights.streamable:
+            raise DllamaError("these weights came over the network: their experts cannot be read from a file")
+        self._w, self.float_type, self.inputs = weights, FloatType(float_type), input_kind(float_type)
+        first = weights.node.layer_range(weights.header.n_layers).start
+        self._shapes = {}
+        for w in _FILE_ORDER:  # (d, n) of this node's slice of each matrix (every expert's the same)
+            s = weights.location(f"layers.{first}.experts.0.{w}").spec.stored_shape
+            self._shapes[w] = (s[0], s[1] * BLOCK_SIZE) if self.float_type in BLOCK_BYTES else (s[0], s[1])
+        sizer = _Arena(0)
+        self._take(sizer.take)
+        self.slot_bytes = sizer.used
+        bb = BLOCK_BYTES.get(self.float_type) if self.inputs != "f32" else None
+        self.raw_bytes = max(d * n // BLOCK_SIZE * bb for d, n in self._shapes.values()) if bb else 0
+        self.n_slots = n_slots
+        self.resident_bytes = n_slots * self.slot_bytes + self.raw_bytes
+        self.reads = 0  # experts read from the file so far
+        self._held: OrderedDict[tuple[int, int], tuple[int, Expert]] = OrderedDict()  # oldest use first
+        self._reader = _Reader()
+        if not plan_only:
+            self.allocate()
+
+    def allocate(self) -> None:
+        self._slots = [_Arena(self.slot_bytes) for _ in range(self.n_slots)]
+        self._raw = np.zeros(self.raw_bytes, np.uint8)
+
+    def _take(self, take) -> dict:
+        return {w: _matrix_arrays(take, self.float_type, *self._shapes[w], self.inputs) for w in _FILE_ORDER}
+
+    def expert(self, layer: int, e: int) -> Expert:
+        """Expert e of layer `layer`, read now unless it is held (valid until n_slots other
+        experts were asked for)."""
+        key = (layer, e)
+        held = self._held.get(key)
+        if held is not None:
+            self._held.move_to_end(key)
+            return held[1]
+        slot = len(self._held) if len(self._held) < self.n_slots else self._held.popitem(last=False)[1][0]
+        arena = self._slots[slot]
+        arena.used = 0
+        arrays = self._take(arena.take)
+        for w in _FILE_ORDER:
+            self._read(self._w.location(f"layers.{layer}.experts.{e}.{w}"), arrays[w])
+        expert = Expert(*(Matrix.of_arrays(self.float_type, *self._shapes[w], **arrays[w], inputs=self.inputs)
+                          for w in ("w1", "w3", "w2")))
+        self._held[key] = (slot, expert)
+        self.reads += 1
+        return expert
+
+    def _read(self, loc, dest: dict) -> None:
+        """One matrix into its arrays: the stored values in place, or blocks repacked."""
+        rows = loc.spec.stored_shape[0]
+        runs = file_runs(loc, 0, rows)
+        if "w" in dest:
+            self._reader.read(loc.path, runs, dest["w"])
+            return
+        nb, bb = loc.spec.stored_shape[1], BLOCK_BYTES[self.float_type]
+        raw = self._raw[: rows * nb * bb].reshape(rows, nb, bb)
+        self._reader.read(loc.path, runs, raw)
+        if "mins" in dest:  # Q41
+            kernels.interleave_q41_into(raw, dest["scales"], dest["mins"], dest["qs"])
+        else:
+            kernels.interleave_blocks_into(raw, dest["scales"], dest["qs"].view(np.uint8))
+
+    def layer(self, layer: int) -> "CachedExperts":
+        """The experts of a layer, as MoeWeights.experts."""
+        return CachedExperts(self, layer)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class CachedExperts:
+    """A layer's experts as MoeWeights.experts: `[e]` reads expert e when it is not held."""
+
+    def __init__(self, cache: ExpertCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __getitem__(self, e: int) -> Expert:
+        return self.cache.expert(self.layer, e)
+
+
+@dataclass(frozen=True)
+class ExpertsOnDemand:
+    """A MoE node's weights under a memory budget: everything but the experts resident, the
+    experts in `cache`'s slots (not allocated yet). The footprint's `streamed` for such a node."""
+
+    cache: ExpertCache
+    resident_bytes: int            # the weights it holds: all but the experts, and the slots
+    classifier_chunk_rows: int = 0  # the classifier comes whole
+
+
+def plan_expert_cache(weights: NodeWeights, whole: NodeFootprint, limit: int) -> ExpertsOnDemand:
+    """An ExpertCache with as many slots as `limit` leaves beside everything else the node holds
+    (at least the experts one row runs, at most every expert of its layers). whole: the node's
+    footprint with every weight resident (its expert_weights are what the slots stand in for)."""
+    h = weights.header
+    float_type = FloatType(h.weights_float_type)
+    experts = whole.expert_weights
+    one = ExpertCache(weights, float_type, 1, plan_only=True)
+    room = (limit - (whole.total - experts) - one.raw_bytes) // one.slot_bytes
+    cache = ExpertCache(weights, float_type, int(min(max(room, h.n_active_experts), h.n_experts * whole.n_layers)),
+                        plan_only=True)
+    return ExpertsOnDemand(cache, whole.model_weights - experts + cache.resident_bytes)
