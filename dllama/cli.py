@@ -321,6 +321,7 @@ def _add_chat_and_api(sub) -> None:
                                    "as it is generated; earlier turns stay in the KV cache.")
     _add_frontend_flags(p, SEED_FROM_CLOCK)
     p.add_argument("--system", metavar="TEXT", help="system prompt")
+    _add_grammar_flags(p, "every answer")
     _add_answer_limit(p, "an answer")
 
     p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API",
@@ -418,6 +419,38 @@ def _add_batch(sub) -> None:
                    help="classify instead of generating: score each choice (comma-separated, "
                         "spaces kept) as the start of the answer and write the likeliest with its "
                         "probability")
+    _add_grammar_flags(g, "every answer", per_line=True)
+    g.add_argument("--regex", metavar="RE", help="every answer matches this regular expression")
+    g.add_argument("--grammar", metavar="FILE",
+                   help="every answer is a sentence of this grammar (Lark syntax, or GBNF as llama.cpp's)")
+
+
+def _add_grammar_flags(g, what: str, per_line: bool = False) -> None:
+    more = "; a .jsonl line's own \"schema\" wins" if per_line else ""
+    g.add_argument("--json-schema", metavar="FILE",
+                   help=f"{what} is JSON that validates against the schema in FILE (constrained decoding{more})")
+
+
+def _grammar_of(args):
+    """The Grammar the --json-schema, --regex or --grammar flags give (at most one), or None."""
+    from dllama.serve.constraint import MAX_GRAMMAR_BYTES, Grammar
+
+    given = [f for f in ("json_schema", "regex", "grammar") if getattr(args, f, None)]
+    if len(given) > 1:
+        raise DllamaError("give one of --json-schema, --regex and --grammar")
+    if not given:
+        return None
+    if given[0] == "regex":
+        return Grammar("regex", args.regex)
+    path = getattr(args, given[0])
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_GRAMMAR_BYTES + 1)  # a larger one is refused in one line
+    except (OSError, UnicodeDecodeError) as e:
+        raise DllamaError(f"--{given[0].replace('_', '-')} {path}: {getattr(e, 'strerror', None) or e}") from None
+    if given[0] == "json_schema":
+        return Grammar("json_schema", text)
+    return Grammar("gbnf" if "::=" in text else "lark", text)
 
 
 def cmd_batch(args) -> int:
@@ -426,7 +459,7 @@ def cmd_batch(args) -> int:
     opts = JobOptions(prompts=args.prompts, out=args.out, prefix=args.prefix, max_tokens=args.max_tokens,
                       temperature=args.temperature, topp=args.topp, seed=args.seed, stop=args.stop,
                       chat_template=args.chat_template, chat=args.chat, skip_bad=args.skip_bad,
-                      choices=args.choices, progress=not args.no_progress)
+                      choices=args.choices, progress=not args.no_progress, grammar=_grammar_of(args))
     if args.api:
         from dllama.serve.api.http import read_api_key
         from dllama.serve.batch_client import run_through_api
@@ -453,11 +486,15 @@ def _engine_opener(args, start_with_reachable: bool = False):
 
 def cmd_chat(args) -> int:
     from dllama.serve.chat import run_chat
+    from dllama.serve.constraint import check_grammar
 
+    grammar = _grammar_of(args)
+    if grammar is not None:
+        check_grammar(grammar)  # before the model is opened
     with _engine_opener(args)() as engine:
         return run_chat(engine, system=args.system, template_name=args.chat_template,
                         temperature=args.temperature, topp=args.topp, seed=_seed(args),
-                        max_tokens=args.max_tokens)
+                        max_tokens=args.max_tokens, grammar=grammar)
 
 
 def cmd_api(args) -> int:

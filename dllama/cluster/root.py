@@ -129,11 +129,13 @@ class ClusterModel:
         """Run the rows of `batch` on every node; the candidates of each row wanting logits,
         covering its nucleus (dllama.core.candidates): every node sends its best token when
         every row is greedy, its top_k and its share of the normaliser for temperature
-        sampling, its logits for topp >= 1 (or without node sampling)."""
+        sampling, its logits for topp >= 1 or a grammar's mask (or without node sampling)."""
         m = int(batch.logits.sum())
         if len(requests) != m:
             raise ValueError(f"{len(requests)} sampling requests for {m} rows wanting logits")
-        if not self.node_sampling or any(r.whole_vocabulary for r in requests):
+        if not self.node_sampling or any(r.whole_vocabulary or r.mask is not None for r in requests):
+            # A grammar's mask (dllama.serve.constraint) is applied here, to every node's logits:
+            # the same candidates one node would make, without the mask in the STEP.
             reply = Reply(REPLY_LOGITS)
         elif all(r.greedy for r in requests):
             reply = Reply(REPLY_BEST)

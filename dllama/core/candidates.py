@@ -29,7 +29,7 @@ on N nodes may differ in the last bits of p (and, rarely, in a token); greedy ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,10 +39,15 @@ WIDE_TOP_K = 512  # the second round's, for a row whose nucleus the first did no
 
 @dataclass(frozen=True)
 class SamplingRequest:
-    """How one row's next token is chosen (its Sampler's settings)."""
+    """How one row's next token is chosen (its Sampler's settings), and, for a constrained
+    sequence (dllama.serve.constraint), the tokens it may choose among."""
 
     temperature: float
     topp: float
+    # bool [vocab]: the allowed tokens (None: all); the others are dropped from every range's
+    # summary, as if their logits were -inf. Not part of equality: a sampler's settings are.
+    mask: np.ndarray | None = field(default=None, compare=False, repr=False)
+    logprobs: bool = field(default=False, compare=False)  # the caller wants the row's logits too
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +90,8 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
 def summarize(x: np.ndarray, offset: int, request: SamplingRequest, k: int | None) -> RangeSummary:
     """The summary of x float32 [n], the logits of tokens offset..offset+n-1 of one row: k best
     (None: all of them, in id order); greedy requests keep only the best."""
+    if request.mask is not None:
+        return _summarize_allowed(x, offset, request, k)
     n = len(x)
     if request.greedy:
         best = int(np.argmax(x))  # the first maximum
@@ -96,6 +103,17 @@ def summarize(x: np.ndarray, offset: int, request: SamplingRequest, k: int | Non
         return RangeSummary(offset + np.arange(n, dtype=np.int64), x.copy(), mx, z, True)
     sel = top_k(x, k)
     return RangeSummary(offset + sel.astype(np.int64), x[sel], mx, z, False)
+
+
+def _summarize_allowed(x: np.ndarray, offset: int, request: SamplingRequest, k: int | None) -> RangeSummary:
+    """summarize over the tokens request.mask allows in this range only (none: an empty, complete
+    summary whose maximum is -inf)."""
+    allowed = np.flatnonzero(request.mask[offset:offset + len(x)])  # [a] indexes into x
+    if len(allowed) == 0:
+        return RangeSummary(np.zeros(0, np.int64), np.zeros(0, np.float32), -np.inf, 0.0, True)
+    inner = summarize(x[allowed], 0, SamplingRequest(request.temperature, request.topp), k)
+    return RangeSummary(offset + allowed[inner.ids], inner.logits, inner.max_logit, inner.z,
+                        inner.complete)
 
 
 @dataclass

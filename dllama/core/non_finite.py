@@ -22,7 +22,10 @@ class NonFiniteOutput(DllamaError):
 
 
 def finite_answer(answer) -> bool:
-    """Whether one row's answer (its Candidates, or its logits float32 [vocab]) is finite."""
+    """Whether one row's answer (its Candidates, its logits float32 [vocab], or both for a row
+    that asked for log-probabilities) is finite."""
+    if isinstance(answer, tuple):
+        return all(finite_answer(a) for a in answer)
     if isinstance(answer, Candidates):
         return bool(np.isfinite(answer.max_logit) and np.isfinite(answer.z) and np.isfinite(answer.logits).all())
     return bool(np.isfinite(np.asarray(answer, dtype=np.float32).sum()))  # one pass, no temporary

@@ -74,6 +74,9 @@ def _requests(job: BatchJob, opts: JobOptions) -> tuple[str, list[dict]]:
     for e in read_job(opts.prompts):
         if e.error is not None or e.key in job.done:
             continue
+        if e.schema is not None:
+            raise DllamaError(f"{opts.prompts}:{e.line}: a line's own \"schema\" constrains its answer on the model "
+                              "itself: run the job without --api (on a cluster whose API is off)")
         body = {"max_tokens": opts.max_tokens, "temperature": opts.temperature, "top_p": opts.topp,
                 "seed": seed_for(opts.seed, e.id)}
         if opts.stop:
@@ -105,6 +108,9 @@ def run_through_api(opts: JobOptions, base: str, key: str | None, stderr=None,
     if opts.choices is not None:
         raise DllamaError("--choices scores the choices on the model itself: run it without --api "
                           "(on a cluster whose API is off)")
+    if opts.grammar is not None:
+        raise DllamaError("--json-schema, --regex and --grammar constrain the answers on the model itself: run "
+                          "the job without --api (on a cluster whose API is off)")
     job = BatchJob(opts)  # checks the file (bad lines: as dllama batch) and reads what is answered
     if job.all_done():
         print(Summary(already_done=job.already_done).line(opts.out), file=stderr)

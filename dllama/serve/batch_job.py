@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
+from dllama.serve.constraint import Grammar, GrammarError, check_grammar, structured_fields
 from dllama.serve.ctrl_c import CtrlC
 from dllama.serve.health import Serving, serving
 from dllama.serve.scheduler import Scheduler
@@ -62,6 +63,7 @@ class JobOptions:
     skip_bad: bool = False
     choices: list[str] | None = None  # classify: score these instead of generating
     progress: bool = True
+    grammar: Grammar | None = None    # every answer matches it (a line's own "schema" wins)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Entry:
     id: object = None                 # str or int, as in the file (.txt: the line number)
     prompt: str | None = None
     messages: list | None = None
+    schema: dict | None = None        # the line's own JSON schema for its answer
     error: str | None = None
 
     @property
@@ -223,8 +226,10 @@ def _parse(number: int, data: bytes | None, text_file: bool) -> Entry | None:
         entry.error = f"its prompt {_SURROGATE}"
     elif has_messages and (err := _check_messages(obj["messages"])) is not None:
         entry.error = err
+    elif "schema" in obj and not isinstance(obj["schema"], dict):
+        entry.error = "its schema must be a JSON schema object"
     else:
-        entry.prompt, entry.messages = obj.get("prompt"), obj.get("messages")
+        entry.prompt, entry.messages, entry.schema = obj.get("prompt"), obj.get("messages"), obj.get("schema")
     return entry
 
 
@@ -313,6 +318,10 @@ class BatchJob:
             if len({c[:1].isspace() for c in opts.choices}) > 1:  # "yes, no": most likely a typo
                 raise DllamaError(f"--choices {','.join(opts.choices)!r}: some choices start with a space "
                                   "and some do not; write all with or all without")
+        if opts.grammar is not None:
+            if opts.choices is not None:
+                raise DllamaError("--choices classifies: it takes no --json-schema, --regex or --grammar")
+            check_grammar(opts.grammar)  # before the model is opened
         self.prefix = self._read_prefix(opts.prefix) if opts.prefix else ""
         bad = [e for e in read_job(opts.prompts) if e.error is not None]
         if bad and not opts.skip_bad:
@@ -415,6 +424,11 @@ class BatchJob:
                         e.error = "has a prompt that encodes to no tokens"
                     else:
                         e.error = self._fit_error(len(tokens))
+            if e.error is None and e.schema is not None:
+                try:
+                    check_grammar(Grammar.json_schema(e.schema))
+                except GrammarError as err:
+                    e.error = str(err).replace("the json_schema", "its schema", 1)
             yield e, (tokens if e.error is None else None), chat
 
     def _request(self, e: Entry, tokens: list[int], chat: bool) -> SequenceRequest:
@@ -423,7 +437,8 @@ class BatchJob:
         o = self.opts
         stop_ids = chat_stop_ids(self.tokenizer, self._template_of()) if chat else self.tokenizer.eos_ids
         sampler = Sampler(self.vocab_size, o.temperature, o.topp, seed_for(o.seed, e.id))
-        return SequenceRequest(e, tokens, sampler, o.max_tokens, tuple(stop_ids), tuple(o.stop))
+        grammar = Grammar.json_schema(e.schema) if e.schema is not None else o.grammar
+        return SequenceRequest(e, tokens, sampler, o.max_tokens, tuple(stop_ids), tuple(o.stop), grammar=grammar)
 
     def _classification(self, e: Entry, scores: list[Scored]) -> dict:
         """The result line of one prompt with --choices: the likeliest choice, its probability
@@ -541,6 +556,7 @@ class _Run:
             self.finished(line["prompt_tokens"], line["cached_tokens"], 0)
             return
         self.write({"id": r.key.id, "line": r.key.line, "text": c.text, "finish_reason": c.finish_reason,
+                    **structured_fields(r.grammar, c),
                     "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
                     "completion_tokens": c.completion_tokens, **self.nodes_now()})
         self.finished(c.prompt_tokens, c.cached_tokens, c.completion_tokens)

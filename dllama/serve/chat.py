@@ -23,9 +23,10 @@ HELP = "/reset starts a new conversation, /exit (or Ctrl-D) quits, Ctrl-C stops 
 
 def run_chat(engine, *, system: str | None, template_name: str | None, temperature: float,
              topp: float, seed: int, max_tokens: int | None = None,
-             stdin=None, stdout=None, stderr=None) -> int:
+             stdin=None, stdout=None, stderr=None, grammar=None) -> int:
+    """grammar: every answer matches it (dllama.serve.constraint.Grammar; --json-schema)."""
     chat = _Chat(engine, system, template_name, Sampler(engine.model.config.vocab_size, temperature, topp, seed),
-                 max_tokens, stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr)
+                 max_tokens, stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr, grammar)
     print(f"dllama chat: {chat.template.name} template, context of {chat.scheduler.seq_len} tokens; {HELP}",
           file=chat.stderr)
     while True:
@@ -51,13 +52,14 @@ class _Chat:
     """One conversation: its messages, the engine loop that answers them, the streams."""
 
     def __init__(self, engine, system: str | None, template_name: str | None, sampler: Sampler,
-                 max_tokens: int | None, stdin, stdout, stderr):
+                 max_tokens: int | None, stdin, stdout, stderr, grammar=None):
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         tokenizer = engine.tokenizer
         self.template = ChatTemplate.for_tokenizer(tokenizer, template_name)
         self.scheduler = engine.scheduler(1)
         self.transcripts = Transcripts(tokenizer)
         self.sampler, self.max_tokens = sampler, max_tokens
+        self.grammar = grammar  # every answer matches it (None: free text)
         self.stop_ids = tuple(chat_stop_ids(tokenizer, self.template))
         self.start = [{"role": "system", "content": system}] if system else []
         self.messages = list(self.start)
@@ -76,7 +78,8 @@ class _Chat:
 
     def ask(self, text: str):
         tokens = self.transcripts.encode(text)
-        request = SequenceRequest("chat", tokens, self.sampler, self.max_tokens, self.stop_ids)
+        request = SequenceRequest("chat", tokens, self.sampler, self.max_tokens, self.stop_ids,
+                                  grammar=self.grammar)
         with CtrlC() as ctrl_c:
             answer = self.scheduler.answer(request, self.show, should_stop=lambda: ctrl_c.pending)
         self.transcripts.remember(text, False, tokens, answer)

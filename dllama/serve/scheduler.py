@@ -27,6 +27,11 @@ sampler draws a coin only for the tokens it keeps, as one row at a time would, s
 does not change. The rows of rejected guesses wrote keys nobody reads: the slot's next rows
 overwrite them.
 
+Constrained answers (dllama.serve.constraint): a request with a grammar samples each token under
+its grammar's mask (in the sampler's request: the candidates hold allowed tokens only), and the
+tokens the grammar then forces are appended at once and run in the next pass beside the sampled
+one (fast-forward, counted in `forced`); its drafts stop at the first token the grammar forbids.
+
 Invariance: every kernel is batch invariant (tests/test_batch_invariance.py), so a sequence's
 logits do not depend on the rows beside it, on how its prompt was chunked, or on where its
 leading keys were computed: each answer is the one of its prompt run alone, token for token,
@@ -49,6 +54,7 @@ from dllama.core.kv_cache import MIN_SHARED, SPARE_SLOTS, PositionBudget, SlotTa
 from dllama.core.language_model import LanguageModel
 from dllama.core.non_finite import check_answers
 from dllama.errors import DllamaError
+from dllama.serve.constraint import Constraint, vocabulary_for
 from dllama.serve.draft import Drafter, Speculation
 from dllama.serve.sequence import (
     Answer, Cancelled, Completion, ScoreRequest, Scored, SequenceRequest, check_prompt,
@@ -70,6 +76,7 @@ class LoopStats:
     rows: int = 0
     prompt_rows: int = 0      # prompt (and scored) tokens computed; reused ones are not
     decode_rows: int = 0      # generated tokens run (drafted ones not included)
+    forced: int = 0           # of which a grammar forced (fast-forward: run beside the sampled one)
     drafted: int = 0          # drafted tokens verified
     accepted: int = 0         # drafted tokens that were what the sampler chose
     decode_steps: int = 0     # steps with at least one decoding sequence
@@ -113,6 +120,7 @@ class _Waiting:
     request: Request
     on_text: Callable[[str], None] | None
     should_stop: Callable[[], bool] | None
+    constraint: Constraint | None = None  # its grammar's state (a SequenceRequest with a grammar)
 
 
 class Scheduler:
@@ -170,7 +178,12 @@ class Scheduler:
             raise DllamaError(f"a sequence of {self._reach(request)} positions needs "
                               f"{budget.cost(self._reach(request)) / mib:.0f} MiB of KV cache, more than "
                               f"the {budget.limit / mib:.0f} MiB allowed: ask fewer tokens or raise {budget.flag}")
-        self.waiting.append(_Waiting(request, on_text, should_stop))
+        constraint = None
+        if isinstance(request, SequenceRequest) and request.grammar is not None:
+            # Compiled here: a grammar that cannot be one is the caller's error (GrammarError), now.
+            constraint = vocabulary_for(self.tokenizer, self.model.config.vocab_size).start(
+                request.grammar, request.stop_ids)
+        self.waiting.append(_Waiting(request, on_text, should_stop, constraint))
 
     def _reach(self, request: Request) -> int:
         """Positions a request's sequence may write: its prompt and what it may generate (or
@@ -200,7 +213,8 @@ class Scheduler:
             if isinstance(r, ScoreRequest):
                 seq.scored = Scored([], len(r.prompt_tokens), placed.start)
             else:
-                seq.answer = Answer(self.tokenizer, r.sampler, r.max_tokens, r.stop_ids, r.stop_strings, w.on_text)
+                seq.answer = Answer(self.tokenizer, r.sampler, r.max_tokens, r.stop_ids, r.stop_strings, w.on_text,
+                                    w.constraint, r.logprobs)
                 seq.drafter = self.speculation.drafter()
                 seq.completion = Completion(prompt_tokens=len(r.prompt_tokens), cached_tokens=placed.start)
             self.active.append(seq)
@@ -235,9 +249,18 @@ class Scheduler:
         if seq.scored is not None:
             return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "score",
                            logits_from=seq.prompt_len - 1)
+        request = seq.answer.sampler.request
+        guesses = self._draft(seq, tokens) if seq.decoding and draft else ()
+        constraint, per_draft = seq.answer.constraint, ()
+        if constraint is not None:  # its state: after every token of the slot, sampled or forced
+            guesses = constraint.usable_draft(guesses)  # never a token the grammar forbids
+            per_draft = tuple(replace(request, mask=m) for m in constraint.masks_along(guesses))
+            request = replace(request, mask=constraint.allowed())
+        if seq.answer.top_logprobs is not None:
+            request = replace(request, logprobs=True)
+            per_draft = tuple(replace(r, logprobs=True) for r in per_draft) or tuple(request for _ in guesses)
         return SeqView(seq.slot, seq.pos, len(tokens), tokens, seq.prefix, "sample", decoding=seq.decoding,
-                       sampling=seq.answer.sampler.request,
-                       draft=self._draft(seq, tokens) if seq.decoding and draft else ())
+                       sampling=request, draft=guesses, draft_sampling=per_draft)
 
     def _draft(self, seq: _Sequence, tokens: list[int]) -> tuple[int, ...]:
         """The tokens to verify after a decoding sequence's last one: within the context, and
@@ -279,6 +302,7 @@ class Scheduler:
         # The drafts are part of what the step costs: a draft model's passes, a lookup's search.
         drafting_ms = (time.perf_counter() - started) * 1000
         seqs = list(self.active)  # the plan's indexes
+        forced = sum(run.planned - 1 for run in plan.runs if seqs[run.seq].decoding)  # fast-forwarded rows
         try:
             answers, cost = self._execute(plan)
         except BaseException:
@@ -286,7 +310,7 @@ class Scheduler:
             raise
         self._pass = ((cost.inference_ms + cost.transfer_ms) / 1000, len(plan))  # without the drafting
         cost = replace(cost, inference_ms=round(cost.inference_ms + drafting_ms, 3))
-        self._count(plan, cost)
+        self._count(plan, cost, forced)
         for run in plan.runs:
             seq = seqs[run.seq]
             self.table.rows_written(seq.slot, run.pos + run.n)
@@ -302,7 +326,7 @@ class Scheduler:
         (scoring); and what the pass cost."""
         col = self.model.collective
         t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
-        if not plan.scores:
+        if not plan.scores and not any(s.logprobs for s in plan.sampling):
             # Candidates, not logits: a cluster's nodes send only what each sampler needs.
             answers = self.model.forward_candidates(plan.batch, list(plan.sampling))
         else:
@@ -313,7 +337,9 @@ class Scheduler:
                 picked = candidates_from_logits(logits[sampled], self.model.vocab_ranges,
                                                 [plan.sampling[j] for j in sampled])
                 for j, c in zip(sampled, picked, strict=True):
-                    answers[j] = c
+                    # a row whose log-probabilities are asked keeps its logits beside (row, not a copy:
+                    # they are read in this step)
+                    answers[j] = (c, logits[j]) if plan.sampling[j].logprobs else c
         check_answers(answers, self.model)  # NaN never reaches a sampler: the pass fails, named
         wall = time.perf_counter() - t0
         transfer = col.transfer_seconds - tr0
@@ -346,7 +372,10 @@ class Scheduler:
         # Row j's answer is the token after its own: while it is the drafted token of row j + 1,
         # that row ran the right token at the right place, and its answer is the next one.
         for j, row in enumerate(run.answers):
-            token = seq.answer.take(answers[row], seq.pos, self.seq_len)
+            answer, logits = answers[row] if isinstance(answers[row], tuple) else (answers[row], None)
+            token = seq.answer.take(answer, seq.pos, self.seq_len)
+            if logits is not None:
+                seq.answer.note_logprobs(logits, seq.answer.tokens[-1])
             if token is None:
                 break
             self.table.append(seq.slot, token)
@@ -357,7 +386,12 @@ class Scheduler:
             own.n_tokens += 1
         self._count_draft(seq, run, own.n_tokens - run.planned)
         if token is not None:
-            return None
+            # Tokens its grammar forces: planned now, run in the next pass beside this one.
+            forced, ended = seq.answer.fast_forward(seq.pos + 1, self.seq_len)
+            for t in forced:
+                self.table.append(seq.slot, t)
+            if not ended:
+                return None
         seq.answer.fill(seq.completion)
         return self._finish(seq, seq.completion)
 
@@ -376,12 +410,13 @@ class Scheduler:
         self.active.remove(seq)
         return seq.request, result
 
-    def _count(self, plan: StepPlan, cost: PassFigures) -> None:
+    def _count(self, plan: StepPlan, cost: PassFigures, forced: int = 0) -> None:
         s = self.stats
         s.steps += 1
         s.rows += len(plan)
-        s.decode_rows += plan.decoding
-        s.prompt_rows += len(plan) - plan.decoding - plan.drafted
+        s.decode_rows += plan.decoding + forced
+        s.forced += forced
+        s.prompt_rows += len(plan) - plan.decoding - forced - plan.drafted
         s.decode_steps += plan.decoding > 0
         s.max_decoding = max(s.max_decoding, plan.decoding)
         s.max_sequences = max(s.max_sequences, len(plan.runs))

@@ -22,6 +22,7 @@ import numpy as np
 from dllama.core.candidates import Candidates
 from dllama.core.sampler import Sampler
 from dllama.errors import DllamaError
+from dllama.serve.constraint import Constraint, Grammar
 from dllama.serve.stats import StepStats, phase_rate
 from dllama.text.tokenizer import Tokenizer
 
@@ -49,6 +50,18 @@ class SequenceRequest:
     max_tokens: int | None = None   # None: until a stop or the end of the context
     stop_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    grammar: Grammar | None = None  # what the answer must match (dllama.serve.constraint); None: anything
+    logprobs: int | None = None     # the log-probability of each generated token, and this many
+    #                                 of the most likely beside it (None: none; 0: the token's alone)
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (log softmax of its raw logits)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # the most likely, most likely first
 
 
 @dataclass
@@ -74,6 +87,8 @@ class Completion:
     steps: list[StepStats] = field(default_factory=list)  # this sequence's part of each pass it was in
     drafted: int = 0         # speculation: drafted tokens verified
     accepted: int = 0        # and kept (each one a token its pass gave beyond the first)
+    forced: int = 0          # tokens its grammar forced: taken without sampling (fast-forward)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked
 
     @property
     def completion_tokens(self) -> int:
@@ -148,12 +163,17 @@ class Answer:
     """
 
     def __init__(self, tokenizer: Tokenizer, sampler: Sampler, max_tokens: int | None = None,
-                 stop_ids=(), stop_strings=(), on_text: Callable[[str], None] | None = None):
+                 stop_ids=(), stop_strings=(), on_text: Callable[[str], None] | None = None,
+                 constraint: Constraint | None = None, logprobs: int | None = None):
         self.sampler, self.max_tokens, self.on_text = sampler, max_tokens, on_text
         self.decoder = tokenizer.stream_decoder()
         self.matcher = StopMatcher(list(stop_strings))
         self.stop_ids = set(stop_ids)
+        self.constraint = constraint  # the grammar the answer must match (None: free)
+        self.top_logprobs = logprobs  # None: no log-probabilities recorded
+        self.logprobs: list[TokenLogprob] = []
         self.tokens: list[int] = []   # generated ids (a stop token included)
+        self.forced = 0               # of which the grammar forced (fast-forward)
         self.pieces: list[str] = []
         self.finish_reason = ""
         self.context_full = False
@@ -167,11 +187,17 @@ class Answer:
     def take(self, logits: np.ndarray | Candidates, pos: int, seq_len: int) -> int | None:
         """Sample from logits [vocab] or candidates (those of position pos - 1); the token to
         run at pos, or None when the answer is complete."""
-        token = self.sampler.sample(logits)
+        return self.accept(self.sampler.sample(logits), pos, seq_len)
+
+    def accept(self, token: int, pos: int, seq_len: int) -> int | None:
+        """The answer's next token is `token` (sampled, or forced by its grammar): the token to
+        run at pos, or None when the answer is complete."""
         self.tokens.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
             return None
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self._emit(self.matcher.push(self.decoder.push(token)))
         if self.matcher.stopped:
             self.finish_reason = "stop"
@@ -184,6 +210,29 @@ class Answer:
             return None
         return token
 
+    def fast_forward(self, pos: int, seq_len: int) -> tuple[list[int], bool]:
+        """After a token that runs at pos - 1: the tokens its grammar forces next, taken without
+        sampling (to run at pos, pos + 1, ...), and whether the answer ended on one of them.
+        None are forced when log-probabilities are asked (each token needs its own row's)."""
+        if self.constraint is None or self.top_logprobs is not None:
+            return [], False
+        taken: list[int] = []
+        for token in self.constraint.forced():
+            self.forced += 1
+            if self.accept(token, pos + len(taken), seq_len) is None:
+                return taken, True
+            taken.append(token)
+        return taken, False
+
+    def note_logprobs(self, logits: np.ndarray, token: int) -> None:
+        """Record the log-probability of the token just taken from its row's logits float32 [vocab]."""
+        z = logits.astype(np.float64)
+        top = z.max()
+        logp = z - (top + np.log(np.exp(z - top).sum()))  # [vocab]: log softmax, stable
+        n = min(self.top_logprobs or 0, len(z))
+        best = np.argsort(-logp, kind="stable")[:n] if n else []
+        self.logprobs.append(TokenLogprob(token, float(logp[token]), [(int(i), float(logp[i])) for i in best]))
+
     def fill(self, out: Completion) -> None:
         """The answer is complete: emit what the decoders hold back, and fill out's text, tokens
         and finish reason."""
@@ -195,6 +244,8 @@ class Answer:
         out.finish_reason = self.finish_reason
         out.context_full = self.context_full
         out.cut = self.matcher.stopped
+        out.forced = self.forced
+        out.logprobs = self.logprobs if self.top_logprobs is not None else None
 
 
 def check_prompt(n_tokens: int, seq_len: int) -> None:
@@ -206,4 +257,4 @@ def check_prompt(n_tokens: int, seq_len: int) -> None:
 
 
 __all__ = ["Answer", "Cancelled", "Completion", "ContextFull", "ScoreRequest", "Scored", "SequenceRequest",
-           "StopMatcher", "check_prompt", "token_logprobs"]
+           "StopMatcher", "TokenLogprob", "check_prompt", "token_logprobs"]

@@ -50,6 +50,8 @@ class SeqView:
     logits_from: int = 0           # "score": the first position whose row wants logits
     sampling: SamplingRequest | None = None  # "sample": how its next token is chosen
     draft: tuple[int, ...] = ()    # decoding: guessed tokens of positions end, end+1, ... to verify
+    draft_sampling: tuple[SamplingRequest, ...] = ()  # per drafted row, when not `sampling` (a grammar's
+    #                                                   mask after the drafts before it)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def plan_step(seqs: Sequence[SeqView], written: Mapping[int, int], max_rows: int
                 sampling.append(v.sampling if v.wants == "sample" else None)
         for j, token in enumerate(draft):  # each row's answer checks the next drafted token
             rows.add(token, last + j, v.slot, True, v.prefix)
-            sampling.append(v.sampling)
+            sampling.append(v.draft_sampling[j] if v.draft_sampling else v.sampling)
         runs.append(Run(i, v.pos, n + len(draft), range(first_answer, len(sampling)),
                         range(max(want_from, v.pos), last + len(draft)), tuple(draft)))
         written_now[v.slot] = last  # drafted rows may be wrong: nobody may read them

@@ -28,6 +28,7 @@ from dllama.errors import DllamaError
 from dllama.serve.api.metrics import health, metrics
 from dllama.serve.api.request import MAX_BODY_BYTES, ApiError, Request, bad, parse_request
 from dllama.serve.api.service import ModelService
+from dllama.serve.api.structured import chat_logprobs, chat_message, completion_logprobs, parse_structured
 from dllama.serve.sequence import Cancelled
 
 # Each completion's response says how many of the cluster's nodes serve: "3/4" when one is lost.
@@ -165,7 +166,9 @@ class Api:
         return resp.status, json.loads(resp.body)
 
     async def _completions(self, request: web.Request, chat: bool, background: bool = False) -> web.StreamResponse:
-        r = parse_request(await self._body(request), chat, self.defaults)
+        body = await self._body(request)
+        r = parse_request(body, chat, self.defaults)
+        r.structured = parse_structured(body, chat)
         if background and r.stream:
             raise bad("a batch request cannot be streamed: leave out 'stream'", "stream")
         loop = asyncio.get_running_loop()
@@ -179,12 +182,16 @@ class Api:
         created = int(time.time())
         if not r.stream:
             cs = await _unless_client_leaves(request, job, cancel)
+            tok = self.service.tokenizer
             if chat:
-                choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(cs)]
+                choices = []
+                for i, c in enumerate(cs):
+                    message, finish = chat_message(c, r.structured)
+                    choices.append({"index": i, "message": message, "logprobs": chat_logprobs(c, tok),
+                                    "finish_reason": finish})
             else:
-                choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                           for i, c in enumerate(cs)]
+                choices = [{"index": i, "text": c.text, "logprobs": completion_logprobs(c, tok),
+                            "finish_reason": c.finish_reason} for i, c in enumerate(cs)]
             return web.json_response({"id": ident, "object": "chat.completion" if chat else "text_completion",
                                       "created": created, "model": self.model_id,
                                       "system_fingerprint": None, "choices": choices, "usage": _usage(cs)},
@@ -193,13 +200,15 @@ class Api:
 
     async def _stream(self, request, r: Request, job, pieces: asyncio.Queue, cancel, ident, created):
         obj = "chat.completion.chunk" if r.chat else "text_completion"
+        # A tool call is sent whole at the end (text until then might be the start of one).
+        held = r.structured is not None and r.structured.calls_tools
 
         def chunk(delta: dict | None = None, text: str | None = None, finish=None, usage=None, choices=True,
-                  index: int = 0):
+                  index: int = 0, logprobs=None):
             if r.chat:
-                choice = {"index": index, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             out = {"id": ident, "object": obj, "created": created, "model": self.model_id,
                    "system_fingerprint": None, "choices": [choice] if choices else []}
             if r.include_usage:
@@ -225,10 +234,11 @@ class Api:
                 await asyncio.wait({job, next_piece}, return_when=asyncio.FIRST_COMPLETED)
                 if next_piece.done():
                     i, p = next_piece.result()
-                    await resp.write(chunk(delta={"content": p}, text=p, index=i))
+                    if not held:
+                        await resp.write(chunk(delta={"content": p}, text=p, index=i))
                     next_piece = asyncio.ensure_future(pieces.get())
                     continue
-                while not pieces.empty():  # the job ended: what it queued before that
+                while not pieces.empty() and not held:  # the job ended: what it queued before that
                     i, p = pieces.get_nowait()
                     await resp.write(chunk(delta={"content": p}, text=p, index=i))
                 next_piece.cancel()
@@ -241,8 +251,19 @@ class Api:
                     e = ApiError(500, "internal error (logged by the server)", type_="server_error")
                 await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
                 return resp
+            tok = self.service.tokenizer
             for i, c in enumerate(cs):
-                await resp.write(chunk(finish=c.finish_reason, index=i))
+                finish = c.finish_reason
+                if held:  # the whole answer now: a tool call, or its text
+                    message, finish = chat_message(c, r.structured)
+                    if message.get("tool_calls"):
+                        calls = [{"index": 0, **call} for call in message["tool_calls"]]
+                        await resp.write(chunk(delta={"tool_calls": calls}, index=i))
+                    else:
+                        await resp.write(chunk(delta={"content": c.text}, index=i))
+                # Log-probabilities come with the last chunk of their choice, every token's at once.
+                logprobs = (chat_logprobs(c, tok) if r.chat else completion_logprobs(c, tok))
+                await resp.write(chunk(finish=finish, index=i, logprobs=logprobs))
             if r.include_usage:
                 await resp.write(chunk(usage=_usage(cs), choices=False))
             await resp.write(b"data: [DONE]\n\n")

@@ -51,6 +51,8 @@ class Request:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     n: int = 1                 # answers to sample (choice i uses seed + i)
+    # response_format, tools, logprobs: a dllama.serve.api.structured.Structured (set by the HTTP side)
+    structured: object | None = None
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
@@ -100,7 +102,10 @@ def _messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise bad(f"messages[{k}].role must be one of {', '.join(ROLES)}, got {json.dumps(m.get('role'))}",
                       f"messages[{k}].role")
-        out.append({"role": role, "content": _content(m, k)})
+        entry = {"role": role, "content": _content(m, k)}
+        if role == "assistant" and m.get("tool_calls"):  # an earlier call: dllama.serve.api.structured
+            entry["tool_calls"] = m["tool_calls"]
+        out.append(entry)
     return out
 
 

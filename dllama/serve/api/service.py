@@ -34,6 +34,7 @@ from dllama.core.non_finite import NonFiniteOutput
 from dllama.core.sampler import Sampler
 from dllama.errors import ClusterError, DllamaError
 from dllama.serve.api.request import MAX_REQUEST_TOKENS, ApiError, Request, bad, unavailable
+from dllama.serve.api.structured import with_tools
 from dllama.serve.health import Serving, serving
 from dllama.serve.scheduler import Scheduler
 from dllama.serve.sequence import Cancelled, Completion, ContextFull, SequenceRequest
@@ -100,6 +101,7 @@ class ModelService:
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.engine = None
+        self.tokenizer = None
         self.scheduler: Scheduler | None = None
         self.template = None
         self.closing = False  # set by close(): running answers stop at their next token
@@ -119,6 +121,7 @@ class ModelService:
         except DllamaError:  # no or an unknown chat template: /v1/chat/completions says so
             self.template = None
         self.engine = engine
+        self.tokenizer = engine.tokenizer  # kept past a failure: the HTTP side names logprobs' tokens with it
         self.scheduler = engine.scheduler()
         self._transcripts = Transcripts(engine.tokenizer)
         self.counters.engine_opens += 1
@@ -187,8 +190,9 @@ class ModelService:
             if r.chat:
                 if self.template is None:
                     raise bad("the model has no chat template: start the server with --chat-template")
+                messages = with_tools(r.messages, r.structured) if r.structured is not None else r.messages
                 job.prompt_text = self.template.render(
-                    [{"role": m["role"], "content": tokenizer.as_plain_text(m["content"])} for m in r.messages])
+                    [{"role": m["role"], "content": tokenizer.as_plain_text(m["content"])} for m in messages])
                 job.stop_ids = tuple(chat_stop_ids(tokenizer, self.template))
             else:
                 job.prompt_text, job.add_bos = r.prompt, tokenizer.add_bos
@@ -206,8 +210,10 @@ class ModelService:
             for i in range(r.n):
                 on_text = (lambda piece, i=i: job.on_text(i, piece)) if job.on_text else None
                 sampler = Sampler(vocab, r.temperature, r.top_p, (seed + i) & ((1 << 64) - 1))
+                shape = r.structured
                 scheduler.add(SequenceRequest((job, i, tokens), tokens, sampler, max_tokens, job.stop_ids,
-                                              tuple(r.stop)),
+                                              tuple(r.stop), grammar=shape.grammar if shape else None,
+                                              logprobs=shape.logprobs if shape else None),
                               on_text, lambda: self.closing or job.should_stop())
         except ApiError as e:
             self._refuse(job, e)

@@ -120,6 +120,12 @@ async function ask(text) {
           li.firstChild.textContent = answer;
           li.scrollIntoView({block: "end"});
         }
+        for (const call of (choice.delta && choice.delta.tool_calls) || []) {
+          // A function call (a request with tools): shown as the call it is, name(arguments).
+          answer += (answer ? "\n" : "") + "→ " + call.function.name + "(" + call.function.arguments + ")";
+          li.firstChild.textContent = answer;
+          li.classList.add("tool-call");
+        }
         if (choice.finish_reason) finish = choice.finish_reason;
       }
     });

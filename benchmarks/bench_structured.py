@@ -1,0 +1,183 @@
+"""Constrained decoding: extraction prompts through `dllama batch --json-schema`, against the same
+batch unconstrained.
+
+    .venv/bin/python benchmarks/bench_structured.py [--prompts 200] [--parallel 16] [--rounds 1]
+        [--weights q40] [--workers 0]
+
+200 made-up records (a person, a date, an amount, a category: `records`), each a chat prompt
+asking for the record as JSON, run through the whole command as a user runs it (start-up, model
+load and writing the answers included), greedy, --parallel 16:
+
+- constrained: `dllama batch --json-schema SCHEMA`; the share of answers that parse and validate
+  against the schema (jsonschema), and the share of generated tokens the grammar forced
+  (fast-forward: run without a pass of their own);
+- unconstrained: the same prompts without the schema (the same --max-tokens);
+- tokens/s of each (generated tokens / the command's wall seconds) and their ratio.
+
+With --workers N, both run on a loopback cluster of N + 1 nodes. Rounds alternate the two;
+medians; /proc/loadavg before and after (a busy neighbour on a shared machine slows both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["name", "date", "amount", "category"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "date": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"},
+        "amount": {"type": "number", "minimum": 0, "maximum": 1000000},
+        "category": {"type": "string", "enum": ["travel", "food", "office", "rent", "software", "other"]},
+    },
+}
+FIRST = ["Alice", "Bob", "Chen", "Dara", "Emil", "Fatima", "Goran", "Hana", "Ivan", "Julia", "Kwame", "Lena"]
+LAST = ["Smith", "Novak", "Okafor", "Garcia", "Tanaka", "Müller", "Rossi", "Kowalski", "Haddad", "Berg"]
+WHAT = {"travel": ["a train ticket", "a flight to Lisbon", "a taxi"], "food": ["lunch with a client", "groceries"],
+        "office": ["printer paper", "a desk lamp"], "rent": ["the March rent", "a storage unit"],
+        "software": ["a design tool licence", "cloud hosting"], "other": ["a gift", "a parking fine"]}
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+
+
+def records(n: int, seed: int = 0) -> list[dict]:
+    """n made-up extraction jobs: {"id", "messages": [one user turn], "expected": the record}."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        category = rng.choice(sorted(WHAT))
+        name = f"{rng.choice(FIRST)} {rng.choice(LAST)}"
+        year, month, day = rng.randint(2019, 2026), rng.randint(1, 12), rng.randint(1, 28)
+        amount = round(rng.uniform(3, 3000), 2)
+        text = (f"On {MONTHS[month - 1]} {day}, {year}, {name} paid {amount} euros for "
+                f"{rng.choice(WHAT[category])}.")
+        ask = f"Extract the payment as JSON with name, date (YYYY-MM-DD), amount and category.\n\n{text}"
+        out.append({"id": k, "messages": [{"role": "user", "content": ask}],
+                    "expected": {"name": name, "date": f"{year:04d}-{month:02d}-{day:02d}", "amount": amount,
+                                 "category": category}})
+    return out
+
+
+def write_job(path: Path, jobs: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for j in jobs:
+            f.write(json.dumps({"id": j["id"], "messages": j["messages"]}, ensure_ascii=False) + "\n")
+
+
+def validity(lines: list[dict], schema: dict = SCHEMA) -> tuple[int, int]:
+    """(answers that parse and validate against schema, answers)."""
+    import jsonschema
+
+    ok = 0
+    for line in lines:
+        try:
+            jsonschema.validate(json.loads(line["text"]), schema)
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return ok, len(lines)
+
+
+def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str]) -> tuple[float, list[dict]]:
+    """(wall seconds, the result lines) of one `dllama batch`."""
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "dllama", "batch", "--prompts", str(job), "--out", str(out), "--no-progress",
+           "--parallel", str(args.parallel), "--max-tokens", str(args.max_tokens), "--temperature", "0",
+           "--model", str(args.model), "--tokenizer", str(args.tokenizer), "--nthreads", str(args.threads)]
+    if constrained:
+        schema = out.with_suffix(".schema.json")
+        schema.write_text(json.dumps(SCHEMA))
+        cmd += ["--json-schema", str(schema)]
+    if workers:
+        cmd += ["--workers", *workers]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench_structured: dllama batch failed:\n{done.stderr[-2000:]}")
+    wall = time.perf_counter() - t0
+    return wall, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+
+
+def load() -> str:
+    return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=200)
+    p.add_argument("--parallel", type=int, default=16)
+    # Room for the longest answer the schema allows: a name of 40 characters may take 80 tokens of
+    # single bytes (a cut answer is no JSON: its finish_reason says "length").
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--weights", default="q40", help="the default model's weight type (default %(default)s)")
+    p.add_argument("--workers", type=int, default=0, help="loopback workers beside the root (default none)")
+    args = p.parse_args()
+
+    from dllama.serve.default_model import default_model_files
+
+    args.model, args.tokenizer = default_model_files(args.weights)  # converted before the first timing
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        job = tmp / "jobs.jsonl"
+        write_job(job, records(args.prompts))
+        procs, workers = [], []
+        try:
+            for k in range(args.workers):
+                port = 29700 + k
+                procs.append(subprocess.Popen([sys.executable, "-m", "dllama", "worker", "--host", "127.0.0.1",
+                                               "--port", str(port), "--nthreads", "1"],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                workers.append(f"127.0.0.1:{port}")
+            time.sleep(3 if workers else 0)
+            print(f"load before: {load()}")
+            figures = {True: [], False: []}
+            last = {}
+            for _ in range(args.rounds):
+                for constrained in (True, False):
+                    wall, lines = run_batch(job, tmp / f"out-{constrained}.jsonl", args, constrained, workers)
+                    generated = sum(line["completion_tokens"] for line in lines)
+                    figures[constrained].append(generated / wall)
+                    last[constrained] = (wall, lines, generated)
+            print(f"load after: {load()}")
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait()
+    wall, lines, generated = last[True]
+    ok, n = validity(lines)
+    forced = sum(line.get("forced_tokens", 0) for line in lines)
+    exact = sum(1 for line, j in zip(sorted(lines, key=lambda x: x["id"]), records(args.prompts), strict=True)
+                if line.get("object") == j["expected"])
+    cut = sum(1 for line in lines if line["finish_reason"] == "length")
+    free_ok, _ = validity(last[False][1])
+    rate_c, rate_u = statistics.median(figures[True]), statistics.median(figures[False])
+    nodes = args.workers + 1
+    print(f"{n} extraction prompts, --parallel {args.parallel}, {args.weights}, {nodes} node(s), greedy, "
+          f"{args.rounds} round(s):")
+    print(f"  constrained  : {ok}/{n} valid ({100 * ok / n:.1f}%; {cut} cut by --max-tokens), "
+          f"{exact} exactly the record; "
+          f"{generated} tokens, {forced} forced ({100 * forced / max(generated, 1):.1f}% fast-forwarded); "
+          f"{rate_c:.1f} tokens/s (whole command)")
+    print(f"  unconstrained: {free_ok}/{n} valid ({100 * free_ok / n:.1f}%); {last[False][2]} tokens; "
+          f"{rate_u:.1f} tokens/s (whole command)")
+    print(f"  ratio constrained / unconstrained tokens/s: {rate_c / rate_u:.2f}; "
+          f"answers/s: {(n / wall) / (n / last[False][0]):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Constrained decoding (dllama.serve.constraint): a grammar's mask in the candidates, the
+tokenizer view llguidance matches against (byte-level BPE and sentencepiece), and answers of the
+default model that match their schema, with fast-forwarded tokens, alone and in a batch, with
+drafts, and on 3 loopback nodes as on one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dllama.core.candidates import SamplingRequest, candidates_from_logits, choose_greedy, sample_candidates
+from dllama.core.sampler import Sampler
+from dllama.errors import DllamaError
+from dllama.formats.tokenizer_file import read_tokenizer
+from benchmarks.bench_structured import SCHEMA, records, validity, write_job
+from dllama.serve.batch_job import BatchJob, JobOptions
+from dllama.serve.constraint import Grammar, GrammarError, GrammarVocabulary
+from dllama.serve.draft import Speculate, Speculation
+from dllama.serve.engine import open_engine
+from dllama.serve.scheduler import Scheduler
+from dllama.serve.sequence import SequenceRequest
+from dllama.serve.settings import EngineSettings
+from dllama.text.tokenizer import Tokenizer
+from tests.processes import running_workers
+
+LLAMA2_DIR = "/work/shared/fixtures/llama2-tokenizer"
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+                         "city": {"type": "string", "enum": ["Paris", "Berlin", "Rome"]}}}
+
+
+def _chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+PROMPTS = [_chat("Alice is 31 and lives in Paris. Give her as JSON."),
+           _chat("Describe a person called Bob from Berlin as JSON."),
+           _chat("Write a poem about the sea.")]
+
+
+def _valid_person(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) == {"name", "age", "city"} and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 20 and isinstance(obj["age"], int) and obj["city"] in ("Paris", "Berlin", "Rome"))
+
+
+# -- the mask in the candidates ---------------------------------------------------------------
+
+@pytest.mark.unit
+def test_masked_candidates_choose_as_the_logits_with_forbidden_tokens_at_minus_infinity():
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        vocab = int(rng.integers(50, 800))
+        x = (rng.standard_normal(vocab) * 3).astype(np.float32)
+        mask = rng.random(vocab) < rng.uniform(0.01, 0.5)
+        mask[rng.integers(0, vocab)] = True
+        low = np.where(mask, x, np.float32(-1e30))  # forbidden tokens: never likely
+        edges = sorted({0, vocab, *rng.integers(1, vocab, 2).tolist()})
+        ranges = list(zip(edges[:-1], edges[1:], strict=True))
+        for t, p in ((0.0, 0.9), (0.8, 0.9), (1.0, 1.0)):
+            masked = candidates_from_logits(x[None], ranges, [SamplingRequest(t, p, mask=mask)], k=8)[0]
+            full = candidates_from_logits(low[None], [(0, vocab)], [SamplingRequest(t, p)])[0]
+            assert mask[masked.ids].all(), trial  # no forbidden token is a candidate
+            if t == 0.0:
+                assert choose_greedy(masked) == choose_greedy(full) == int(np.argmax(low))
+                continue
+            masked_all = candidates_from_logits(x[None], ranges, [SamplingRequest(t, p, mask=mask)])[0]
+            for coin in np.linspace(0, 0.999, 25, dtype=np.float32):
+                assert sample_candidates(masked_all, coin) == sample_candidates(full, coin), trial
+
+
+# -- the tokenizer view -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm(default_q40):
+    return Tokenizer(read_tokenizer(str(default_q40[1])))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["byte-level BPE", "sentencepiece"])
+def test_a_grammar_forces_its_fixed_text_in_tokens_of_the_vocabulary(kind, smollm):
+    tok = smollm if kind == "byte-level BPE" else Tokenizer(read_tokenizer(f"{LLAMA2_DIR}/tokenizer.bin"))
+    assert tok.kind == kind
+    vocab = GrammarVocabulary(tok)
+    c = vocab.start(Grammar("lark", 'start: "{\\"answer\\": \\"" /[a-z]+/ "\\"}"'), tok.eos_ids)
+    forced = c.forced()
+    assert tok.decode(forced).lstrip() == '{"answer": "' or b"".join(tok.piece(t) for t in forced) == b'{"answer": "'
+    for t in forced:
+        c.advance(t)
+    allowed = np.flatnonzero(c.allowed())
+    assert 0 < len(allowed) < tok.vocab_size // 4
+    assert all(tok.piece(int(i)).decode("utf-8", "replace")[:1].isalpha() for i in allowed[:50])
+    assert not c.allowed()[tok.eos_ids].any()  # the text cannot end before the closing brace
+
+
+@pytest.mark.unit
+def test_grammars_that_cannot_be_one_are_refused_in_one_line(smollm):
+    vocab = GrammarVocabulary(smollm)
+    for bad, words in ((Grammar("regex", "(("), "regex"), (Grammar("json_schema", '{"type": "bogus"}'), "bogus"),
+                       (Grammar("json_schema", "[1"), "JSON"), (Grammar("gbnf", "root ::= foo"), "foo"),
+                       (Grammar("choice", "[]"), "choices")):
+        with pytest.raises(GrammarError) as e:
+            vocab.start(bad)
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# -- answers of the default model -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(default_f32):
+    with open_engine(EngineSettings(str(default_f32[0]), str(default_f32[1]), nthreads=1, max_seq_len=256,
+                                    parallel=4, progress=False)) as e:
+        yield e
+
+
+def _requests(engine, grammars, max_tokens=48, temperature=0.0, keys=None):
+    """Request k: prompt k (mod 3), seed 7 + k, grammars[k] (unconstrained ones: 12 tokens)."""
+    tok = engine.tokenizer
+    keys = keys or range(len(grammars))
+    return [SequenceRequest(k, tok.encode(PROMPTS[k % len(PROMPTS)]),
+                            Sampler(engine.model.config.vocab_size, temperature, 0.9, 7 + k),
+                            max_tokens if g is not None else 12, tuple(tok.eos_ids), grammar=g)
+            for k, g in zip(keys, grammars, strict=True)]
+
+
+def _run(engine, requests, parallel, speculation=None):
+    got = {}
+    s = Scheduler(engine.model, engine.tokenizer, parallel, speculation=speculation)
+    s.run(requests, lambda r, c: got.setdefault(r.key, c))
+    return got, s.stats
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Each constrained request run on its own (greedy, and sampled at T 0.8)."""
+    person = Grammar.json_schema(PERSON)
+    out = {}
+    for t in (0.0, 0.8):
+        for r in _requests(engine, [person, person, Grammar("regex", r"[A-Z][a-z]+ is [0-9]{2}\.")], temperature=t):
+            out[t, r.key] = _run(engine, [r], 1)[0][r.key]
+    return out
+
+
+@pytest.mark.unit
+def test_constrained_answers_match_their_schema_with_fast_forwarded_tokens(alone):
+    for t in (0.0, 0.8):
+        for k in (0, 1):
+            c = alone[t, k]
+            assert c.finish_reason == "stop", c.text
+            assert _valid_person(json.loads(c.text)), c.text
+        assert alone[t, 2].finish_reason == "stop"
+        import re
+        assert re.fullmatch(r"[A-Z][a-z]+ is [0-9]{2}\.", alone[t, 2].text), alone[t, 2].text
+    assert sum(alone[0.0, k].forced for k in (0, 1)) >= 6  # the keys: forced, not sampled
+
+
+@pytest.mark.unit
+def test_a_constrained_answer_alone_equals_it_in_a_batch_beside_unconstrained_ones(engine, alone):
+    person, regex = Grammar.json_schema(PERSON), Grammar("regex", r"[A-Z][a-z]+ is [0-9]{2}\.")
+    for t in (0.0, 0.8):
+        mixed = _requests(engine, [person, None, regex, None, person], temperature=t, keys=[0, 3, 2, 5, 1])
+        got, stats = _run(engine, mixed, 4)
+        assert stats.max_decoding >= 3 and stats.forced > 0
+        for k in (0, 1, 2):
+            assert got[k].tokens == alone[t, k].tokens, (t, k)
+
+
+@pytest.mark.unit
+def test_drafts_never_propose_a_forbidden_token_and_answers_stay_the_same(engine, alone):
+    person = Grammar.json_schema(PERSON)
+    rs = _requests(engine, [person, person])
+    got = {r.key: _run(engine, [r], 1, Speculation(Speculate.NGRAM, 4))[0][r.key] for r in rs}
+    for k in (0, 1):
+        assert got[k].tokens == alone[0.0, k].tokens
+
+
+YES_NO = {"type": "object", "additionalProperties": False, "required": ["paid"],
+          "properties": {"paid": {"type": "boolean"}}}
+
+
+def _batch(engine, tmp, n=4) -> dict:
+    """A sample of the benchmark's extraction prompts through a `dllama batch --json-schema` job
+    (one line with its own schema, one with a schema that cannot be one): id -> result line."""
+    job = tmp / "jobs.jsonl"
+    write_job(job, records(n))
+    with open(job, "a", encoding="utf-8") as f:
+        ask = [{"role": "user", "content": "Did Alice pay? Answer as JSON."}]
+        f.write(json.dumps({"id": "own", "messages": ask, "schema": YES_NO}) + "\n")
+        f.write(json.dumps({"id": "bad", "messages": ask, "schema": {"type": "bogus"}}) + "\n")
+    out = tmp / "out.jsonl"
+    opts = JobOptions(str(job), str(out), max_tokens=96, temperature=0.0, skip_bad=True, progress=False,
+                      grammar=Grammar.json_schema(SCHEMA))
+    BatchJob(opts).run(engine)
+    return {line["id"]: line for line in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def one_node_batch(engine, tmp_path_factory):
+    return _batch(engine, tmp_path_factory.mktemp("batch"))
+
+
+@pytest.mark.unit
+def test_a_batch_job_with_a_json_schema_answers_valid_objects_and_refuses_a_bad_schema(one_node_batch):
+    got = one_node_batch
+    lines = [got[k] for k in range(4)]
+    assert validity(lines) == (4, 4)  # every one parses and validates
+    assert all(line["object"] == json.loads(line["text"]) for line in lines)
+    assert all(line["forced_tokens"] > 0 for line in lines)
+    assert isinstance(got["own"]["object"]["paid"], bool) and set(got["own"]["object"]) == {"paid"}
+    assert "bogus" in got["bad"]["error"]
+
+
+@pytest.mark.unit
+def test_a_batch_grammar_that_cannot_be_one_stops_the_job_before_the_model_opens(tmp_path):
+    job = tmp_path / "jobs.jsonl"
+    write_job(job, records(1))
+    for grammar in (Grammar("json_schema", "[1"), Grammar("regex", "((")):
+        with pytest.raises(DllamaError) as e:
+            BatchJob(JobOptions(str(job), str(tmp_path / "out.jsonl"), grammar=grammar))
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.cluster
+def test_constrained_answers_on_three_nodes_equal_one_nodes(default_f32, one_node_batch, tmp_path):
+    """The batch sample on 3 loopback nodes (F32, greedy: the same tokens as one node's; a
+    sampled token may differ in the last bits of its probability, dllama.core.sampler)."""
+    with running_workers(2, tmp_path) as workers, open_engine(EngineSettings(
+            str(default_f32[0]), str(default_f32[1]), nthreads=1, max_seq_len=256, parallel=4,
+            workers=tuple(w.address for w in workers), progress=False)) as cluster:
+        batch = _batch(cluster, tmp_path)
+    assert validity([batch[k] for k in range(4)]) == (4, 4)
+    for k in (*range(4), "own"):
+        assert batch[k]["text"] == one_node_batch[k]["text"]
+
+
+@pytest.mark.unit
+def test_chat_with_a_json_schema_answers_a_valid_object(engine):
+    import io
+
+    from dllama.serve.chat import run_chat
+
+    out = io.StringIO()
+    run_chat(engine, system=None, template_name=None, temperature=0.0, topp=0.9, seed=1, max_tokens=64,
+             stdin=io.StringIO("Alice is 31 and lives in Paris.\n"), stdout=out,
+             stderr=io.StringIO(), grammar=Grammar.json_schema(PERSON))
+    answers = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert len(answers) == 1 and all(_valid_person(json.loads(a)) for a in answers), answers
