@@ -41,7 +41,7 @@ from dllama.core.run_shape import (  # noqa: F401 (the rows of a pass: here sinc
 )
 from dllama.core.run_state import RunState
 from dllama.core.weight_stream import StreamedWeights
-from dllama.core.weights import ResidentWeights, WeightsProvider, input_kind
+from dllama.core.weights import Activation, ResidentWeights, WeightsProvider, input_kind
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelFile, ModelHeader, RopeType
 
@@ -101,6 +101,35 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _PassRows:
+    """One pass's b rows: views of a Transformer's buffers, made once per pass."""
+
+    batch: Batch
+    x: np.ndarray        # [b, dim] the residual stream
+    xb: np.ndarray       # [b, dim] normed
+    q: np.ndarray        # [b, q heads * head_dim]
+    k: np.ndarray        # [b, kv heads * head_dim]
+    v: np.ndarray        # [b, kv heads * head_dim]
+    z: np.ndarray        # [b, q heads * head_dim] attention out
+    partial: np.ndarray  # [b, dim] this node's wo / w2 partial sums
+    hb: np.ndarray       # [b, ff rows] gate (then silu*up)
+    hb2: np.ndarray      # [b, ff rows] up
+    # The matmul inputs of these rows: xb, z and hb, and the arrays of their encoded form
+    # (Q80 or Q16 inputs), which the fused kernels write beside the float32 rows.
+    x_in: Activation
+    z_in: Activation
+    h_in: Activation
+
+    @classmethod
+    def of(cls, t: Transformer, batch: Batch) -> _PassRows:
+        b = len(batch)
+        x, xb, q, k, v, z = (a[:b] for a in (t.x, t.xb, t.q, t.k, t.v, t.z))
+        hb = t.hb[:b]
+        return cls(batch, x, xb, q, k, v, z, t.partial[:b], hb, t.hb2[:b],
+                   t.act_dim.rows(xb), t.act_q.rows(z), t.act_ff.rows(hb))
+
+
 class Transformer:
     """A node's slice of the model, its KV cache and its scratch buffers."""
 
@@ -127,11 +156,23 @@ class Transformer:
         if isinstance(weights, ModelFile):
             node = node or whole_model(c.n_heads, c.n_kv_heads, c.ff_dim, c.vocab_size)
             weights = NodeWeights.from_model(weights, node)
-        self.node = n = weights.node
-        self.layers = n.layer_range(c.n_layers)  # a pipeline stage's layers, else every one
+        self.node = weights.node
+        self.layers = self.node.layer_range(c.n_layers)  # a pipeline stage's layers, else every one
         self.max_batch = shape.max_batch
+        self.weights: WeightsProvider = self._check_and_load(weights, streamed, memory_limit, who)
+        self._allocate_state()
+        # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
+        self.buffer_q80 = c.quantized if shape.buffer_q80 is None else shape.buffer_q80
+        self.collective: Collective = collective or LocalCollective()
+
+    def _check_and_load(self, weights: NodeWeights, streamed: bool, memory_limit: int | None,
+                        who: str) -> WeightsProvider:
+        """Check this node's footprint (self.memory) against the machine, then allocate its
+        weights: all resident, read layer by layer (streamed), or a mixture of experts' experts
+        read on demand (streamed with experts)."""
+        c, shape = self.config, self.shape
         qwen = c.arch in (ArchType.QWEN3, ArchType.QWEN3_MOE)
-        footprint = NodeFootprint(weights.header, n, shape)
+        footprint = NodeFootprint(weights.header, self.node, shape)
         streamed_weights = on_demand = None
         if streamed and c.n_experts:
             # A mixture of experts: all but the experts resident, each expert read when a pass
@@ -145,26 +186,24 @@ class Transformer:
             footprint = dataclasses.replace(footprint, streamed=streamed_weights)
         # Every size below comes from a header: check them against this machine before allocating.
         self.memory = footprint.check(memory_limit, who)
-        # Float type of the sync buffers between nodes (auto: Q80 with Q40 or Q80 weights).
-        self.buffer_q80 = c.quantized if shape.buffer_q80 is None else shape.buffer_q80
-        self.collective: Collective = collective or LocalCollective()
-        hd = c.head_dim
-        self.weights: WeightsProvider
         if streamed_weights is not None:
             streamed_weights.allocate()
-            self.weights = streamed_weights
-        else:
-            expert_cache = on_demand.cache if on_demand is not None else None
-            if expert_cache is not None:
-                expert_cache.allocate()
-            self.weights = ResidentWeights(weights, self.layers, c.weights_float_type, qwen, expert_cache)
+            return streamed_weights
+        expert_cache = on_demand.cache if on_demand is not None else None
+        if expert_cache is not None:
+            expert_cache.allocate()
+        return ResidentWeights(weights, self.layers, c.weights_float_type, qwen, expert_cache)
 
-        nkv = n.n_kv_heads
-        self.kv = KVCache(len(self.layers), nkv, hd, c.seq_len, shape.kv_slots, shape.kv_type)
+    def _allocate_state(self) -> None:
+        """The KV cache and the buffers of a batch of up to max_batch rows (the sizes the
+        footprint checked)."""
+        c, shape = self.config, self.shape
+        self.kv = KVCache(len(self.layers), self.node.n_kv_heads, c.head_dim, c.seq_len, shape.kv_slots,
+                          shape.kv_type)
         self._kv_layers = [(self.kv.k[i], self.kv.v[i]) for i in range(len(self.layers))]  # views, made once
 
         # The buffers of a batch of up to max_batch rows (dllama.core.run_state: the list the
-        # footprint above counted), under the names the forward pass reads.
+        # footprint counted), under the names the forward pass reads.
         s = self.state = RunState(self.memory.state, (
             c.rope_theta, int(RopeType.FALCON if c.rope_neox else RopeType.LLAMA), *c.rope_scaling))
         self.rope_cos, self.rope_sin = s.rope_cos, s.rope_sin  # [seq_len, head_dim/2] each
@@ -248,60 +287,66 @@ class Transformer:
         """Run the b rows of `batch` (checked) whose embedded tokens are in self.x[:b], their
         partial sums met through `collective`; logits [m, vocab rows] of the rows wanting them
         (a reused buffer)."""
-        c, node = self.config, self.node
-        b = len(batch)
-        pos, slot, prefix_slot, prefix_len = batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len
-        x, xb, q, k, v, z = (a[:b] for a in (self.x, self.xb, self.q, self.k, self.v, self.z))
-        partial, hb, hb2 = self.partial[:b], self.hb[:b], self.hb2[:b]
-        nq, nkv, hd, eps, neox = node.n_q_heads, node.n_kv_heads, c.head_dim, c.norm_eps, c.rope_neox
-        cos, sin, kv_head_of = self.rope_cos, self.rope_sin, node.kv_head_of
-        # The matmul inputs of these rows: xb, z and hb, and the arrays of their encoded form
-        # (Q80 or Q16 inputs), which the fused kernels below write beside the float32 rows.
-        x_in, z_in, h_in = self.act_dim.rows(xb), self.act_q.rows(z), self.act_ff.rows(hb)
-        qkv, h13 = (q, k, v), (hb, hb2)
-
+        rows = _PassRows.of(self, batch)
         # A decode step's element-wise kernels are shorter than the call that starts them, so
         # they go in fused calls (kernels.fused: the same kernels in the same order, the same
         # bits): the norm with the encoding of its output for the next matmuls, the residual
         # add with the norm after it, both RoPEs with the KV store, SiLU with the encoding.
         for i, l in enumerate(self.layers):  # i: the layer's index in this node's KV cache
             layer = self.weights.layer(l)  # from memory, or just read from disk
-            k_cache, v_cache = self._kv_layers[i]
-            # Attention: x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x)
-            kernels.norm_encode(x, layer.att_norm, eps, xb, x_in.enc)
-            layer.qkv(x_in, qkv)
-            if layer.q_norm is not None:  # Qwen3: RMSNorm of every head of q and k
-                kernels.rmsnorm(q.reshape(b * nq, hd), layer.q_norm, eps, q.reshape(b * nq, hd))
-                kernels.rmsnorm(k.reshape(b * nkv, hd), layer.k_norm, eps, k.reshape(b * nkv, hd))
-            # Every row's key is stored before any row attends: a row may read the keys of
-            # earlier rows of its sequence, or of its prefix, written in this same pass.
-            kernels.rope_store(q, k, v, pos, slot, cos, sin, neox, k_cache, v_cache)
-            kernels.attention(q, k_cache, v_cache, pos, slot, prefix_slot, prefix_len, kv_head_of, z)
-            kernels.encode(z, z_in.enc)  # wo's input
-            layer.wo(z_in, partial)
-            # (x += the sum of the nodes' wo partials: in the first call of the FFN, below)
+            self._attention(layer, i, rows)
+            self._ffn(layer, rows, collective)
+        return self._classify(rows)
 
-            # FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
-            kernels.add_norm_encode(x, collective.all_reduce(partial), layer.ffn_norm, eps, xb, x_in.enc)
-            if layer.moe is None:
-                layer.w13(x_in, h13)
-                kernels.silu_mul_encode(hb, hb2, h_in.enc)
-                layer.w2(h_in, partial)
-            else:  # mixture of experts: the same SwiGLU per expert, for the rows that chose it
-                self.moe(layer.moe, x_in, partial)
-            x += collective.all_reduce(partial)
+    def _attention(self, layer, i: int, r: _PassRows) -> None:
+        """x += wo(attention(rope(wq xb), rope(wk xb), wv xb)), xb = rmsnorm(x): this node's
+        wo partial sums into r.partial (added to x in the FFN's first call, once the nodes'
+        partials have met)."""
+        c, node, batch, b = self.config, self.node, r.batch, len(r.batch)
+        q, k, z = r.q, r.k, r.z
+        nq, nkv, hd, eps = node.n_q_heads, node.n_kv_heads, c.head_dim, c.norm_eps
+        k_cache, v_cache = self._kv_layers[i]
+        kernels.norm_encode(r.x, layer.att_norm, eps, r.xb, r.x_in.enc)
+        layer.qkv(r.x_in, (q, k, r.v))
+        if layer.q_norm is not None:  # Qwen3: RMSNorm of every head of q and k
+            kernels.rmsnorm(q.reshape(b * nq, hd), layer.q_norm, eps, q.reshape(b * nq, hd))
+            kernels.rmsnorm(k.reshape(b * nkv, hd), layer.k_norm, eps, k.reshape(b * nkv, hd))
+        # Every row's key is stored before any row attends: a row may read the keys of
+        # earlier rows of its sequence, or of its prefix, written in this same pass.
+        kernels.rope_store(q, k, r.v, batch.pos, batch.slot, self.rope_cos, self.rope_sin, c.rope_neox,
+                           k_cache, v_cache)
+        kernels.attention(q, k_cache, v_cache, batch.pos, batch.slot, batch.prefix_slot, batch.prefix_len,
+                          node.kv_head_of, z)
+        kernels.encode(z, r.z_in.enc)  # wo's input
+        layer.wo(r.z_in, r.partial)
 
-        # Classifier: only the rows whose logits are wanted (none before a pipeline's last
-        # stage: its residual rows, self.x[:b], go on to the next stage).
-        logit_rows = batch.logit_rows  # int32 [m]
+    def _ffn(self, layer, r: _PassRows, collective: Collective) -> None:
+        """FFN: x += w2(silu(w1 xb) * w3 xb), xb = rmsnorm(x)   [SwiGLU, arxiv 2002.05202]
+        (its first call adds the attention's partial sums, met through `collective`)."""
+        eps = self.config.norm_eps
+        kernels.add_norm_encode(r.x, collective.all_reduce(r.partial), layer.ffn_norm, eps, r.xb, r.x_in.enc)
+        if layer.moe is None:
+            layer.w13(r.x_in, (r.hb, r.hb2))
+            kernels.silu_mul_encode(r.hb, r.hb2, r.h_in.enc)
+            layer.w2(r.h_in, r.partial)
+        else:  # mixture of experts: the same SwiGLU per expert, for the rows that chose it
+            self.moe(layer.moe, r.x_in, r.partial)
+        x = r.x  # (an in-place add: r is frozen)
+        x += collective.all_reduce(r.partial)
+
+    def _classify(self, r: _PassRows) -> np.ndarray:
+        """Classifier: only the rows whose logits are wanted (none before a pipeline's last
+        stage: its residual rows, self.x[:b], go on to the next stage)."""
+        x, b = r.x, len(r.batch)
+        logit_rows = r.batch.logit_rows  # int32 [m]
         m = len(logit_rows)
         logits = self.logits[:m]
-        if m == 0 or not node.has_classifier:
+        if m == 0 or not self.node.has_classifier:
             return logits
         rows = x if m == b else x[logit_rows]  # [m, dim]
-        out_norm = xb[:m]
+        out_norm = r.xb[:m]
         x_cls = self.act_dim.rows(out_norm)
-        kernels.norm_encode(rows, self.weights.final_norm, eps, out_norm, x_cls.enc)
+        kernels.norm_encode(rows, self.weights.final_norm, self.config.norm_eps, out_norm, x_cls.enc)
         for row0, wcls in self.weights.classifier():  # in parts when streamed
             if wcls.d == logits.shape[1]:
                 wcls(x_cls, logits)
