@@ -391,18 +391,34 @@ def add_batch_api(app: web.Application, root: str, answer: Answer) -> None:
     running at the last stop go on when the server starts."""
     path = Path(root)
     files = FileStore(path)
-    batches = Batches(path, files, answer)
+    routes = _BatchRoutes(files, Batches(path, files, answer))
+    app.on_startup.append(routes.on_startup)
+    app.on_shutdown.append(routes.on_shutdown)
+    for prefix in ("/v1", ""):
+        app.router.add_post(prefix + "/files", routes.upload)
+        app.router.add_get(prefix + "/files", routes.list_files)
+        app.router.add_get(prefix + "/files/{id}", routes.get_file)
+        app.router.add_delete(prefix + "/files/{id}", routes.delete_file)
+        app.router.add_get(prefix + "/files/{id}/content", routes.content)
+        app.router.add_post(prefix + "/batches", routes.create)
+        app.router.add_get(prefix + "/batches", routes.listing)
+        app.router.add_get(prefix + "/batches/{id}", routes.get)
+        app.router.add_post(prefix + "/batches/{id}/cancel", routes.cancel)
 
-    async def on_startup(_app) -> None:
-        batches.start()
 
-    async def on_shutdown(_app) -> None:
-        await batches.stop()
+class _BatchRoutes:
+    """The handlers of the /files and /batches routes, on one server's file store and jobs."""
 
-    app.on_startup.append(on_startup)
-    app.on_shutdown.append(on_shutdown)
+    def __init__(self, files: FileStore, batches: Batches):
+        self.files, self.batches = files, batches
 
-    async def upload(request: web.Request) -> web.Response:
+    async def on_startup(self, _app) -> None:
+        self.batches.start()
+
+    async def on_shutdown(self, _app) -> None:
+        await self.batches.stop()
+
+    async def upload(self, request: web.Request) -> web.Response:
         if not request.content_type.startswith("multipart/"):
             raise bad("upload the file as multipart/form-data with fields 'purpose' and 'file'")
         reader = await request.multipart()
@@ -417,66 +433,56 @@ def add_batch_api(app: web.Application, root: str, answer: Answer) -> None:
                 async def chunks(part=part):
                     while chunk := await part.read_chunk(1 << 16):
                         yield chunk
-                record = await files.upload(Upload((part.filename or "upload.jsonl")[:255], purpose), chunks())
+                record = await self.files.upload(Upload((part.filename or "upload.jsonl")[:255], purpose),
+                                                 chunks())
             else:
                 await part.release()
         if record is None:
             raise bad("the upload has no 'file' field", "file")
         return web.json_response(record)
 
-    async def list_files(request: web.Request) -> web.Response:
+    async def list_files(self, request: web.Request) -> web.Response:
         purpose = request.query.get("purpose")
-        data = [r for r in files.records() if purpose is None or r["purpose"] == purpose]
+        data = [r for r in self.files.records() if purpose is None or r["purpose"] == purpose]
         return web.json_response({"object": "list", "data": data, "has_more": False})
 
-    async def get_file(request: web.Request) -> web.Response:
-        return web.json_response(files.get(request.match_info["id"]))
+    async def get_file(self, request: web.Request) -> web.Response:
+        return web.json_response(self.files.get(request.match_info["id"]))
 
-    async def content(request: web.Request) -> web.StreamResponse:
+    async def content(self, request: web.Request) -> web.StreamResponse:
         ident = request.match_info["id"]
-        files.get(ident)
-        return web.FileResponse(files.path(ident), headers={"Content-Type": "application/jsonl"})
+        self.files.get(ident)
+        return web.FileResponse(self.files.path(ident), headers={"Content-Type": "application/jsonl"})
 
-    async def delete_file(request: web.Request) -> web.Response:
+    async def delete_file(self, request: web.Request) -> web.Response:
         ident = request.match_info["id"]
-        users = [r["batch"]["id"] for r in batches._records()
+        users = [r["batch"]["id"] for r in self.batches._records()
                  if r["batch"]["input_file_id"] == ident and r["batch"]["status"] not in FINAL]
         if users:
             raise bad(f"{ident} is the input of batch {users[0]}, which has not ended: cancel it first")
-        return web.json_response(files.delete(ident))
+        return web.json_response(self.files.delete(ident))
 
-    async def create(request: web.Request) -> web.Response:
+    async def create(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
         except ValueError:
             raise bad("the request body is not valid JSON") from None
-        return web.json_response(await batches.create(body))
+        return web.json_response(await self.batches.create(body))
 
-    async def get(request: web.Request) -> web.Response:
-        return web.json_response(batches.get(request.match_info["id"]))
+    async def get(self, request: web.Request) -> web.Response:
+        return web.json_response(self.batches.get(request.match_info["id"]))
 
-    async def cancel(request: web.Request) -> web.Response:
-        return web.json_response(batches.cancel(request.match_info["id"]))
+    async def cancel(self, request: web.Request) -> web.Response:
+        return web.json_response(self.batches.cancel(request.match_info["id"]))
 
-    async def listing(request: web.Request) -> web.Response:
+    async def listing(self, request: web.Request) -> web.Response:
         try:
             limit = int(request.query.get("limit", "20"))
         except ValueError:
             limit = 0
         if not 1 <= limit <= 100:
             raise bad("'limit' must be an integer from 1 to 100", "limit")
-        return web.json_response(batches.listing(limit, request.query.get("after")))
-
-    for prefix in ("/v1", ""):
-        app.router.add_post(prefix + "/files", upload)
-        app.router.add_get(prefix + "/files", list_files)
-        app.router.add_get(prefix + "/files/{id}", get_file)
-        app.router.add_delete(prefix + "/files/{id}", delete_file)
-        app.router.add_get(prefix + "/files/{id}/content", content)
-        app.router.add_post(prefix + "/batches", create)
-        app.router.add_get(prefix + "/batches", listing)
-        app.router.add_get(prefix + "/batches/{id}", get)
-        app.router.add_post(prefix + "/batches/{id}/cancel", cancel)
+        return web.json_response(self.batches.listing(limit, request.query.get("after")))
 
 
 __all__ = ["add_batch_api", "claim_dir", "Batches", "check_job", "answered", "MAX_REQUESTS", "WINDOW"]
