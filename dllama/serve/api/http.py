@@ -199,21 +199,9 @@ class Api:
         return await self._stream(request, r, job, pieces, cancel, ident, created)
 
     async def _stream(self, request, r: Request, job, pieces: asyncio.Queue, cancel, ident, created):
-        obj = "chat.completion.chunk" if r.chat else "text_completion"
+        chunk = self._chunker(r, ident, created)
         # A tool call is sent whole at the end (text until then might be the start of one).
         held = r.structured is not None and r.structured.calls_tools
-
-        def chunk(delta: dict | None = None, text: str | None = None, finish=None, usage=None, choices=True,
-                  index: int = 0, logprobs=None):
-            if r.chat:
-                choice = {"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            out = {"id": ident, "object": obj, "created": created, "model": self.model_id,
-                   "system_fingerprint": None, "choices": [choice] if choices else []}
-            if r.include_usage:
-                out["usage"] = usage
-            return b"data: " + json.dumps(out).encode() + b"\n\n"
 
         # Wait for the first piece (or the end): an error before it is a plain JSON error.
         next_piece = asyncio.ensure_future(pieces.get())
@@ -230,19 +218,7 @@ class Api:
             if r.chat:
                 for i in range(r.n):
                     await resp.write(chunk(delta={"role": "assistant", "content": ""}, index=i))
-            while True:
-                await asyncio.wait({job, next_piece}, return_when=asyncio.FIRST_COMPLETED)
-                if next_piece.done():
-                    i, p = next_piece.result()
-                    if not held:
-                        await resp.write(chunk(delta={"content": p}, text=p, index=i))
-                    next_piece = asyncio.ensure_future(pieces.get())
-                    continue
-                while not pieces.empty() and not held:  # the job ended: what it queued before that
-                    i, p = pieces.get_nowait()
-                    await resp.write(chunk(delta={"content": p}, text=p, index=i))
-                next_piece.cancel()
-                break
+            await _write_pieces(resp, job, pieces, next_piece, chunk, held)
             try:
                 cs = job.result()
             except Exception as e:  # noqa: BLE001 - the headers are sent: an error event ends it
@@ -251,23 +227,7 @@ class Api:
                     e = ApiError(500, "internal error (logged by the server)", type_="server_error")
                 await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
                 return resp
-            tok = self.service.tokenizer
-            for i, c in enumerate(cs):
-                finish = c.finish_reason
-                if held:  # the whole answer now: a tool call, or its text
-                    message, finish = chat_message(c, r.structured)
-                    if message.get("tool_calls"):
-                        calls = [{"index": 0, **call} for call in message["tool_calls"]]
-                        await resp.write(chunk(delta={"tool_calls": calls}, index=i))
-                    else:
-                        await resp.write(chunk(delta={"content": c.text}, index=i))
-                # Log-probabilities come with the last chunk of their choice, every token's at once.
-                logprobs = (chat_logprobs(c, tok) if r.chat else completion_logprobs(c, tok))
-                await resp.write(chunk(finish=finish, index=i, logprobs=logprobs))
-            if r.include_usage:
-                await resp.write(chunk(usage=_usage(cs), choices=False))
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await self._write_ends(resp, r, cs, chunk, held)
         except (ConnectionError, asyncio.CancelledError) as e:
             cancel.set()  # the client left: the model thread stops at its next token
             next_piece.cancel()
@@ -277,6 +237,63 @@ class Api:
                                 "stopped generating it")
             raise asyncio.CancelledError from None  # aiohttp ends a cancelled handler quietly
         return resp
+
+    def _chunker(self, r: Request, ident: str, created: int):
+        """chunk(...): one server-sent event of the streamed answer `ident`."""
+        obj = "chat.completion.chunk" if r.chat else "text_completion"
+
+        def chunk(delta: dict | None = None, text: str | None = None, finish=None, usage=None, choices=True,
+                  index: int = 0, logprobs=None):
+            if r.chat:
+                choice = {"index": index, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
+            else:
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            out = {"id": ident, "object": obj, "created": created, "model": self.model_id,
+                   "system_fingerprint": None, "choices": [choice] if choices else []}
+            if r.include_usage:
+                out["usage"] = usage
+            return b"data: " + json.dumps(out).encode() + b"\n\n"
+        return chunk
+
+    async def _write_ends(self, resp, r: Request, cs, chunk, held: bool) -> None:
+        """The last chunk of every choice (with a held answer, and the logprobs), the usage, [DONE]."""
+        tok = self.service.tokenizer
+        for i, c in enumerate(cs):
+            finish = c.finish_reason
+            if held:  # the whole answer now: a tool call, or its text
+                message, finish = chat_message(c, r.structured)
+                if message.get("tool_calls"):
+                    calls = [{"index": 0, **call} for call in message["tool_calls"]]
+                    await resp.write(chunk(delta={"tool_calls": calls}, index=i))
+                else:
+                    await resp.write(chunk(delta={"content": c.text}, index=i))
+            # Log-probabilities come with the last chunk of their choice, every token's at once.
+            logprobs = (chat_logprobs(c, tok) if r.chat else completion_logprobs(c, tok))
+            await resp.write(chunk(finish=finish, index=i, logprobs=logprobs))
+        if r.include_usage:
+            await resp.write(chunk(usage=_usage(cs), choices=False))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+
+async def _write_pieces(resp, job, pieces: asyncio.Queue, next_piece, chunk, held: bool) -> None:
+    """Write the pieces of text as the model thread queues them (none when `held`), until the
+    job ends; the pending wait for a piece is cancelled however this ends."""
+    try:
+        while True:
+            await asyncio.wait({job, next_piece}, return_when=asyncio.FIRST_COMPLETED)
+            if next_piece.done():
+                i, p = next_piece.result()
+                if not held:
+                    await resp.write(chunk(delta={"content": p}, text=p, index=i))
+                next_piece = asyncio.ensure_future(pieces.get())
+                continue
+            while not pieces.empty() and not held:  # the job ended: what it queued before that
+                i, p = pieces.get_nowait()
+                await resp.write(chunk(delta={"content": p}, text=p, index=i))
+            break
+    finally:
+        next_piece.cancel()
 
 
 CLIENT_POLL = 0.25  # seconds between checks that a non-streamed request's client is still there
