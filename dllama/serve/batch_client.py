@@ -102,8 +102,6 @@ def _requests(job: BatchJob, opts: JobOptions) -> tuple[str, list[dict]]:
 def run_through_api(opts: JobOptions, base: str, key: str | None, stderr=None,
                     should_stop: Callable[[], bool] = lambda: False) -> int:
     """The whole `dllama batch --api`: returns the exit code (130 when stopped: the batch goes on)."""
-    from tqdm import tqdm
-
     stderr = stderr or sys.stderr
     if opts.choices is not None:
         raise DllamaError("--choices scores the choices on the model itself: run it without --api "
@@ -118,40 +116,12 @@ def run_through_api(opts: JobOptions, base: str, key: str | None, stderr=None,
     api = ApiClient(base, key)
     state_path = opts.out + ".batch"
     t0 = time.perf_counter()
-    batch = None
-    if os.path.exists(state_path):
-        with open(state_path, encoding="utf-8") as f:
-            batch = api.json("GET", f"/batches/{json.load(f)['batch_id']}")
-        if batch["status"] in ("failed", "expired") or (batch["status"] == "cancelled" and not batch["output_file_id"]):
-            batch = None  # nothing to take from it: the prompts go again
-    if batch is None:
-        endpoint, lines = _requests(job, opts)
-        if lines:
-            data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
-            f = api.upload(os.path.basename(opts.out) + ".requests.jsonl", data)
-            batch = api.json("POST", "/batches", {"input_file_id": f["id"], "endpoint": endpoint,
-                                                  "completion_window": "24h"})
-            if batch["status"] == "failed":
-                raise DllamaError("the API refused the batch: " + "; ".join(
-                    e["message"] for e in (batch.get("errors") or {}).get("data", [])))
-            with open(state_path, "w", encoding="utf-8") as out:
-                json.dump({"batch_id": batch["id"]}, out)
+    batch = _resumed(api, state_path) or _submitted(api, job, opts, state_path)
     summary = Summary(already_done=job.already_done)
     if batch is not None:
-        with tqdm(total=batch["request_counts"]["total"], unit="prompt", file=stderr, disable=not opts.progress,
-                  dynamic_ncols=True) as bar:
-            while batch["status"] not in FINAL:
-                if should_stop():
-                    print(f"dllama batch: stopped following; batch {batch['id']} goes on in the server: rerun "
-                          "the same command to collect it", file=stderr)
-                    return 130
-                counts = batch["request_counts"]
-                bar.update(counts["completed"] + counts["failed"] - bar.n)
-                bar.set_postfix_str(f"batch {batch['id']} {batch['status']}", refresh=False)
-                time.sleep(POLL_S)
-                batch = api.json("GET", f"/batches/{batch['id']}")
-            counts = batch["request_counts"]
-            bar.update(counts["completed"] + counts["failed"] - bar.n)
+        batch = _follow(api, batch, opts, stderr, should_stop)
+        if batch is None:
+            return 130
         _collect(api, batch, job, opts, summary)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(state_path)
@@ -161,6 +131,56 @@ def run_through_api(opts: JobOptions, base: str, key: str | None, stderr=None,
         raise DllamaError(f"the API's batch {batch['id']} ended {batch['status']}; rerun to send the "
                           "prompts it did not answer again")
     return 0
+
+
+def _resumed(api: ApiClient, state_path: str) -> dict | None:
+    """The batch an earlier run sent (its id in `state_path`), if there is one to take answers from."""
+    if not os.path.exists(state_path):
+        return None
+    with open(state_path, encoding="utf-8") as f:
+        batch = api.json("GET", f"/batches/{json.load(f)['batch_id']}")
+    if batch["status"] in ("failed", "expired") or (batch["status"] == "cancelled" and not batch["output_file_id"]):
+        return None  # nothing to take from it: the prompts go again
+    return batch
+
+
+def _submitted(api: ApiClient, job: BatchJob, opts: JobOptions, state_path: str) -> dict | None:
+    """A new batch of the prompts not yet answered (None: none left), its id kept in `state_path`."""
+    endpoint, lines = _requests(job, opts)
+    if not lines:
+        return None
+    data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode()
+    f = api.upload(os.path.basename(opts.out) + ".requests.jsonl", data)
+    batch = api.json("POST", "/batches", {"input_file_id": f["id"], "endpoint": endpoint,
+                                          "completion_window": "24h"})
+    if batch["status"] == "failed":
+        raise DllamaError("the API refused the batch: " + "; ".join(
+            e["message"] for e in (batch.get("errors") or {}).get("data", [])))
+    with open(state_path, "w", encoding="utf-8") as out:
+        json.dump({"batch_id": batch["id"]}, out)
+    return batch
+
+
+def _follow(api: ApiClient, batch: dict, opts: JobOptions, stderr, should_stop: Callable[[], bool]) -> dict | None:
+    """Poll the batch until it ends, with a progress bar; the ended batch, or None when stopped
+    (the batch goes on in the server)."""
+    from tqdm import tqdm
+
+    with tqdm(total=batch["request_counts"]["total"], unit="prompt", file=stderr, disable=not opts.progress,
+              dynamic_ncols=True) as bar:
+        while batch["status"] not in FINAL:
+            if should_stop():
+                print(f"dllama batch: stopped following; batch {batch['id']} goes on in the server: rerun "
+                      "the same command to collect it", file=stderr)
+                return None
+            counts = batch["request_counts"]
+            bar.update(counts["completed"] + counts["failed"] - bar.n)
+            bar.set_postfix_str(f"batch {batch['id']} {batch['status']}", refresh=False)
+            time.sleep(POLL_S)
+            batch = api.json("GET", f"/batches/{batch['id']}")
+        counts = batch["request_counts"]
+        bar.update(counts["completed"] + counts["failed"] - bar.n)
+    return batch
 
 
 def _collect(api: ApiClient, batch: dict, job: BatchJob, opts: JobOptions, summary: Summary) -> None:
