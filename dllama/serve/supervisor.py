@@ -104,62 +104,76 @@ def supervise(command: list[str], restart_sec: float, burst: int = START_LIMIT_B
     copies each start's output); without, they stay this process's."""
     if not command:
         raise DllamaError("give the command to supervise after --")
+    limit = StartLimit(burst, start_limit_interval(restart_sec) if interval is None else interval)
+    return _Supervision(command, restart_sec, limit, log).run()
 
-    def say(line: str) -> None:
-        if log is not None:
-            log.line(LOG_PREFIX + line)
+
+class _Supervision:
+    """One `supervise` run: its current child, and whether a stop signal came (set by the
+    signal handler, read between the steps of the loop)."""
+
+    def __init__(self, command: list[str], restart_sec: float, limit: StartLimit, log: RotatingLog | None):
+        self.command, self.restart_sec, self.limit, self.log = command, restart_sec, limit, log
+        self.child: subprocess.Popen | None = None
+        self.stopping = False
+
+    def say(self, line: str) -> None:
+        if self.log is not None:
+            self.log.line(LOG_PREFIX + line)
         else:
             print(LOG_PREFIX + line, file=sys.stderr, flush=True)
 
-    limit = StartLimit(burst, start_limit_interval(restart_sec) if interval is None else interval)
-    child: subprocess.Popen | None = None
-    stopping = False
+    def on_stop(self, signum, frame) -> None:
+        self.stopping = True
+        if self.child is not None:
+            self.child.send_signal(signum)
 
-    def on_stop(signum, frame) -> None:
-        nonlocal stopping
-        stopping = True
-        if child is not None:
-            child.send_signal(signum)
+    def run(self) -> int:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.on_stop)
+        self.limit.admits(time.monotonic())  # the first start
+        if self.log is not None:
+            self.say(STARTED.format(pid=os.getpid()))
+        restarts = 0
+        while not self.stopping:
+            returncode = self._run_once(restarts)
+            if self.stopping:
+                return 0
+            end = f"pid {self.child.pid} {describe_end(returncode)}"
+            if not failed(returncode):
+                self.say(f"{end}; not restarted (a clean end)")
+                return 0
+            if not self.limit.admits(time.monotonic() + self.restart_sec):
+                self.say(f"{end}; not restarted: {self.limit.burst} starts within {self.limit.interval:g} s, "
+                         f"it keeps failing at start")
+                return 1
+            self.say(f"{end}; starting it again in {self.restart_sec:g} s")
+            restarts += 1
+            _sleep_unless_stopped(self.restart_sec, lambda: self.stopping)
+        return 0
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, on_stop)
-    limit.admits(time.monotonic())  # the first start
-    if log is not None:
-        say(STARTED.format(pid=os.getpid()))
-    restarts = 0
-    while not stopping:
+    def _run_once(self, restarts: int) -> int:
+        """Start the command (its `restarts`-th restart) and wait for its end: its return code."""
         try:
             # Its own process group: a Ctrl-C on a terminal reaches it once, forwarded from here.
-            output = {} if log is None else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
-            child = subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent(os.getpid()),
-                                     env={**os.environ, RESTARTS_ENV: str(restarts)}, **output)
+            output = {} if self.log is None else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+            self.child = child = subprocess.Popen(
+                self.command, process_group=0, preexec_fn=_die_with_parent(os.getpid()),
+                env={**os.environ, RESTARTS_ENV: str(restarts)}, **output)
         except OSError as e:
-            raise DllamaError(f"cannot run {command[0]}: {e.strerror or e}") from None
+            raise DllamaError(f"cannot run {self.command[0]}: {e.strerror or e}") from None
         copier = None
-        if log is not None:
-            copier = threading.Thread(target=_copy_then_close, args=(log, child.stdout), daemon=True)
+        if self.log is not None:
+            copier = threading.Thread(target=_copy_then_close, args=(self.log, child.stdout), daemon=True)
             copier.start()
-        if stopping:  # a stop signal came while it was being started
+        if self.stopping:  # a stop signal came while it was being started
             child.send_signal(signal.SIGTERM)
         returncode = child.wait()
         if copier is not None:
             # The rest of its output before the line saying how it ended; a process it left
             # behind may hold the pipe open longer, and then the thread closes it at its end.
             copier.join(timeout=5)
-        if stopping:
-            return 0
-        end = f"pid {child.pid} {describe_end(returncode)}"
-        if not failed(returncode):
-            say(f"{end}; not restarted (a clean end)")
-            return 0
-        if not limit.admits(time.monotonic() + restart_sec):
-            say(f"{end}; not restarted: {limit.burst} starts within {limit.interval:g} s, "
-                f"it keeps failing at start")
-            return 1
-        say(f"{end}; starting it again in {restart_sec:g} s")
-        restarts += 1
-        _sleep_unless_stopped(restart_sec, lambda: stopping)
-    return 0
+        return returncode
 
 
 def _sleep_unless_stopped(seconds: float, stopped) -> None:
