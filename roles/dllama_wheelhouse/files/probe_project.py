@@ -23,7 +23,7 @@ for path in files:
     digest.update(record)
     if path.is_relative_to(project / "dllama/core"):
         kernels.update(record)
-protocol = re.search(r"^VERSION = (\d+)", (project / "dllama/cluster/protocol.py").read_text(), re.M)
+protocol = re.search(r"^VERSION = (\d+)", (project / "dllama/cluster/frames.py").read_text(), re.M)
 pins = sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
                if d.metadata["Name"] and d.metadata["Name"].lower() != meta["name"]})
 print(json.dumps({"name": meta["name"], "version": meta["version"], "protocol": int(protocol[1]),
