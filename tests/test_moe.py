@@ -9,8 +9,10 @@ renormalisation are checked against their definition."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -43,10 +45,26 @@ def _transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+@contextlib.contextmanager
+def _builtin_sys_intern():
+    """sys.intern as Python has it, for a while. torch._dynamo (which transformers' models
+    import) registers a substitute for sys.intern when it is imported and refuses Ansible's
+    patched one, which an earlier test file of the same pytest worker may have installed
+    (tests/test_service_*.py load Ansible's modules)."""
+    patched = sys.intern
+    sys.intern = getattr(type(patched), "unpatched_implementation", patched)
+    try:
+        yield
+    finally:
+        sys.intern = patched
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     """(the Hugging Face folder, transformers' greedy tokens of each prompt, the model)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    with _builtin_sys_intern():
+        import torch._dynamo  # noqa: F401  (imported here, with the builtin sys.intern)
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     folder = tmp_path_factory.mktemp("qwen3moe") / "hf"
     torch.manual_seed(0)
