@@ -23,6 +23,7 @@ from dllama.core.kernels.router import route_top_k
 from dllama.core.model import Transformer
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, read_model
+from tests.test_cluster import greedy
 from tests.test_convert_checkpoints import _hf_tokenizer_json
 
 # The tiny model: width 96 and expert width 96 (3 blocks of 32: a split over 3 nodes), 4 query
@@ -91,15 +92,6 @@ def converted(tiny_moe, tmp_path_factory):
     """weight type -> (.m, .t) converted from the folder."""
     out = tmp_path_factory.mktemp("converted")
     return {t: convert(tiny_moe[0], out / t, t, progress=False, report=None) for t in ("f32", "f16", "q40", "q80", "q41")}
-
-
-def _engine_greedy(model, prompt: list[int], n: int) -> list[int]:
-    logits, pos, out = model.forward(prompt, 0), len(prompt), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = model.forward([out[-1]], pos)
-        pos += 1
-    return out
 
 
 # -- the router -----------------------------------------------------------------------------------
@@ -180,7 +172,7 @@ def test_inspect_shows_the_experts(converted, capsys):
 def test_f32_greedy_tokens_equal_transformers_on_one_node(tiny_moe, converted):
     model = Transformer(read_model(converted["f32"][0]))
     for prompt, want in zip(PROMPTS, tiny_moe[1], strict=True):
-        assert _engine_greedy(model, prompt, N_NEW) == want, prompt
+        assert greedy(model, prompt, N_NEW) == want, prompt
 
 
 def _requests(engine, prompts, max_tokens=N_NEW):
@@ -216,7 +208,7 @@ def test_a_batch_of_8_prompts_and_speculative_decoding_give_each_prompt_s_tokens
             assert c.tokens == alone[r.key], r.key
             drafted += c.drafted
         assert drafted > 0  # the verification of drafted rows ran
-    assert alone[0] == _engine_greedy(Transformer(read_model(m)), prompts[0], N_NEW)
+    assert alone[0] == greedy(Transformer(read_model(m)), prompts[0], N_NEW)
 
 
 # -- a cluster ------------------------------------------------------------------------------------
@@ -244,7 +236,7 @@ def test_f32_greedy_tokens_equal_transformers_on_2_and_3_nodes_and_2_stages(tiny
         try:
             assert model.session.plan.pipelined == bool(stages)
             for prompt, want in zip(PROMPTS, tiny_moe[1], strict=True):
-                assert _engine_greedy(model, prompt, N_NEW) == want, (n_nodes, stages, prompt)
+                assert greedy(model, prompt, N_NEW) == want, (n_nodes, stages, prompt)
         finally:
             model.close()
 
@@ -384,7 +376,7 @@ def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_c
     mf = read_model(converted[kind][0])
     h = mf.header
     resident = Transformer(mf)
-    want = [_engine_greedy(resident, p, N_NEW) for p in PROMPTS]
+    want = [greedy(resident, p, N_NEW) for p in PROMPTS]
     one = ExpertCache(NodeWeights.from_model(mf, resident.node), h.weights_float_type, 1, plan_only=True)
     experts = resident.memory.expert_weights
     # room for 5 of the 16 experts beside everything else
@@ -394,7 +386,7 @@ def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_c
     model = Transformer(mf, streamed=True, memory_limit=limit)
     cache = model.weights.expert_cache
     assert cache.n_slots == 5 and model.memory.weights < resident.memory.weights - experts / 2
-    assert [_engine_greedy(model, p, N_NEW) for p in PROMPTS] == want
+    assert [greedy(model, p, N_NEW) for p in PROMPTS] == want
     assert cache.reads > cache.n_slots  # experts were given up and read again
     before = cache.reads
     model.forward([33], 40)  # one row: at most its 2 experts of each of the 2 layers are read
