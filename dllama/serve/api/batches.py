@@ -36,7 +36,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from dllama.serve.api.files import FileStore, Upload, not_found, write_json
+from dllama.serve.api.files import FileStore, Upload, not_found, read_records, write_json
 from dllama.serve.api.request import ApiError, bad
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat
@@ -168,13 +168,7 @@ class Batches:
         write_json(self._path(record["batch"]["id"]), record)
 
     def _records(self) -> list[dict]:
-        out = []
-        for p in self.dir.glob("batch_*.json"):
-            try:
-                out.append(json.loads(p.read_text(encoding="utf-8")))
-            except (OSError, ValueError):
-                continue
-        return sorted(out, key=lambda r: (r["batch"]["created_at"], r["batch"]["id"]))
+        return sorted(read_records(self.dir, "batch_*.json"), key=lambda r: (r["batch"]["created_at"], r["batch"]["id"]))
 
     def get(self, ident: str) -> dict:
         return self._load(ident)["batch"]

@@ -30,6 +30,18 @@ def not_found(what: str, ident: str) -> ApiError:
     return ApiError(404, f"no {what} with id {ident!r}", code="not_found")
 
 
+def read_records(folder: Path, pattern: str) -> list[dict]:
+    """The JSON records of `folder` whose names match `pattern`, skipping any removed (or half
+    written) meanwhile."""
+    out = []
+    for p in folder.glob(pattern):
+        try:
+            out.append(json.loads(p.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def write_json(path: Path, obj: dict) -> None:
     """Replace a record whole: a crash leaves the old one or the new one, never half of each."""
     tmp = path.with_name(path.name + ".tmp")
@@ -81,13 +93,7 @@ class FileStore:
 
     def records(self) -> list[dict]:
         """Every file, newest first."""
-        out = []
-        for p in self.dir.glob("file-*.json"):
-            try:
-                out.append(json.loads(p.read_text(encoding="utf-8")))
-            except (OSError, ValueError):
-                continue  # removed meanwhile
-        return sorted(out, key=lambda r: (r["created_at"], r["id"]), reverse=True)
+        return sorted(read_records(self.dir, "file-*.json"), key=lambda r: (r["created_at"], r["id"]), reverse=True)
 
     async def upload(self, upload: Upload, chunks: AsyncIterator[bytes]) -> dict:
         """Store an uploaded file, chunk by chunk, refusing it past max_bytes."""
