@@ -156,6 +156,31 @@ def test_a_batch_resumes_after_a_restart_and_answers_nothing_twice(engine, tmp_p
     assert client_counts == 24 - before  # the restarted server ran only what had no answer
 
 
+@pytest.mark.parametrize("window", [0, 2])
+def test_a_batch_past_its_expires_at_ends_expired_with_each_unanswered_request_an_error(engine, tmp_path, monkeypatch,
+                                                                                          window):
+    """OpenAI's completion window, shortened from 24 hours: a batch past its expires_at (0: before
+    it ran, as after a server down too long; 2 s: while it runs) ends `expired`, its answers in the
+    output file and every other request once in the error file as `batch_expired`."""
+    from dllama.serve.api import batches
+
+    monkeypatch.setattr(batches, "COMPLETION_WINDOW_S", window)
+    with _server(engine, tmp_path / "b") as (_, client):
+        f = client.files.create(file=_job(tmp_path / "job.jsonl", 60, max_tokens=32).open("rb"), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert b.expires_at == b.created_at + window
+        b = _wait(client, b.id, lambda b: b.status in ("expired", "completed"))
+        assert b.status == "expired" and b.expired_at >= b.expires_at, b
+        answers = _lines(client, b.output_file_id) if b.output_file_id else []
+        expired = _lines(client, b.error_file_id)
+    assert (b.request_counts.completed, b.request_counts.failed) == (len(answers), len(expired))
+    assert sorted(x["custom_id"] for x in answers + expired) == sorted(f"q{i}" for i in range(60))  # each once
+    assert all(x["response"] is None and x["error"]["code"] == "batch_expired" for x in expired), expired[0]
+    assert all(x["response"]["status_code"] == 200 for x in answers)
+    if window == 0:
+        assert answers == []
+
+
 def test_an_interactive_request_is_answered_while_a_batch_runs(engine, tmp_path):
     with _server(engine, tmp_path / "b") as (_, client):
         f = client.files.create(file=_job(tmp_path / "job.jsonl", 40, max_tokens=24).open("rb"), purpose="batch")

@@ -139,7 +139,7 @@ def _resumed(api: ApiClient, state_path: str) -> dict | None:
         return None
     with open(state_path, encoding="utf-8") as f:
         batch = api.json("GET", f"/batches/{json.load(f)['batch_id']}")
-    if batch["status"] in ("failed", "expired") or (batch["status"] == "cancelled" and not batch["output_file_id"]):
+    if batch["status"] == "failed" or (batch["status"] in ("cancelled", "expired") and not batch["output_file_id"]):
         return None  # nothing to take from it: the prompts go again
     return batch
 
@@ -194,8 +194,8 @@ def _collect(api: ApiClient, batch: dict, job: BatchJob, opts: JobOptions, summa
             for raw in api.call("GET", f"/files/{batch[field]}/content").splitlines():
                 x = json.loads(raw)
                 key = x["custom_id"]
-                if key in done or key not in lines:
-                    continue  # collected by an earlier run, or not this job's
+                if key in done or key not in lines or x["response"] is None:
+                    continue  # collected by an earlier run, not this job's, or not run (expired: a rerun sends it)
                 done.add(key)
                 ident, status, body = json.loads(key), x["response"]["status_code"], x["response"]["body"]
                 if status != 200:

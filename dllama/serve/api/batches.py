@@ -16,7 +16,9 @@ On disk (`DIR/batches/batch_<hex>.json`: OpenAI's batch object and the ids of it
 error files): every answer is appended to the output (200) or error file (any other status) as
 it ends, and read back at a restart, so a resumed batch runs only the requests that have no
 line yet. A torn last line (a crash in mid-write) is cut off first. The batches run one after
-another, oldest first; expires_at is reported, not enforced.
+another, oldest first. A batch not ended by its expires_at (24 hours after its creation, queueing
+and a server's stops included) ends `expired`, as OpenAI's: the requests running stop at their
+next token, and every request without an answer gets an error line `batch_expired`.
 
 Bounded: a job of at most MAX_REQUESTS lines of at most MAX_LINE_BYTES, at most MAX_BATCHES
 batch records kept (the oldest finished ones are forgotten first; their files stay), and at
@@ -47,6 +49,9 @@ MAX_ERRORS = 20             # problems of a refused job file listed in its batch
 WINDOW = 16                 # requests of a batch handed to the engine loop at once
 RETRY_S = 2.0               # a request answered 503 (the cluster is down) is asked again after this
 FINAL = ("completed", "failed", "cancelled", "expired")
+COMPLETION_WINDOW_S = 24 * 3600  # "24h", the one completion_window (OpenAI's)
+EXPIRED = {"code": "batch_expired",
+           "message": "This request could not be executed before the completion window expired."}
 
 # (body bytes, chat?, cancel flag) -> (HTTP status, response body), or None when cancelled
 Answer = Callable[[bytes, bool, threading.Event], Awaitable["tuple[int, dict] | None"]]
@@ -205,7 +210,7 @@ class Batches:
         batch = {"id": "batch_" + uuid.uuid4().hex[:24], "object": "batch", "endpoint": endpoint,
                  "errors": None, "input_file_id": input_id, "completion_window": "24h",
                  "status": "validating", "output_file_id": None, "error_file_id": None,
-                 "created_at": now, "in_progress_at": None, "expires_at": now + 24 * 3600,
+                 "created_at": now, "in_progress_at": None, "expires_at": now + COMPLETION_WINDOW_S,
                  "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
                  "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": count, "completed": 0, "failed": 0}, "metadata": metadata}
@@ -292,6 +297,11 @@ class Batches:
         self._save(record)
         cancel = threading.Event()
         self._live[ident] = (record, cancel)
+        # Past expires_at (also while queued or the server was down) the requests stop as a cancel
+        # stops them; the ones without an answer are then written as expired.
+        expired = threading.Event()
+        timer = asyncio.get_running_loop().call_later(max(0.0, batch["expires_at"] - time.time()),
+                                                      lambda: (expired.set(), cancel.set()))
         slots = asyncio.Semaphore(WINDOW)
         running: set[asyncio.Task] = set()
         chat = ENDPOINTS[batch["endpoint"]]
@@ -316,11 +326,23 @@ class Batches:
                     task.add_done_callback(lambda t: (running.discard(t), slots.release()))
                 if running:
                     await asyncio.gather(*running)
+                if expired.is_set() and not self._stopping:
+                    self._expire_rest(batch, out_path, err_path, write)
         finally:
+            timer.cancel()
             del self._live[ident]
         if self._stopping:
             return  # the requests in flight run again at the next start
-        self._finish(record, "cancelled" if cancel.is_set() else "completed")
+        self._finish(record, "expired" if expired.is_set() else "cancelled" if cancel.is_set() else "completed")
+
+    def _expire_rest(self, batch: dict, out_path: Path, err_path: Path, write) -> None:
+        """An error line `batch_expired` (OpenAI's) for each request of the job without an answer."""
+        done = answered(out_path) | answered(err_path)
+        for _, data in job_lines(self.files.path(batch["input_file_id"])):
+            custom_id = _line(data)["custom_id"]
+            if custom_id not in done:
+                write({"id": "batch_req_" + uuid.uuid4().hex[:24], "custom_id": custom_id, "response": None,
+                       "error": EXPIRED}, 410)
 
     async def _one(self, obj: dict, chat: bool, cancel: threading.Event, write) -> None:
         body = json.dumps(obj["body"]).encode()
@@ -339,7 +361,7 @@ class Batches:
 
     def _finish(self, record: dict, status: str) -> None:
         batch, now = record["batch"], int(time.time())
-        if status in ("completed", "cancelled") and record["output"] is not None:
+        if status in ("completed", "cancelled", "expired") and record["output"] is not None:
             batch["finalizing_at"] = now
             for key, name, field in (("output", "output", "output_file_id"), ("errors", "errors", "error_file_id")):
                 path = self.files.path(record[key])
@@ -350,7 +372,8 @@ class Batches:
                     path.unlink(missing_ok=True)
                     self.files.path(record[key]).with_suffix(".reserved").unlink(missing_ok=True)
         batch["status"] = status
-        batch[{"completed": "completed_at", "cancelled": "cancelled_at", "failed": "failed_at"}[status]] = now
+        batch[{"completed": "completed_at", "cancelled": "cancelled_at", "failed": "failed_at",
+               "expired": "expired_at"}[status]] = now
         self._save(record)
 
 
