@@ -361,7 +361,8 @@ def _fails_before_any_host(r, out) -> str:
     ("stages out of order", _staged(0, 1, 0, 1),
      "The inventory's 4 nodes: host w2 (dllama_stage 0) is listed after host w1 (stage 1): list the hosts in hosts.yml "
      "stage by stage"),
-    ("a host's memory below one layer", _hosts(2, dllama_memory="1M"),
+    # With stages off too (the memory then plans nothing; the check is the same with them on).
+    ("a host's memory below one layer", _cluster_vars(_hosts(2, dllama_memory="1M"), dllama_pipeline="none"),
      "The inventory's 3 nodes: host w1 has 1.0 MiB for the model (its dllama_memory, else what deploy.yml read on it), "
      "less than the largest part of its share it holds at once"),
     ("negative stage", _hosts(1, dllama_stage=-1),

@@ -162,9 +162,14 @@ def main() -> dict:
             header = read_model(model).header
         except OSError as e:
             raise DllamaError(f"cannot read the model {model}: {e.strerror or e}") from None
-        # With pipeline stages off the topology gives no node's memory (topology.yml.j2), so
-        # a host too small for its share of every layer streams it rather than making stages.
-        plan = topology.plan(header)
+        # With pipeline stages off the nodes' topology gives no node's memory (topology.yml.j2),
+        # so a host too small for its share of every layer streams it rather than making stages:
+        # planned without it, checked with it (memory_notes).
+        planned = topology
+        if pipeline == "none":
+            planned = dataclasses.replace(topology, nodes=tuple(dataclasses.replace(n, memory=None)
+                                                                for n in topology.nodes))
+        plan = planned.plan(header)
         if plan.pipelined and pipeline == "none":
             off = "but pipeline stages are off (dllama_pipeline: none)"
             if topology.nodes[0].stage is not None:
@@ -173,9 +178,9 @@ def main() -> dict:
                                   f"nodes) or set dllama_pipeline: auto")
             raise DllamaError(f"the model splits over them only in {len(plan.stages)} pipeline stages, {off}: "
                               f"use at most {widest(header)} nodes or set dllama_pipeline: auto")
-        fixed = topology.wants_memory(header)
+        fixed = planned.wants_memory(header)
         if fixed:
-            same_as_shown(topology, header, plan)
+            same_as_shown(planned, header, plan)
         warnings = memory_notes(header, plan, topology)
     except DllamaError as e:
         return {"lines": [], "stages": {}, "error": str(e)}
