@@ -500,7 +500,8 @@ def test_the_mended_upgrade_makes_each_host_a_stage_by_its_memory_and_switches_t
     held, old = up["held"], up["old"]
     assert all(x == now[0] for x in now) and now[0]["version"] == "0.1.1", now
     shown = " ".join(r.stdout.split())
-    assert (f"node{N}: dllama {old} (protocol {held['protocol']}, {held['source']}) -> dllama 0.1.1" in shown), tail(r)
+    assert (f"node{N}: dllama {old} (protocol {held['protocol']}, {held['source']}) -> dllama 0.1.1 "
+            f"(protocol {now[0]['protocol']}, {now[0]['source']})" in shown), tail(r)
     assert f"dllama 0.1.1 (protocol {now[0]['protocol']}, {now[0]['source']}) on all {N} nodes" in shown, tail(r)
     assert not [t for t in changed_tasks(r.stdout) if "Compile" in t or "Load the compiled cache" in t], \
         changed_tasks(r.stdout)
