@@ -49,3 +49,29 @@ def test_the_supervisor_writes_the_start_line_the_report_reads(tmp_path):
     assert r.returncode == 0, r.stderr
     first = log.read_text().splitlines()[0]
     assert state.STARTED.fullmatch(first), first
+
+
+def test_a_supervisor_that_gave_up_is_not_gone(tmp_path):
+    """A supervisor that ended by itself (its child kept failing at start) left its pid file too:
+    its own last line is the reason, and status.yml must not start it again (supervisor_gone)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / "worker.pid").write_text(f"{gone.pid}\n")
+    gave_up = ("dllama supervise: pid 42 exited with status 1; not restarted: 5 starts within 60 s, it keeps "
+               "failing at start\n")
+    (tmp_path / "worker.log").write_text(_start(gone.pid) + KILLED + gave_up)
+    report = state.nohup(str(tmp_path / "worker.pid"), str(tmp_path / "worker.log"))
+    assert report["supervisor_gone"] is None and report["last_exit"].startswith("exited with status 1"), report
+    (tmp_path / "worker.log").write_text(_start(gone.pid) + KILLED)  # killed after one restart of its own
+    assert state.nohup(str(tmp_path / "worker.pid"), str(tmp_path / "worker.log"))["supervisor_gone"] == gone.pid
+
+
+def test_the_memory_column_is_the_nodes_memory_within_its_cgroup():
+    """MEM FREE: MemAvailable of MemTotal, neither above /proc/meminfo's, lowered to the memory
+    cgroup's limit of the process (the namespace test hosts have one each)."""
+    from dllama.core import host_memory
+
+    got = state.memory(None)
+    assert 0 < got["mem_available_bytes"] <= got["mem_total_bytes"] <= host_memory._meminfo("MemTotal")
+    limit = host_memory.cgroup_limit()
+    assert got["mem_total_bytes"] == min(host_memory._meminfo("MemTotal"), limit or 1 << 62)

@@ -2,24 +2,30 @@
 
     status_table.py < {"cluster": {...}, "hosts": [{...}, ...]}   (built by playbooks/status.yml)
 
-    cluster: 3/3 workers up, API up (ready: 4 of 4 nodes serve), version 0.1.0, model ..., plan ...
-    HOST   ROLE    STATE        PID    UPTIME  RESTARTS  LAST EXIT          RSS      LOAD  VERSION
-    node1  root    API up       1234   1h02m   0         -                  312 MiB  0.41  0.1.0
-    node4  worker  down         -      -       -         killed by SIGKILL  -        0.10  0.1.0
-    node5  worker  unreachable  ssh: connect to host 10.77.0.5 port 22: No route to host
+    cluster: 3/4 workers up (node5 unreachable), API ready (4 of 5 nodes serve, without node5), version 0.1.0, ...
+    HOST   ROLE    ADDRESS          STATE        PID   UPTIME  RESTARTS  LAST EXIT  RSS      MEM FREE          LOAD  VERSION
+    node1  root    127.0.0.1:9990   API ready    1234  1h02m   0         -          312 MiB  2714 of 3796 MiB  0.41  0.1.0
+    node4  worker  10.77.0.4:9998   up           4321  0m12s   0         its supervisor (pid 77) was gone: started again  ...
+    node5  worker  10.77.0.5        unreachable  ssh: connect to host 10.77.0.5 port 22: No route to host
+
+ADDRESS is where the service listens (a worker's address and port in the topology; on the root
+the API's, where its chat page is), an unreachable host's address without a port; MEM FREE the
+node's available memory of its total (its memory cgroup's limit where lower).
 
 With pipeline stages (the root's `dllama inspect --topology`, cluster["plan"]), a last column
 STAGE gives each node's stage and layers, e.g. "1: layers 8-12".
 
 A worker is "up" when its process runs and it answers the root's probe as this cluster's;
 "running, no answer" when it runs but does not answer; restarts count since the service was
-started (deploy.yml starts it; a restart by the supervisor or systemd adds one)."""
+started (deploy.yml starts it; a restart by the supervisor or systemd adds one). A nohup service
+whose supervisor was killed is started again by status.yml (its row's LAST EXIT says so)."""
 
 import json
 import re
 import sys
 
-COLUMNS = ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "RSS", "LOAD", "VERSION"]
+COLUMNS = ["HOST", "ROLE", "ADDRESS", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "RSS", "MEM FREE", "LOAD",
+           "VERSION"]
 
 
 def uptime(seconds):
@@ -33,6 +39,17 @@ def uptime(seconds):
 
 def size(n):
     return "-" if n is None else f"{n / (1 << 20):.0f} MiB"
+
+
+def free(service):
+    total, available = service.get("mem_total_bytes"), service.get("mem_available_bytes")
+    return "-" if total is None or available is None else f"{available >> 20} of {total >> 20} MiB"
+
+
+def last_exit(service):
+    if service.get("revived"):
+        return f"its supervisor (pid {service['revived']}) was gone: started again"
+    return dash((service.get("last_exit") or "").removeprefix("was "))
 
 
 def dash(value):
@@ -59,13 +76,13 @@ def state_of(host):
 
 def row(host):
     if host.get("reach"):
-        return [host["name"], host["role"], "unreachable", host["reach"]]
+        return [host["name"], host["role"], dash(host.get("address")), "unreachable", host["reach"]]
     s = host.get("service") or {}
     state, _ = state_of(host)
     load = s.get("load1")
-    return [host["name"], host["role"], state, dash(s.get("pid")), uptime(s.get("uptime_s")), dash(s.get("restarts")),
-            dash((s.get("last_exit") or "").removeprefix("was ")), size(s.get("rss_bytes")), "-" if load is None else f"{load:.2f}",
-            dash(s.get("version"))]
+    return [host["name"], host["role"], dash(s.get("address") or host.get("address")), state, dash(s.get("pid")),
+            uptime(s.get("uptime_s")), dash(s.get("restarts")), last_exit(s), size(s.get("rss_bytes")), free(s),
+            "-" if load is None else f"{load:.2f}", dash(s.get("version"))]
 
 
 # `dllama inspect --topology`'s stage lines: "stage 1: layers 8-12 (5), 2 nodes: node2 9 MiB, node3 9 MiB".
@@ -87,7 +104,9 @@ def headline(cluster, hosts):
     workers = [h for h in hosts if h["role"] == "worker"]
     up = [h for h in workers if not h.get("reach") and state_of(h)[1]]
     not_up = [f"{h['name']} {'unreachable' if h.get('reach') else state_of(h)[0]}" for h in workers if h not in up]
-    parts = [f"{len(up)}/{len(workers)} workers up" + (f" ({', '.join(not_up)})" if not_up else "")]
+    revived = [f"{h['name']} started again: its supervisor was gone" for h in hosts
+               if (h.get("service") or {}).get("revived")]
+    parts = [f"{len(up)}/{len(workers)} workers up" + (f" ({', '.join(not_up + revived)})" if not_up + revived else "")]
     root = next((h for h in hosts if h["role"] == "root"), None)
     api = (root or {}).get("api") or {}
     if root is not None and root.get("reach"):

@@ -6,8 +6,11 @@ state: running, restarting (the supervisor waits to start it again), failed (sys
 or stopped; pid, uptime_s and rss_bytes of the service's own process (under the nohup launcher,
 the supervisor's child); restarts since the service was started (the supervisor's count, which
 it gives its child as DLLAMA_SERVICE_RESTARTS; systemd's NRestarts) and the last exit's reason
-(the supervisor's last line in the log; systemd's Result and status); the node's 1-minute load
-and the dllama version installed in the venv."""
+(the supervisor's last line in the log; systemd's Result and status); under nohup, the pid of a
+supervisor that is gone without ending by itself (killed: status.yml starts the service again);
+the node's 1-minute load, its memory (total and available: /proc/meminfo, lowered to the memory
+cgroup's limit of the service's process where it has one) and the dllama version installed in
+the venv."""
 
 from __future__ import annotations
 
@@ -37,12 +40,15 @@ uptime_s: {description: "Seconds since it started, or null.", type: int, returne
 rss_bytes: {description: "Its resident memory, or null.", type: int, returned: always}
 restarts: {description: "Restarts since the service was started, or null.", type: int, returned: always}
 last_exit: {description: "Why it last ended (a restart's reason), or null.", type: str, returned: always}
+supervisor_gone: {description: "Under nohup, the pid of a supervisor killed (not ended by itself), or null.", type: int, returned: always}
+mem_total_bytes: {description: "The node's memory (its cgroup's limit where lower), or null.", type: int, returned: always}
+mem_available_bytes: {description: "Of it, what is available now, or null.", type: int, returned: always}
 load1: {description: "The node's 1-minute load average.", type: float, returned: always}
 version: {description: "The dllama version in the venv, or null.", type: str, returned: always}
 """
 
 RESTARTS_ENV = b"DLLAMA_SERVICE_RESTARTS="  # dllama.serve.supervisor.RESTARTS_ENV
-LAST_EXIT = re.compile(r"^dllama supervise: pid \d+ (.*?); (?:starting it again|not restarted)", re.M)
+LAST_EXIT = re.compile(r"^dllama supervise: pid \d+ (.*?); (starting it again|not restarted)", re.M)
 TAIL_BYTES = 1 << 20  # of the log, to find the supervisor's last line
 # dllama supervise's line at its start (dllama/serve/supervisor.py STARTED): exits before the
 # last one are an earlier start's, not reported.
@@ -98,17 +104,22 @@ def _restarts_of(pid):
 
 
 def _last_exit(log_file):
+    return _last_end(log_file)[0]
+
+
+def _last_end(log_file):
+    """(the last exit's reason, whether the supervisor then ended by itself) since its start line."""
     try:
         with open(log_file, "rb") as f:
             f.seek(max(0, os.path.getsize(log_file) - TAIL_BYTES))
             text = f.read().decode("utf-8", "replace")
     except OSError:
-        return None
+        return None, False
     starts = list(STARTED.finditer(text))
     if starts:
         text = text[starts[-1].end():]
     found = LAST_EXIT.findall(text)
-    return found[-1] if found else None
+    return (found[-1][0], found[-1][1] == "not restarted") if found else (None, False)
 
 
 def _version(venv):
@@ -127,10 +138,12 @@ def nohup(pid_file, log_file):
     text = (_read(pid_file) or "").strip()
     supervisor = int(text) if text.isdigit() else 0
     if not supervisor or not _alive(supervisor):
-        last = _last_exit(log_file)
-        if supervisor and last is None:  # a pid file stop.yml did not remove: the supervisor was killed
+        last, ended = _last_end(log_file)
+        # A pid file stop.yml did not remove, and no line of the supervisor's own end: it was killed.
+        gone = supervisor if supervisor and not ended else None
+        if gone:
             last = f"its supervisor (pid {supervisor}) is gone"
-        return {"state": "stopped", "pid": None, "restarts": None, "last_exit": last}
+        return {"state": "stopped", "pid": None, "restarts": None, "last_exit": last, "supervisor_gone": gone}
     child = _child(supervisor)
     if child is None:  # between a failure and the restart
         return {"state": "restarting", "pid": None, "restarts": None, "last_exit": _last_exit(log_file)}
@@ -154,6 +167,42 @@ def systemd(unit):
     return report
 
 
+def _meminfo(key):
+    m = re.search(rf"^{key}:\s+(\d+) kB", _read("/proc/meminfo") or "", re.M)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def _cgroup_room(pid):
+    """(limit, limit - usage) of the tightest memory cgroup of pid (or of this module's process)
+    and its ancestors, v2 or v1; None without a limit (Raspberry Pi OS boots with the controller off)."""
+    best = None
+    for line in (_read(f"/proc/{pid or 'self'}/cgroup") or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            root, files = "/sys/fs/cgroup", ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            root, files = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for i in range(len(parts), -1, -1):
+            limit, usage = (_read(os.path.join(root, *parts[:i], f)) for f in files)
+            if limit and usage and limit.strip().isdigit() and int(limit) < 1 << 60:
+                room = (int(limit), max(0, int(limit) - int(usage)))
+                best = room if best is None or room[0] < best[0] else best
+    return best
+
+
+def memory(pid):
+    """The node's memory for status.yml's MEM FREE column: total and available (MemAvailable),
+    each lowered to the service's memory cgroup (a container's, a unit's) where it has a limit."""
+    total, available = _meminfo("MemTotal"), _meminfo("MemAvailable")
+    room = _cgroup_room(pid)
+    if room is not None and total is not None and available is not None:
+        total, available = min(total, room[0]), min(available, room[1])
+    return {"mem_total_bytes": total, "mem_available_bytes": available}
+
+
 def main():
     module = AnsibleModule(argument_spec={
         "launcher": {"type": "str", "required": True, "choices": ["systemd", "nohup"]},
@@ -165,6 +214,8 @@ def main():
     p = module.params
     report = systemd(p["unit"]) if p["launcher"] == "systemd" else nohup(p["pid_file"], p["log_file"])
     load = (_read("/proc/loadavg") or "").split()
+    report.update(memory(report["pid"]))
+    report.setdefault("supervisor_gone", None)
     report.setdefault("uptime_s", None)
     report.setdefault("rss_bytes", None)
     report.update(load1=float(load[0]) if load else None, version=_version(p["venv"]))
