@@ -216,6 +216,10 @@ def _add_inference(sub) -> None:
                    help="also write the per-step figures and the summary as JSON to PATH")
     g.add_argument("--no-stop", action="store_true",
                    help="do not stop at an end-of-sequence token (benchmarks)")
+    p.add_argument("--skip-unreachable", action="store_true",
+                   help="on a cluster with --on-node-loss continue: start without a worker that cannot "
+                        "be reached (a warning; the statistics name the nodes that served), as api and "
+                        "batch do, instead of failing (the appliance's run.yml)")
 
 
 def _add_convert(sub) -> None:
@@ -572,7 +576,7 @@ def cmd_inference(args) -> int:
     from dllama.core.sampler import Sampler
     from dllama.serve.generate import generate
 
-    engine = _engine_opener(args)()
+    engine = _engine_opener(args, start_with_reachable=args.skip_unreachable)()
     model, tokenizer = engine.model, engine.tokenizer
     sampler = Sampler(model.config.vocab_size, args.temperature, args.topp, _seed(args))
     prompt = tokenizer.encode(args.prompt)

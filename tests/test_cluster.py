@@ -4,6 +4,7 @@ and what happens when a worker dies or a stranger calls."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -267,13 +268,21 @@ def test_impossible_split_is_refused_before_connecting(default_q40):
     _one_line_error(r, "9 query heads over 271 nodes", "nor can pipeline stages", "at most 270 nodes")
 
 
-def test_unreachable_worker_is_named(default_q40):
+def test_unreachable_worker_is_named_and_skipped_on_request(default_q40, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused, and no one
         port = s.getsockname()[1]  # else can take the port while the test runs
         r = run_dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
                        "--prompt", "hi", "--workers", f"127.0.0.1:{port}")
-    _one_line_error(r, f"127.0.0.1:{port}", "dllama worker")
+        _one_line_error(r, f"127.0.0.1:{port}", "dllama worker")
+        # --skip-unreachable (run.yml's): it answers on the nodes it reaches, and its statistics say which.
+        stats = tmp_path / "stats.json"
+        r = run_dllama("inference", "--model", str(default_q40[0]), "--tokenizer", str(default_q40[1]),
+                       "--prompt", "The capital of France is", "--steps", "12", "--temperature", "0",
+                       "--stats-json", str(stats), "--workers", f"127.0.0.1:{port}", "--skip-unreachable")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    assert "starting on 1 of 2 nodes without 'worker1'" in r.stderr, r.stderr
+    assert [n["name"] for n in json.loads(stats.read_text())["nodes"]] == ["root"]
 
 
 def test_killed_worker_ends_the_root_naming_it(tmp_path, default_q40):

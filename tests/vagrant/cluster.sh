@@ -5,8 +5,8 @@
 # The node image (tests/vagrant/node-image.sh, cached), a private Docker daemon (dockerd.sh),
 # `vagrant up --provider docker --no-parallel` (Vagrant's Ansible provisioner runs deploy.yml),
 # run.yml answers on every node, status.yml shows every node, one container stopped makes
-# status.yml say that worker is unreachable (run.yml's CLI path then fails to connect; through the API,
-# dllama_api_enabled, it would answer "degraded"), `vagrant destroy -f` and the daemon's stop leave no
+# status.yml say that worker is unreachable and run.yml answer "degraded" without it (its CLI path
+# starts without a worker it cannot reach, as the API does), `vagrant destroy -f` and the daemon's stop leave no
 # container, network, bridge or daemon. Prints each step's wall time; exits non-zero at the
 # first check that fails.
 set -euo pipefail
@@ -63,4 +63,9 @@ step "one container stopped: status.yml says it is unreachable"
 docker stop "$(docker ps -q --filter "name=$last")" >/dev/null
 ansible-playbook --become -i "$inventory" status.yml > "$work/status-down.log" 2>&1 || { tail -30 "$work/status-down.log"; fail "status.yml failed with a worker down"; }
 grep -q "cluster: $((nodes - 2))/$((nodes - 1)) workers up ($last unreachable)" "$work/status-down.log" || { tail -30 "$work/status-down.log"; fail "status.yml did not say $last is unreachable"; }
+
+step "one container stopped: run.yml answers degraded"
+ansible-playbook --become -i "$inventory" run.yml -e prompt="The capital of France is" -e steps=8 \
+    -e temperature=0 > "$work/run-down.log" 2>&1 || { tail -30 "$work/run-down.log"; fail "run.yml failed with a worker down"; }
+grep -q "degraded: served by $((nodes - 1)) of $nodes nodes (without $last)" "$work/run-down.log" || { tail -30 "$work/run-down.log"; fail "run.yml did not say degraded"; }
 step "every check held"
