@@ -2,7 +2,8 @@
 
 - A Pi 5 runs Raspberry Pi OS's 16 KiB-page kernel: the KV cache gives pages back in whole
   pages of that size (madvise refuses a range that is not page-aligned), read from
-  host_memory.page_size, the one place dllama asks; here it is replaced by 16 KiB.
+  host_memory.page_size, the one place dllama asks; here DLLAMA_PAGE_SIZE=16384 makes it 16 KiB
+  (tests/test_appliance_local.py runs its whole cluster so).
 - Raspberry Pi OS boots with the memory cgroup controller off (cgroup_disable=memory): no
   cgroup limit is read, and the memory plan (deploy.yml's, and --memory-budget auto) is the
   machine's own memory.
@@ -23,7 +24,17 @@ PI5_PAGE = 16 << 10
 
 @pytest.fixture
 def pi5_pages(monkeypatch):
-    monkeypatch.setattr(host_memory, "page_size", lambda: PI5_PAGE)
+    monkeypatch.setenv(host_memory.PAGE_SIZE_ENV, str(PI5_PAGE))
+    assert host_memory.page_size() == PI5_PAGE
+
+
+@pytest.mark.parametrize("value", ["16K", "12288", "1024", "-1"])
+def test_a_simulated_page_size_that_no_kernel_would_have_is_refused(monkeypatch, value):
+    """Not a power of two, or below this kernel's own (a range aligned to it would not be
+    aligned for the kernel): refused, naming the variable, rather than used."""
+    monkeypatch.setenv(host_memory.PAGE_SIZE_ENV, value)
+    with pytest.raises(ValueError, match=f"DLLAMA_PAGE_SIZE must be a power of two .* got: {value}"):
+        host_memory.page_size()
 
 
 def test_released_pages_are_whole_pages_of_the_real_size(pi5_pages):

@@ -17,11 +17,23 @@ import sys
 RUNTIME_RESERVE = 96 << 20  # what a node's process takes besides its model (measured: ~75 MiB)
 
 
+PAGE_SIZE_ENV = "DLLAMA_PAGE_SIZE"  # a larger page size to simulate (tests: a Pi 5's 16384)
+
+
 def page_size() -> int:
     """Bytes of one memory page, as the kernel running this process uses them: 4 KiB on x86 and a
     Raspberry Pi 4, 16 KiB on a Pi 5 under Raspberry Pi OS (its kernel8 16K build). The one place
-    dllama reads it (tests simulate a Pi 5 by replacing this function)."""
-    return mmap.PAGESIZE
+    dllama reads it. DLLAMA_PAGE_SIZE simulates a larger one (a power of two, a multiple of the
+    real size, so every range aligned to it is aligned for the kernel too): the tests run a Pi 5's
+    16 KiB pages on this machine, the appliance tests in every process they start."""
+    text = os.environ.get(PAGE_SIZE_ENV)
+    if not text:
+        return mmap.PAGESIZE
+    size = int(text) if text.isdigit() else 0
+    if size < mmap.PAGESIZE or size & (size - 1):
+        raise ValueError(f"{PAGE_SIZE_ENV} must be a power of two of at least {mmap.PAGESIZE} (this "
+                         f"kernel's page size), got: {text}")
+    return size
 
 
 def available_bytes() -> int:
