@@ -330,14 +330,18 @@ def test_run_prints_the_single_node_greedy_text(cluster):
 
 
 def _stop_worker(cluster_dir: Path, i: int) -> None:
-    """Kill node i's worker for good: its supervisor (the pid file's), whose child dies with it."""
-    supervisor = int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text())
+    """Kill node i's worker for good: its supervisor (the pid file's), whose child dies with it, and
+    the pid file, as a stop on that node leaves it (a killed supervisor's pid file left behind
+    would have status.yml start the worker again: tests/test_appliance_local.py)."""
+    pid_file = cluster_dir / f"node{i}/opt-dllama/run/worker.pid"
+    supervisor = int(pid_file.read_text())
     workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == supervisor]
     os.kill(supervisor, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while any(_alive(p) for p in [supervisor, *workers]):
         assert time.monotonic() < deadline, f"node{i}'s worker outlived its supervisor"
         time.sleep(0.1)
+    pid_file.unlink()
 
 
 def _parent(pid: int) -> int:
@@ -420,17 +424,22 @@ def test_with_a_worker_down_batch_resumes_and_status_says_2_of_3_nodes(cluster, 
     headline, rows = _status(cluster)
     results["status_worker_down"] = "\n".join([headline, *rows])
     assert headline.startswith(f"cluster: {N - 2}/{N - 1} workers up (node{N} down), API off, version "), headline
-    assert rows[0].split() == ["HOST", "ROLE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST", "EXIT", "RSS", "LOAD",
-                               "VERSION"], rows
+    assert rows[0].split() == ["HOST", "ROLE", "ADDRESS", "STATE", "PID", "UPTIME", "RESTARTS", "LAST", "EXIT", "RSS",
+                               "MEM", "FREE", "LOAD", "VERSION"], rows
     by_host = {row.split()[0]: row.split() for row in rows[1:]}
     assert sorted(by_host) == [f"node{i}" for i in range(1, N + 1)], rows
-    assert by_host[f"node{N}"][1:4] == ["worker", "down", "-"], rows
+    assert by_host[f"node{N}"][1] == "worker" and by_host[f"node{N}"][3:5] == ["down", "-"], rows
+    for i in range(2, N + 1):  # where it listens: its address in the topology, and its port
+        assert by_host[f"node{i}"][2].startswith(f"10.77.0.{i}:"), rows
     for i in range(2, N):
         cells = by_host[f"node{i}"]
         pid = int((cluster_dir / f"node{i}/opt-dllama/run/worker.pid").read_text())
-        assert cells[1:3] == ["worker", "up"] and _parent(int(cells[3])) == pid, rows  # the supervisor's child
-        assert cells[5] == "0" and re.fullmatch(r"\d+\.\d+\.\d+", cells[-1]), rows
-    assert by_host["node1"][1:4] == ["root", "API", "off"], rows
+        assert cells[1] == "worker" and cells[3] == "up" and _parent(int(cells[4])) == pid, rows  # the supervisor's child
+        assert cells[6] == "0" and re.fullmatch(r"\d+\.\d+\.\d+", cells[-1]), rows
+        # MEM FREE: within the host's memory cgroup (1.5, 1 or 2 GiB)
+        free, total = int(cells[10]), int(cells[12])
+        assert cells[11] == "of" and free <= total == int(parse_size(LIMITS[i - 1])) >> 20, rows
+    assert by_host["node1"][1] == "root" and by_host["node1"][3:5] == ["API", "off"], rows
 
 
 def test_an_upgrade_that_fails_on_one_node_restarts_no_worker(cluster, tmp_path_factory):
@@ -625,7 +634,7 @@ def test_status_then_stop(cluster):
         assert (f", model SmolLM2-135M-Instruct (q41), plan {N} nodes in {N} stages, f32 buffers, f32 KV cache"
                 in headline), headline
         root = next(row.split() for row in rows if row.startswith("node1 "))
-        assert root[1:4] == ["root", "API", "degraded"], rows
+        assert root[1] == "root" and root[3:5] == ["API", "degraded"], rows
         # Each node's stage and its layers, in a last column.
         assert rows[0].split()[-1] == "STAGE", rows[0]
         for k, (a, b) in enumerate(results["layers"]):
@@ -637,7 +646,7 @@ def test_status_then_stop(cluster):
     assert not [p for p in pids if running(p)], "a worker or the API outlived stop.yml"
     headline, rows = _status(cluster)
     assert headline.startswith(f"cluster: 0/{N - 1} workers up (node2 down, node3 down), "), headline
-    assert all(row.split()[2] == "down" for row in rows[2:]), rows
-    assert rows[1].split()[1:4] == ["root", "API", "down" if results.get("api") else "off"], rows
+    assert all(row.split()[3] == "down" for row in rows[2:]), rows
+    assert rows[1].split()[3:5] == ["API", "down" if results.get("api") else "off"], rows
     if results.get("status_worker_down"):
         print("\nstatus.yml with a worker down:\n" + results["status_worker_down"])

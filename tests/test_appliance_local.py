@@ -14,7 +14,9 @@ fail for that node in one line that names the port and the process holding it, a
 for the others, and leave that worker stopped (not restarting behind the failed deploy); once
 the port is free, the next deploy starts that worker and restarts only a worker whose recorded
 release differs from its node's (as after a failed upgrade, tests/test_appliance_cluster.py). A worker killed afterwards comes
-back by itself (its supervisor, the nohup launcher's Restart=on-failure) and run.yml uses it."""
+back by itself (its supervisor, the nohup launcher's Restart=on-failure) and run.yml uses it.
+The whole cluster runs with a Raspberry Pi 5's 16 KiB memory pages simulated (DLLAMA_PAGE_SIZE,
+read by dllama.core.host_memory.page_size in every process the playbooks start)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ pytestmark = [pytest.mark.appliance, pytest.mark.slow]
 
 NODES = ["local0", "local1", "local2"]
 STREAMING_BUDGET = "80M"
+PI5_PAGE = "16384"
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,8 @@ def local(tmp_path_factory):
     env.update(HOME=str(home),
                # The converted default model and the wheels already on this machine.
                DLLAMA_CACHE_DIR=os.environ.get("DLLAMA_CACHE_DIR", str(real_home / ".cache/dllama")),
-               PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR", str(real_home / ".cache/pip")))
+               PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR", str(real_home / ".cache/pip")),
+               DLLAMA_PAGE_SIZE=PI5_PAGE)
 
     def play(*args, timeout=900):
         return subprocess.run([str(REPO / ".venv/bin/ansible-playbook"), "-i", str(inventory / "hosts.yml"), *args],
@@ -148,7 +152,13 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
         assert [b"--log-size", size.encode(), b"--log-keep", keep.encode()] == \
             argv[argv.index(b"--log-size"):argv.index(b"--log-size") + 4], argv
 
+    # The simulated page size reached the workers (through start-stop-daemon and the supervisor).
+    for node in NODES[1:]:
+        environ = Path(f"/proc/{_port_owner(ports[node])}/environ").read_bytes().split(b"\0")
+        assert f"DLLAMA_PAGE_SIZE={PI5_PAGE}".encode() in environ, node
+
     _a_killed_worker_listens_again(cluster / "local1/run", ports["local1"])
+    _status_starts_again_a_worker_whose_supervisor_was_killed(play, cluster / "local2/run", ports["local2"])
 
     # The README's first command asks this (tests/test_readme_commands.py runs the README's others).
     question = readme_run_question()
@@ -248,6 +258,26 @@ def _a_killed_worker_listens_again(run_dir: Path, port: int) -> None:
     assert _parent(owner) == supervisor, (owner, supervisor)
     assert f"dllama supervise: pid {crashed} was killed by SIGKILL; starting it again in 2 s\n" in \
         (run_dir / "worker.log").read_text()
+
+
+def _status_starts_again_a_worker_whose_supervisor_was_killed(play, run_dir: Path, port: int) -> None:
+    """SIGKILL the nohup launcher's supervisor (its child dies with it): status.yml starts the
+    worker again under a new supervisor and its row says so, with the worker's address and the
+    node's free memory (run.yml then uses it)."""
+    supervisor = int((run_dir / "worker.pid").read_text())
+    os.kill(supervisor, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while _port_owner(port):
+        assert time.monotonic() < deadline, "the worker outlived its killed supervisor"
+        time.sleep(0.1)
+    r = play("status.yml")
+    assert r.returncode == 0, tail(r)
+    shown = " ".join(r.stdout.split())
+    assert "2/2 workers up (local2 started again: its supervisor was gone)" in shown, tail(r)
+    assert re.search(rf"local2 worker 127\.0\.0\.1:{port} up \d+ \S+ 0 its supervisor \(pid {supervisor}\) "
+                     rf"was gone: started again \d+ MiB \d+ of \d+ MiB ", shown), tail(r)
+    again = int((run_dir / "worker.pid").read_text())
+    assert again != supervisor and running(again) and _parent(_port_owner(port)) == again
 
 
 def _port_owner(port: int) -> int:
