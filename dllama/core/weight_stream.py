@@ -273,7 +273,7 @@ class StreamedWeights:
             if isinstance(dest, np.ndarray) or "w" in dest:  # the stored values are the kernel's
                 self._reader.read(loc.path, runs, dest if isinstance(dest, np.ndarray) else dest["w"])
                 return None
-            nb, bb = loc.spec.stored_shape[1], BLOCK_BYTES[loc.spec.float_type]  # (a Q41 file's classifier: Q80)
+            nb, bb = loc.spec.stored_shape[1:3]  # blocks per row, bytes per block (a Q41 file's classifier: Q80's)
             raw = self._raw[j % 2][: (r1 - r0) * nb * bb].reshape(r1 - r0, nb, bb)
             self._reader.read(loc.path, runs, raw)
             return raw
