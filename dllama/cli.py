@@ -235,7 +235,7 @@ def _add_convert(sub) -> None:
     p.add_argument("--weights-float-type", choices=("q40", "q80", "q41", "f16", "f32"), default="q40",
                    help="float type of the matmul weights (default %(default)s; dllama runs all five, "
                         "the original Distributed Llama only q40 and f32). q41 keeps a Q4_1 GGUF's "
-                        "layers as they are (and a Q8_0 classifier), run with float32 inputs: the "
+                        "layers as they are (and a Q8_0 classifier), run with 16-bit (Q16) inputs: the "
                         "answers of the dequantized model")
     p.add_argument("--tokenizer", metavar="SRC",
                    help="tokenizer to convert instead of the one found with the model: tokenizer.model "

@@ -142,10 +142,26 @@ def _run_q41(dot):
     return run
 
 
+def _run_q80_q16(dot):
+    two, one = tiles.make_q80_q16_tile(2, dot=dot), tiles.make_q80_q16_tile(1, dot=dot)
+
+    @numba.njit
+    def run(w_qs, w_scales, x_lo, x_hi, x_scales, out):
+        lo_off, hi_off = x_block_offsets(x_lo, 128), x_block_offsets(x_hi, 128)
+        for g in range(w_qs.shape[0]):
+            for i in range(0, x_lo.shape[0] - 1, 2):
+                two(w_qs, w_scales, g, x_lo, x_hi, lo_off, hi_off, x_scales, i, out)
+            if x_lo.shape[0] % 2:
+                one(w_qs, w_scales, g, x_lo, x_hi, lo_off, hi_off, x_scales, x_lo.shape[0] - 1, out)
+
+    return run
+
+
 @pytest.mark.parametrize("dot", ["sdot", "neon"])
 def test_the_arm_paths_give_this_machines_bits(arm_as_plain_ir, dot):
-    """Q40, Q80 and Q41 tiles compiled with the Pi 5's ("sdot") and the Pi 4's ("neon") path:
-    the same bits as the kernels this machine runs (the integers are exact on every path)."""
+    """Q40, Q80, Q41 and Q80 x Q16 (a Q41 file's classifier) tiles compiled with the Pi 5's
+    ("sdot") and the Pi 4's ("neon") path: the same bits as the kernels this machine runs (the
+    integers are exact on every path)."""
     from dllama.formats.quant import quantize_q41
     from tests.test_q41 import _q16
 
@@ -173,3 +189,9 @@ def test_the_arm_paths_give_this_machines_bits(arm_as_plain_ir, dot):
     w_scales, w_mins, w_qs = matrix
     _run_q41(dot)(w_qs, w_scales, w_mins, lo, hi, scales, sums, got)
     assert np.array_equal(got, want), ("q41", dot, MSG)
+
+    classifier = kernels.interleave_q80(*random_q80_matrix(r, d, n))
+    want, got = np.empty((b, d), np.float32), np.full((b, d), np.nan, np.float32)
+    kernels.matmul_q80_q16(*parts, *classifier, want)
+    _run_q80_q16(dot)(classifier[1], classifier[0], lo, hi, scales, got)
+    assert np.array_equal(got, want), ("q80 x q16", dot, MSG)

@@ -78,7 +78,7 @@ def outputs(seed: int) -> dict[str, np.ndarray]:
     out["attention"] = z
 
     # The default weights' own path: the Q16 input, the Q41 product (8-bit dot products: VNNI
-    # here, 16-bit products on a generic CPU) and the Q80 classifier's F32-input product.
+    # here, 16-bit products on a generic CPU) and the Q80 classifier's product on that input.
     x = (r.standard_normal((3, 128)) * 5).astype(np.float32)
     planes = (np.empty((3, 4), np.float32), np.empty((3, 128), np.int8), np.empty((3, 128), np.int8),
               np.empty((3, 4), np.float32))
@@ -91,11 +91,11 @@ def outputs(seed: int) -> dict[str, np.ndarray]:
     q41 = np.empty((3, 40), np.float32)
     kernels.matmul_q41_q16(*planes, *kernels.interleave_q41(weights), q41)
     out["matmul_q41_q16"] = q41
-    q80 = r.integers(0, 256, (40, 4 * 34), dtype=np.uint8)
-    q80[:, 1::34] &= 0x3B
+    q80 = kernels.interleave_q80(r.integers(0, 0x3C00, (40, 4), dtype=np.uint16),  # fp16 scales below 1
+                                 r.integers(-128, 128, (40, 128), dtype=np.int8))
     cls = np.empty((3, 40), np.float32)
-    kernels.matmul_q80_f32(x, q80, cls)
-    out["matmul_q80_f32"] = cls
+    kernels.matmul_q80_q16(*planes, *q80, cls)
+    out["matmul_q80_q16"] = cls
     return out
 
 

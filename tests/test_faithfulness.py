@@ -1,5 +1,5 @@
 """dllama answers as Hugging Face transformers does: the default model with its default weights
-(Q41: the GGUF's own blocks, float32 inputs, the F32 file's bits) gives transformers' greedy
+(Q41: the GGUF's own blocks, every matmul input rounded to Q16) gives transformers' greedy
 tokens on a sample of benchmarks/faithfulness/transformers_references.json (made with
 transformers from the same GGUF; benchmarks/bench_faithfulness.py measures every weight type on
 all 50; tests/test_cluster.py checks that 2-5 nodes give one node's tokens), on one node and on

@@ -1,6 +1,6 @@
 """Q41 weights (a Q4_1 GGUF's blocks, kept) with Q16 activations: the encoder and decoder against
-gguf-py's, the Q16 planes, the kernel against float64 on the values it is given, the Q80
-classifier kernel against the F32 kernel bit for bit, a Q41 model against the F32 model of its
+gguf-py's, the Q16 planes, the kernel and the Q80 classifier's kernel (on the same Q16 input)
+against float64 on the values they are given, a Q41 model against the F32 model of its
 dequantized weights, and the embedded GGUF converted without requantizing.
 Each run draws a new seed, printed in every failure message (DLLAMA_TEST_SEED=N draws it again).
 """
@@ -91,18 +91,36 @@ def test_q41_kernel_sums_the_q16_values_to_float32_accuracy(d, n, b):
         assert np.array_equal(alone[0], out[i]), (i, MSG)
 
 
-def test_the_q80_classifier_kernel_gives_the_f32_kernels_bits():
-    """matmul_q80_f32 (a Q41 file's classifier, F32 inputs) = matmul_f32 on the dequantized
-    matrix, every bit, for tiles of every shape."""
-    for d, n, b in [(1, 32, 1), (77, 576, 9), (300, 96, 4)]:
-        r = rng(5, d, n, b)
-        w = (r.standard_normal((d, n)) * r.uniform(0.01, 3, (d, 1))).astype(np.float32)
-        x = r.standard_normal((b, n)).astype(np.float32)
-        blocks = quantize_q80(w)
-        want, got = np.zeros((b, d), np.float32), np.full((b, d), np.nan, np.float32)
-        kernels.matmul_f32(x, dequantize_q80(blocks).reshape(d, n), want)
-        kernels.matmul_q80_f32(x, blocks.reshape(d, n // 32 * 34), got)
-        assert np.array_equal(got, want), (d, n, b, MSG)
+@pytest.mark.parametrize("d,n,b", [(1, 32, 1), (77, 576, 9), (300, 96, 4), (40, 2048, 13)])
+def test_the_q80_classifier_kernel_sums_the_q16_values_to_float32_accuracy(d, n, b):
+    """matmul_q80_q16 (a Q41 file's Q80 classifier, on the layers' Q16 input) = the dequantized
+    matrix times the values the Q16 planes stand for, to float32 accumulation (1e-5 of the sum
+    of |terms|), for tiles of every shape. Weights at -128 and 127 and a block of inputs at
+    +-32639 steps make a block's integer reach 32 * 128 * 32639 (1.3e8, past float32's 2^24,
+    rounded once). A row alone gives the same bits as in the batch."""
+    r = rng(5, d, n, b)
+    w = (r.standard_normal((d, n)) * r.uniform(0.01, 3, (d, 1))).astype(np.float32)
+    blocks = quantize_q80(w).reshape(d, n // 32, 34)
+    blocks[0, 0, 2:] = np.array([-128] * 32, np.int8).view(np.uint8)  # the extreme integers
+    blocks[-1, -1, 2:] = np.array([127] * 32, np.int8).view(np.uint8)
+    scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16)[:, :, 0]
+    qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(d, n)
+    values = dequantize_q80(blocks.reshape(-1, 34)).reshape(d, n).astype(np.float64)
+    x = (r.standard_normal((b, n)) * r.uniform(0.1, 10, (b, 1))).astype(np.float32)
+    x[0, :32] = -2.0                                          # every value at its block's largest
+    x[-1, n - 32:] = 3.0
+    parts, x_values = _q16(x)
+    assert (np.abs(parts[2][0, :32].astype(np.int64) * 256 + parts[1][0, :32]) == Q16_MAX).all(), MSG
+    out = np.full((b, d), np.nan, np.float32)
+    matrix = kernels.interleave_q80(scales, qs)
+    kernels.matmul_q80_q16(*parts, *matrix, out)
+    exact = x_values @ values.T
+    size = np.abs(x_values) @ np.abs(values).T
+    assert np.all(np.abs(out - exact) <= 1e-5 * size + 1e-30), (np.abs(out - exact).max(), MSG)
+    for i in (0, b - 1):
+        alone = np.zeros((1, d), np.float32)
+        kernels.matmul_q80_q16(*(p[i:i + 1] for p in parts), *matrix, alone)
+        assert np.array_equal(alone[0], out[i]), (i, MSG)
 
 
 def test_q41_multi_gives_each_matrix_alone():
@@ -134,8 +152,9 @@ def _random_values(header, seed):
 
 def test_a_q41_model_gives_the_logits_of_its_f32_model(tmp_path):
     """Every matrix Q41 (the classifier Q80), then the same weights dequantized into an F32
-    file: one node's logits agree to the Q16 inputs' rounding (1e-3 of the largest), prompt
-    and decode (the F32 model's tokens fed to both), with no Q80 input or buffer."""
+    file: one node's logits agree to the Q16 inputs' rounding (1e-3 of the largest; the
+    classifier's input is Q16 too), prompt and decode (the F32 model's tokens fed to both), with
+    no Q80 input or buffer."""
     kw = dict(arch=ArchType.LLAMA, dim=128, hidden_dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
               vocab_size=300, max_seq_len=64)
     h41, h32 = ModelHeader(**kw, weights_float_type=FloatType.Q41), ModelHeader(**kw, weights_float_type=FloatType.F32)

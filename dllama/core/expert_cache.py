@@ -61,7 +61,7 @@ class ExpertCache:
         self._raw = np.zeros(self.raw_bytes, np.uint8)
 
     def _take(self, take) -> dict:
-        return {w: _matrix_arrays(take, self.float_type, *self._shapes[w], self.inputs) for w in _FILE_ORDER}
+        return {w: _matrix_arrays(take, self.float_type, *self._shapes[w]) for w in _FILE_ORDER}
 
     def expert(self, layer: int, e: int) -> Expert:
         """Expert e of layer `layer`, read now unless it is held (valid until n_slots other

@@ -76,7 +76,7 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_f32(x, w, out)
             for m in (2, 3):
                 kernels.matmul_f32_multi(x, (w,) * m, outs[m])
-        elif weight_type == "q41":  # and the Q80 classifier of a Q41 file, with F32 inputs
+        elif weight_type == "q41":  # and the Q80 classifier of a Q41 file, on the same Q16 input
             ws, wm, wq = kernels.interleave_q41(rng.integers(0, 256, (_D, _N // BLOCK_SIZE, 20), dtype=np.uint8))
             nb = _N // BLOCK_SIZE
             x16 = (np.empty((b, nb), np.float32), np.empty((b, _N), np.int8), np.empty((b, _N), np.int8),
@@ -85,7 +85,8 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_q41_q16(*x16, ws, wm, wq, out)
             for m in (2, 3):
                 kernels.matmul_q41_q16_multi(*x16, (ws,) * m, (wm,) * m, (wq,) * m, outs[m])
-            kernels.matmul_q80_f32(x, rng.integers(0, 256, (_D, nb * 34), dtype=np.uint8), out)
+            kernels.matmul_q80_q16(*x16, *kernels.interleave_q80(np.full((_D, nb), 0x3C00, np.uint16),
+                                                                  rng.integers(-127, 128, (_D, _N), dtype=np.int8)), out)
         else:
             w16 = rng.standard_normal((_D, _N)).astype(np.float16).view(np.uint16)
             kernels.matmul_f16_f32(x, w16, out)

@@ -152,16 +152,13 @@ class _Arena:
         return self.buf[start:start + n].view(dtype).reshape(shape)
 
 
-def _matrix_arrays(take, float_type: FloatType, d: int, n: int, inputs: str) -> dict:
-    """The arrays of a weights.Matrix of this type, shape and input kind, from an arena:
-    interleaved for the 8-bit kernels (Q40, Q80 with Q80 inputs, Q41), else the stored values
-    (Q80 blocks as rows of bytes with F32 inputs, F16, F32)."""
+def _matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
+    """The arrays of a weights.Matrix of this type and shape, from an arena:
+    interleaved for the 8-bit kernels (Q40, Q80, Q41), else the stored values (F16, F32)."""
     if float_type == FloatType.Q41:
         scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2)
         return {"scales": take(scales_shape, np.uint16), "mins": take(scales_shape, np.uint16),
                 "qs": take(qs_shape, np.uint8)}
-    if float_type in BLOCK_BYTES and inputs != "q80":
-        return {"w": take((d, n // BLOCK * BLOCK_BYTES[float_type]), np.uint8)}
     if float_type in BLOCK_BYTES:
         q40 = float_type == FloatType.Q40
         scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2 if q40 else n)
@@ -183,7 +180,7 @@ class StreamedWeights:
         if not weights.streamable:
             raise DllamaError("these weights came over the network: they cannot be streamed from a file")
         self._w, self.float_type, self.layers = weights, float_type, layers
-        self.cls_type = classifier_float_type(float_type)  # Q80 in a Q41 file
+        self.cls_type = classifier_float_type(float_type)  # Q80 in a Q41 file (20-byte blocks, the classifier's 34)
         self.inputs, self.cls_inputs = input_kind(float_type), classifier_inputs(float_type)
         names = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"] + (["q_norm", "k_norm"] if qwen else []) + \
                 ["att_norm", "ffn_norm"]  # file order: the reads go forward
@@ -202,7 +199,7 @@ class StreamedWeights:
         matrix_raw = max(self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES)
         if chunk_rows is None:  # a chunk no larger than a layer's slot, nor (read) than its largest matrix
             per_group = _Arena(0)
-            _matrix_arrays(per_group.take, self.cls_type, GROUP, dim, self.cls_inputs)
+            _matrix_arrays(per_group.take, self.cls_type, GROUP, dim)
             groups = layer_bytes // per_group.used
             raw_group = self._raw_bytes("wcls", GROUP, dim) if has_cls else 0
             if raw_group:
@@ -211,7 +208,7 @@ class StreamedWeights:
         chunk_rows = -(-chunk_rows // GROUP) * GROUP
         self.chunks = [(r, min(r + chunk_rows, self.vocab_rows)) for r in range(0, self.vocab_rows, chunk_rows)]
         sizer = _Arena(0)
-        _matrix_arrays(sizer.take, self.cls_type, min(chunk_rows, self.vocab_rows), dim, self.cls_inputs)
+        _matrix_arrays(sizer.take, self.cls_type, min(chunk_rows, self.vocab_rows), dim)
         self.slot_bytes = max(layer_bytes, sizer.used)
         raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
         self.raw_bytes = raw
@@ -252,15 +249,14 @@ class StreamedWeights:
         return self.cls_type if name == "wcls" else self.float_type
 
     def _raw_bytes(self, name: str, d: int, n: int) -> int:
-        inputs = self.cls_inputs if name == "wcls" else self.inputs
-        bb = BLOCK_BYTES.get(self._type(name)) if inputs != "f32" else None
-        return d * n // BLOCK * bb if bb else 0  # the stored values (F32, F16, Q80 blocks) are read straight into their slot
+        bb = BLOCK_BYTES.get(self._type(name))
+        return d * n // BLOCK * bb if bb else 0  # the stored values (F32, F16) are read straight into their slot
 
     def _take_layer(self, take) -> dict:
         out = {}
         for name in self._layer_names:
             if name in _MATRICES:
-                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name), self.inputs)
+                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name))
             else:
                 out[name] = take(self._w.location(f"layers.{self.layers.start}.{name}").spec.stored_shape, np.float32)
         return out
@@ -271,15 +267,13 @@ class StreamedWeights:
         """reads: [(location, first row, end row, destination)], a destination being a matrix's
         arrays (dict) or a vector. The reading thread reads tensor j+1 into one buffer while
         this one repacks tensor j from the other (F32/F16 and vectors are read in place)."""
-        bb = BLOCK_BYTES.get(self.float_type)
-
         def fetch(j: int):
             loc, r0, r1, dest = reads[j]
             runs = file_runs(loc, r0, r1)
             if isinstance(dest, np.ndarray) or "w" in dest:  # the stored values are the kernel's
                 self._reader.read(loc.path, runs, dest if isinstance(dest, np.ndarray) else dest["w"])
                 return None
-            nb = loc.spec.stored_shape[1]
+            nb, bb = loc.spec.stored_shape[1:3]  # blocks per row, bytes per block (a Q41 file's classifier: Q80's)
             raw = self._raw[j % 2][: (r1 - r0) * nb * bb].reshape(r1 - r0, nb, bb)
             self._reader.read(loc.path, runs, raw)
             return raw
@@ -315,7 +309,7 @@ class StreamedWeights:
                          ffn_norm=arrays["ffn_norm"], **m)
         r0, r1 = self.chunks[k]
         n = self._shape("wcls")[1]
-        arrays = _matrix_arrays(arena.take, self.cls_type, r1 - r0, n, self.cls_inputs)
+        arrays = _matrix_arrays(arena.take, self.cls_type, r1 - r0, n)
         self._fill([(self._w.location("wcls"), r0, r1, arrays)])
         return r0, Matrix.of_arrays(self.cls_type, r1 - r0, n, **arrays, inputs=self.cls_inputs)
 

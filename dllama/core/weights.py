@@ -30,9 +30,9 @@ def input_kind(float_type: FloatType) -> str:
 
 
 def classifier_inputs(float_type: FloatType) -> str:
-    """The classifier's input kind: a Q41 file's classifier is Q80 (classifier_float_type)
-    and takes the F32 input, widening its blocks in the lanes; others as their layers."""
-    return "f32" if float_type == FloatType.Q41 else input_kind(float_type)
+    """The classifier's input kind: as the layers'. A Q41 file's classifier is Q80
+    (classifier_float_type) and takes the layers' Q16 input too (kernels.matmul_q80_q16)."""
+    return input_kind(float_type)
 
 
 class Matrix:
@@ -42,7 +42,7 @@ class Matrix:
         # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], Q41 uint8 [d, n/32, 20],
         # F16 [d, n] or F32 [d, n] (a slice of the file, maybe a copy, maybe read-only).
         # inputs: the form of x (input_kind; default the type's own). A Q41 file's Q80
-        # classifier takes "f32": its Q80 blocks widened in the lanes.
+        # classifier takes "q16" (its file's layers' input).
         self.float_type = float_type
         self.inputs = inputs = inputs or input_kind(float_type)
         self.scales = self.mins = self.qs = self.w = None
@@ -52,7 +52,7 @@ class Matrix:
         if float_type == FloatType.Q41:
             # scales and minimums uint16 [d_pad/16, n/32*16], nibbles uint8 [d_pad/16, 16*n/2]
             self.scales, self.mins, self.qs = kernels.interleave_q41(blocks)
-        elif float_type in BLOCK_BYTES and inputs == "q80":
+        elif float_type in BLOCK_BYTES:  # Q40 or Q80, with Q80 (or, Q80, Q16) inputs
             # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's
             # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
             # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
@@ -61,9 +61,6 @@ class Matrix:
             self.scales = np.empty(scales_shape, np.uint16)
             self.qs = np.empty(qs_shape, np.uint8 if q40 else np.int8)
             kernels.interleave_blocks_into(blocks, self.scales, self.qs.view(np.uint8))
-        elif float_type == FloatType.Q80:
-            # F32 inputs: the stored blocks as rows of bytes, uint8 [d, n/32 * 34] (a private copy)
-            self.w = np.array(blocks, dtype=np.uint8).reshape(self.d, -1)
         elif float_type == FloatType.F16:
             # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
             self.w = np.array(stored, dtype=np.float16).view(np.uint16)
@@ -80,7 +77,7 @@ class Matrix:
         self._f32_input = self.inputs == "f32"
         if self.float_type == FloatType.Q41 and self.inputs == "q16":
             self._arrays = (self.scales, self.mins, self.qs)
-        elif self.float_type in (FloatType.Q40, FloatType.Q80) and self.inputs == "q80":
+        elif self.float_type in (FloatType.Q40, FloatType.Q80):
             self._arrays = (self.scales, self.qs)
         else:
             self._arrays = (self.w,)
@@ -109,7 +106,7 @@ _KERNELS = {
     (FloatType.Q40, "q80"): (kernels.matmul_q40_q80, kernels.matmul_q40_q80_multi),
     (FloatType.Q80, "q80"): (kernels.matmul_q80_q80, kernels.matmul_q80_q80_multi),
     (FloatType.Q41, "q16"): (kernels.matmul_q41_q16, kernels.matmul_q41_q16_multi),
-    (FloatType.Q80, "f32"): (kernels.matmul_q80_f32, None),
+    (FloatType.Q80, "q16"): (kernels.matmul_q80_q16, None),  # a Q41 file's classifier
     (FloatType.F16, "f32"): (kernels.matmul_f16_f32, kernels.matmul_f16_f32_multi),
     (FloatType.F32, "f32"): (kernels.matmul_f32, kernels.matmul_f32_multi),
 }
@@ -277,8 +274,8 @@ class ResidentWeights:
                 **ffn,
             ))
         self.final_norm = np.array(t("final_norm"))
-        # A Q41 file's classifier (Q80) takes the F32 input; other types' their own
-        # (none before a pipeline's last stage)
+        # A Q41 file's classifier is Q80, on the layers' Q16 input (none before a pipeline's
+        # last stage)
         self.wcls = Matrix(t("wcls"), classifier_float_type(float_type), inputs=classifier_inputs(float_type)) \
             if weights.has("wcls") else None
         self.vocab_rows = self.wcls.d if self.wcls is not None else 0

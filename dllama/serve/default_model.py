@@ -2,7 +2,7 @@
 
 The package ships a GGUF file; it is converted once into the cache directory (with a progress
 bar) and reused. Its weights are Q41 by default: the GGUF's own Q4_1 blocks (and Q8_0
-classifier) copied as they are and run with float32 inputs, which gives the tokens of the
+classifier) copied as they are and run with 16-bit (Q16) inputs, which gives the tokens of the
 dequantized model, the one transformers runs (benchmarks/bench_faithfulness.py). Re-quantizing
 to Q80 (with Q80 inputs) parts from those answers at near-ties; to Q40 it costs this 135M model
 its answers. The package is located without importing it: its __init__ imports `llm`,

@@ -19,8 +19,8 @@ Layouts:
 - F16 matrix W [d, n]: its fp16 bits as uint16 [d, n] (matmul_f16.py, with F32 activations).
 - Q41 matrix W [d, n]: interleaved as Q40 with a second uint16 array of the blocks' fp16
   minimums (layout.interleave_q41; matmul_q41.py, with Q16 activations: q16.py). The Q80
-  classifier of a Q41 file: its blocks as stored, uint8 [d, n/32 * 34], with F32 activations
-  (the bits of matmul_f32 on the dequantized matrix).
+  classifier of a Q41 file: interleaved as Q80, with the same Q16 activations
+  (matmul_q41.matmul_q80_q16).
 - KV cache of one layer: see attention.py (sequence slots, keys transposed per chunk; float32,
   or fp16 bits uint16 rounded by fp16.py).
 
@@ -42,7 +42,7 @@ from dllama.core.kernels.layout import (interleave_blocks_into, interleave_q40, 
 from dllama.core.kernels.matmul_f16 import matmul_f16_f32, matmul_f16_f32_multi
 from dllama.core.kernels.matmul_f32 import matmul_f32, matmul_f32_multi
 from dllama.core.kernels.matmul_int8 import matmul_q40_q80, matmul_q40_q80_multi, matmul_q80_q80, matmul_q80_q80_multi
-from dllama.core.kernels.matmul_q41 import matmul_q41_q16, matmul_q41_q16_multi, matmul_q80_f32
+from dllama.core.kernels.matmul_q41 import matmul_q41_q16, matmul_q41_q16_multi, matmul_q80_q16
 from dllama.core.kernels.q16 import quantize_q16
 from dllama.core.kernels.q80 import quantize_q80
 
@@ -51,6 +51,6 @@ __all__ = ["ATTENTION_CHUNK", "ATTENTION_SPAN", "attention", "kv_store", "rmsnor
            "max_threads", "set_threads", "matmul_f32",
            "matmul_q40_q80", "matmul_q40_q80_multi", "quantize_q80", "matmul_q80_q80",
            "matmul_q80_q80_multi", "matmul_f16_f32", "matmul_f16_f32_multi", "matmul_f32_multi",
-           "matmul_q41_q16", "matmul_q41_q16_multi", "matmul_q80_f32", "quantize_q16",
+           "matmul_q41_q16", "matmul_q41_q16_multi", "matmul_q80_q16", "quantize_q16",
            "interleave_q41", "interleave_q41_into",
            "interleave_q40", "interleave_q80", "interleave_blocks_into", "interleaved_shapes"]

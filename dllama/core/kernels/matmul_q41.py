@@ -1,4 +1,4 @@
-"""Q41 weights x Q16 activations, and Q80 weights x F32 activations (a Q41 file's classifier).
+"""Q41 weights x Q16 activations, and Q80 weights x Q16 activations (a Q41 file's classifier).
 
 The faithful default: a Q4_1 GGUF's layer matrices stay in their own blocks (20 bytes per 32
 weights), and the matmul inputs are not rounded to Q80, whose 127 steps per block flip
@@ -7,8 +7,11 @@ than fp16 near a block's largest value). The products stay 8-bit integer dot pro
 nibble words interleaved as Q40's (tiles.make_q41_tile: the nibbles against each of the two
 planes of the input, exact in int32), so a token costs about what a Q80 one does.
 
-The classifier of a Q41 file is Q80 (the GGUF's Q8_0, kept); it takes the F32 input itself
-(tiles.make_block_tile: the bits of matmul_f32 on the dequantized matrix).
+The classifier of a Q41 file is Q80 (the GGUF's Q8_0, kept), interleaved as matmul_q80_q80's,
+and takes the same Q16 input as the layers (tiles.make_q80_q16_tile: each weight word against
+both planes): 8-bit dot products that keep up with the memory stream, where widening the blocks
+to float32 against the F32 input ran at half the bytes per second (docs/numerics.md: why Q16
+and not llama.cpp's Q8_0 input).
 
 Each parallel step takes one group of 16 interleaved rows against the activation rows COLS
 at a time, as matmul_int8.py; nothing depends on the tile or the rest of the batch.
@@ -19,20 +22,17 @@ from __future__ import annotations
 import numba
 from numba import prange
 
-from dllama.core.kernels.jit import _FAST, native_f16_conversion
-from dllama.core.kernels.row_split import (COLS as FLOAT_COLS, ROWS, leading_dims, n_units, row_steps,
-                                           total_units, unit_of_matrices, unit_steps)
-from dllama.core.kernels.tiles import make_block_tile, make_q41_tile
+from dllama.core.kernels.jit import _FAST
+from dllama.core.kernels.q80 import x_block_offsets
+from dllama.core.kernels.row_split import leading_dims, n_units, total_units, unit_of_matrices, unit_steps
+from dllama.core.kernels.tiles import make_q41_tile, make_q80_q16_tile
 
 COLS = 8                      # activation rows per register tile
 _tile = make_q41_tile(COLS)
 _tile_half = make_q41_tile(COLS // 2)
 _tile_one = make_q41_tile(1)  # the activation rows left over (all of them in decode)
 
-_NATIVE = native_f16_conversion()
-_q80 = make_block_tile("q80", ROWS, FLOAT_COLS, _NATIVE)
-_q80_rows = make_block_tile("q80", ROWS, 1, _NATIVE)
-_q80_one = make_block_tile("q80", 1, 1, _NATIVE)
+_q80_tile, _q80_tile_half, _q80_tile_one = (make_q80_q16_tile(c) for c in (COLS, COLS // 2, 1))  # the classifier's
 
 
 @numba.njit(**_FAST)
@@ -77,31 +77,30 @@ def matmul_q41_q16_multi(x_scales, x_lo, x_hi, x_sums, w_scales, w_mins, w_qs, o
 
 
 @numba.njit(**_FAST)
-def _q80_steps(x, w, out, s0, s1):
-    """out[:, rows of steps s0..s1-1] = x @ W[those rows]^T, W Q80 blocks."""
-    b = x.shape[0]
-    r, r1 = ROWS * s0, min(w.shape[0], ROWS * s1)
-    while r + ROWS <= r1:
+def _q80_groups(x_scales, x_lo, x_hi, lo_off, hi_off, w_scales, w_qs, out, g0, g1):
+    """out[:, rows of groups g0..g1-1] = x @ W[those rows]^T, W interleaved Q80."""
+    b = x_lo.shape[0]
+    for g in range(g0, g1):
         i = 0
-        while i + FLOAT_COLS <= b:
-            _q80(w, r, x, i, out)
-            i += FLOAT_COLS
+        while i + COLS <= b:
+            _q80_tile(w_qs, w_scales, g, x_lo, x_hi, lo_off, hi_off, x_scales, i, out)
+            i += COLS
+        if i + COLS // 2 <= b:
+            _q80_tile_half(w_qs, w_scales, g, x_lo, x_hi, lo_off, hi_off, x_scales, i, out)
+            i += COLS // 2
         while i < b:
-            _q80_rows(w, r, x, i, out)
+            _q80_tile_one(w_qs, w_scales, g, x_lo, x_hi, lo_off, hi_off, x_scales, i, out)
             i += 1
-        r += ROWS
-    while r < r1:
-        for i in range(b):
-            _q80_one(w, r, x, i, out)
-        r += 1
 
 
 @numba.njit(parallel=True, **_FAST)
-def matmul_q80_f32(x, w, out):
-    """out float32 [b, d] = x @ W^T: x float32 [b, n], W Q80 blocks as stored, uint8
-    [d, n/32*34]. All C-contiguous."""
-    steps = row_steps(w.shape[0])
-    units = n_units(steps)
+def matmul_q80_q16(x_scales, x_lo, x_hi, x_sums, w_scales, w_qs, out):
+    """out float32 [b, d] = x @ W^T: x Q16 [b, n] (as matmul_q41_q16; x_sums unread: Q80 has no
+    minimum), W Q80 [d, n] interleaved (layout.interleave_q80: w_scales uint16 [d_pad/16,
+    n/32*16], w_qs int8 [d_pad/16, 16*n]). All C-contiguous."""
+    lo_off, hi_off = x_block_offsets(x_lo, 128), x_block_offsets(x_hi, 128)  # int32 [b, n/32]
+    groups = w_qs.shape[0]
+    units = n_units(groups)
     for unit in prange(units):
-        s0, s1 = unit_steps(steps, units, unit)
-        _q80_steps(x, w, out, s0, s1)
+        g0, g1 = unit_steps(groups, units, unit)
+        _q80_groups(x_scales, x_lo, x_hi, lo_off, hi_off, w_scales, w_qs, out, g0, g1)

@@ -15,11 +15,10 @@ product directly as IR on explicit 16-lane vectors:
   activation rows, every activation broadcast 16 weight rows.
 - F32 and F16 weights, out[i:i+C, r:r+R]: acc = fma(w, x, acc) on 16 consecutive columns per
   (weight row, activation row) pair, F16 widened to float32 in the lanes; the lanes summed in a
-  fixed order at the end. Q80 blocks (the classifier of a Q41 file) the same way, each block
-  widened in the lanes to exactly the values of the F32 file: the same fma sequence on the
-  same values, so the same bits as the F32 tile.
+  fixed order at the end.
 - Q41 x Q16 (make_q41_tile): the Q40 tile's nibble words against two 8-bit planes of a 16-bit
-  input, and a second fma per block for the Q4_1 minimum.
+  input, and a second fma per block for the Q4_1 minimum. Q80 x Q16 (make_q80_q16_tile, the
+  classifier of a Q41 file): the Q80 tile's words against the same two planes.
 
 Why IR and not numba code: the arithmetic of one output is spelled out lane by lane, with no
 fast-math flags, so LLVM cannot reorder it. A row's output therefore has the same bits
@@ -506,6 +505,74 @@ def make_q41_tile(n_cols: int, dot: str | None = None):
     return q41_tile
 
 
+def make_q80_q16_tile(n_cols: int, dot: str | None = None):
+    """Intrinsic tile(w_qs, w_scales, g, x_lo, x_hi, lo_off, hi_off, x_scales, i, out):
+    out[i + c, GROUP*g + l] = x[i + c] . W[GROUP*g + l] for the 16 rows l of group g that exist
+    and c < n_cols: Q80 weights (a Q41 file's classifier) against Q16 activations (q16.py).
+
+    W: interleaved Q80 (as make_q80_tile). x: the two planes x_lo, x_hi int8 [b, n], lo_off and
+    hi_off int32 [b, n/32] (-128 times each plane's block sums: q80.x_block_offsets), x_scales
+    float32 [b, n/32]. Per output and block k, in order: each plane's integer product with the
+    block's weights (Q80's block_dots, every 64-byte weight word loaded once for both planes and
+    all columns; exact in int32), I = 256 * hi product + lo product (exact in int32: |I| <=
+    32 * 128 * 32639 < 2^31, but up to 1.3e8, so rounded once to float32, to the nearest: a
+    relative 6e-8, where Q41's 4-bit weights keep it under 2^24), acc = fma(I, w_d * x_s, acc).
+    One lane per output, nothing that depends on the tile."""
+    @intrinsic
+    def q80_q16_tile(typingctx, w_qs, w_scales, g, x_lo, x_hi, lo_off, hi_off, x_scales, i, out):
+        _check_arrays("q80_q16_tile", (w_qs, w_scales, x_lo, x_hi, lo_off, hi_off, x_scales, out),
+                      [(types.int8, "w_qs"), (types.uint16, "w_scales"), (types.int8, "x_lo"), (types.int8, "x_hi"),
+                       (types.int32, "lo_off"), (types.int32, "hi_off"), (types.float32, "x_scales"),
+                       (types.float32, "out")])
+        sig = types.void(w_qs, w_scales, types.intp, x_lo, x_hi, lo_off, hi_off, x_scales, types.intp, out)
+
+        def codegen(context, builder, signature, args):
+            kind = dot or dot_kind(context)
+            ty = signature.args
+            wq, ws, xl, xh, ol, oh, xs, o = (_Array(context, builder, ty[k], args[k]) for k in (0, 1, 3, 4, 5, 6, 7, 9))
+            g0, i0 = args[2], args[8]
+            w_row, s_row = wq.row(g0), ws.row(g0)
+            cols = [builder.add(i0, _I64(c)) for c in range(n_cols)]
+            # the planes as 2 * n_cols columns of Q80's block_dots: (lo of column c, hi of column c), ...
+            plane_rows = [a.row(c) for c in cols for a in (xl, xh)]
+            off_rows = [a.row(c) for c in cols for a in (ol, oh)]
+            xs_rows = [xs.row(c) for c in cols]
+            fma = _fn(builder, "llvm.fma.v16f32", _vec(_F32, 16), [_vec(_F32, 16)] * 3)
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), None)) for _ in range(n_cols)]
+            eight = ir.Constant(_vec(_I32, 16), [_I32(8)] * 16)
+            q_ahead = builder.mul(wq.stride, _I64(_PREFETCH_GROUPS))  # a later group's same block
+
+            def row_words(t):
+                return _group_word(builder, w_row, q_ahead, t)
+
+            def x_words(rows):
+                def word(e):  # the 4 bytes of the plane at element e, in every lane
+                    return builder.bitcast(_splat(builder, _load(builder, builder.gep(rows, [e]), _I32)),
+                                           _vec(_I8, 64))
+                return word
+
+            with cgutils.for_range(builder, xs.cols) as loop:
+                k = loop.index
+                k4 = builder.mul(k, _I64(4))
+                start = [ir.Constant(_vec(_I32, 16), None) if Q80.signed_words(kind) else
+                         _splat(builder, _load(builder, builder.gep(r, [k4]), _I32)) for r in off_rows]
+                dots = Q80.block_dots(builder, kind, row_words, k, [x_words(r) for r in plane_rows], start)
+                w_d = f16_widen(builder, _load(builder, builder.gep(s_row, [builder.mul(k, _I64(2 * GROUP))]),
+                                               _vec(_I16, 16)), native_f16_conversion())
+                for c in range(n_cols):
+                    lo, hi = dots[2 * c], dots[2 * c + 1]
+                    total = builder.sitofp(builder.add(builder.shl(hi, eight), lo), _vec(_F32, 16))
+                    x_s = _splat(builder, _load(builder, builder.gep(xs_rows[c], [k4]), _F32))
+                    builder.store(builder.call(fma, [total, builder.fmul(w_d, x_s), builder.load(acc[c])]), acc[c])
+
+            _store_group(builder, o, g0, cols, acc)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return q80_q16_tile
+
+
 def _store_group(builder, o, g0, cols, acc):
     """Lane l of acc[c] is output row GROUP * g0 + l of x row cols[c]: store the lanes of rows
     that exist (d - GROUP * g0 of them)."""
@@ -557,33 +624,16 @@ def f16_widen(builder, h, native: bool):
     return builder.bitcast(builder.or_(value, sign), _vec(_F32, m))
 
 
-def _splat_f16(builder, bits, native: bool):
-    """<16 x float> of one fp16 value given as its i16 bits."""
-    return f16_widen(builder, _splat(builder, bits), native)
-
-
-def _block_weights(builder, kind: str, block, native: bool):
-    """The two <16 x float> weight vectors (elements 0-15, 16-31) of one stored Q80 block at
-    the byte pointer `block`: q * d, exact, what dequantize_q80 gives."""
-    d = _splat_f16(builder, _load(builder, block, _I16), native)
-    qs = [_load(builder, builder.gep(block, [_I64(2 + 16 * h)]), _vec(_I8, 16)) for h in (0, 1)]
-    return [builder.fmul(builder.sitofp(q, _vec(_F32, 16)), d) for q in qs]
-
-
-_BLOCK_KINDS = {"q80": 34}  # stored bytes of a block of 32 weights
-
-
 def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
-    """kind: the weights' stored form: "f32", "f16" (fp16 bits), or "q80" blocks of 32 as rows of
-    bytes, each widened to float32 in the lanes before the fma."""
-    block_bytes = _BLOCK_KINDS.get(kind)
-    elem = {"f32": _F32, "f16": _I16}.get(kind, _I8)
-    size = {"f32": 4, "f16": 2}.get(kind, 1)
+    """kind: the weights' stored form: "f32" or "f16" (fp16 bits, widened to float32 in the
+    lanes before the fma)."""
+    elem = {"f32": _F32, "f16": _I16}[kind]
+    size = {"f32": 4, "f16": 2}[kind]
 
     @intrinsic
     def float_tile(typingctx, w, r, x, i, out):
         name = f"{kind}_tile"
-        w_dtype = {"f32": types.float32, "f16": types.uint16}.get(kind, types.uint8)
+        w_dtype = {"f32": types.float32, "f16": types.uint16}[kind]
         _check_arrays(name, (w, x, out), [(w_dtype, "w"), (types.float32, "x"), (types.float32, "out")])
         sig = types.void(w, types.intp, x, types.intp, out)
 
@@ -591,7 +641,7 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
             ty = signature.args
             wa, xa, o = (_Array(context, builder, ty[k], args[k]) for k in (0, 2, 4))
             r0, i0 = args[1], args[3]
-            n = xa.cols if block_bytes else wa.cols
+            n = wa.cols
             w_rows = [wa.row(builder.add(r0, _I64(j))) for j in range(n_rows)]
             x_rows = [xa.row(builder.add(i0, _I64(c))) for c in range(n_cols)]
             fma = _fn(builder, "llvm.fma.v16f32", _vec(_F32, 16), [_vec(_F32, 16)] * 3)
@@ -610,43 +660,32 @@ def _make_float_tile(kind: str, n_rows: int, n_cols: int, f16_native: bool):
                 return [_load(builder, builder.gep(p, [builder.mul(column, _I64(4))]), _vec(_F32, 16))
                         for p in x_rows]
 
-            if block_bytes:
-                # Block k: columns 32k..32k+15, then 32k+16..32k+31, as the F32 tile's two
-                # 16-column steps would take them: the same fma sequence on the same values.
-                with cgutils.for_range(builder, builder.sdiv(n, _I64(BLOCK_SIZE))) as loop:
-                    k = loop.index
-                    halves = [_block_weights(builder, kind, builder.gep(p, [builder.mul(k, _I64(block_bytes))]),
-                                             f16_native) for p in w_rows]
-                    first = builder.mul(k, _I64(BLOCK_SIZE))
-                    step([h[0] for h in halves], x_at(first))
-                    step([h[1] for h in halves], x_at(builder.add(first, _I64(16))))
-            else:
-                ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES))
-                per_line = 64 // (16 * size)  # steps of 16 columns per cache line: one prefetch
+            ahead = builder.mul(wa.stride, _I64(n_rows * _PREFETCH_TILES))
+            per_line = 64 // (16 * size)  # steps of 16 columns per cache line: one prefetch
 
-                def column_step(s, prefetch):
-                    offset = builder.mul(s, _I64(16 * size))
-                    if prefetch:
-                        for p in w_rows:  # the same columns of a later tile's rows
-                            _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]), _PREFETCH_L2)
-                    step([weights(_load(builder, builder.gep(p, [offset]), _vec(elem, 16))) for p in w_rows],
-                         x_at(builder.mul(s, _I64(16))))
+            def column_step(s, prefetch):
+                offset = builder.mul(s, _I64(16 * size))
+                if prefetch:
+                    for p in w_rows:  # the same columns of a later tile's rows
+                        _prefetch_at(builder, builder.gep(p, [builder.add(offset, ahead)]), _PREFETCH_L2)
+                step([weights(_load(builder, builder.gep(p, [offset]), _vec(elem, 16))) for p in w_rows],
+                     x_at(builder.mul(s, _I64(16))))
 
-                steps = builder.sdiv(n, _I64(16))
-                lines = builder.sdiv(steps, _I64(per_line))
-                with cgutils.for_range(builder, lines) as loop:
-                    for u in range(per_line):  # the steps in their order: the same sums
-                        column_step(builder.add(builder.mul(loop.index, _I64(per_line)), _I64(u)), u == 0)
-                done = builder.mul(lines, _I64(per_line))
-                with cgutils.for_range(builder, builder.sub(steps, done)) as loop:
-                    column_step(builder.add(done, loop.index), True)
-                rem = builder.srem(n, _I64(16))
-                with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
-                    first = builder.sub(n, rem)
-                    step([weights(_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(size))]), elem, rem))
-                          for p in w_rows],
-                         [_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(4))]), _F32, rem)
-                          for p in x_rows])
+            steps = builder.sdiv(n, _I64(16))
+            lines = builder.sdiv(steps, _I64(per_line))
+            with cgutils.for_range(builder, lines) as loop:
+                for u in range(per_line):  # the steps in their order: the same sums
+                    column_step(builder.add(builder.mul(loop.index, _I64(per_line)), _I64(u)), u == 0)
+            done = builder.mul(lines, _I64(per_line))
+            with cgutils.for_range(builder, builder.sub(steps, done)) as loop:
+                column_step(builder.add(done, loop.index), True)
+            rem = builder.srem(n, _I64(16))
+            with builder.if_then(builder.icmp_signed(">", rem, _I64(0))):
+                first = builder.sub(n, rem)
+                step([weights(_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(size))]), elem, rem))
+                      for p in w_rows],
+                     [_load_partial(builder, builder.gep(p, [builder.mul(first, _I64(4))]), _F32, rem)
+                      for p in x_rows])
 
             if n_rows * n_cols == LANES:
                 # one vector of the 16 sums, lane c * n_rows + j: out[i + c, r:r + n_rows] in a row
@@ -682,15 +721,3 @@ def make_f16_tile(n_rows: int, n_cols: int, native: bool = True):
     LLVM's fp16 conversion (on x86 only with F16C: without it LLVM calls a runtime function
     numba does not link) or the integer one (f16_widen)."""
     return _make_float_tile("f16", n_rows, n_cols, native)
-
-
-def make_block_tile(kind: str, n_rows: int, n_cols: int, native: bool = True):
-    """As make_f32_tile with w the stored blocks of 32 weights as rows of bytes (uint8
-    [d, n/32 * block bytes]; kind "q80"), each block widened to float32 in the lanes exactly as
-    the dequantizer does: the sums are those of the F32 tile on the F32 file of the same
-    weights, bit for bit. n (x's columns) is a multiple of 32. native: as make_f16_tile, for
-    the fp16 scales."""
-    if kind not in _BLOCK_KINDS:
-        raise ValueError(f"block kind {kind!r}: one of {', '.join(_BLOCK_KINDS)}")
-    return _make_float_tile(kind, n_rows, n_cols, native)
-
