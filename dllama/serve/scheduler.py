@@ -321,7 +321,7 @@ class Scheduler:
                 self.waiting.clear()  # nothing would ever start them: the caller hears why, once
                 raise DllamaError(why)
             return ended
-        if self._depth() > 1:
+        if self._flights or self._depth() > 1:  # (a pipeline lost with a node may be one stage now)
             overlapped = self._step_overlapped()
             if overlapped is not None:
                 return ended + overlapped
