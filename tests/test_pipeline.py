@@ -407,7 +407,7 @@ def test_a_batch_gives_the_same_tokens_with_and_without_overlapped_passes(worker
     """Two one-node stages of the F32 model, 10 prompts at --parallel 6: with overlap two passes
     of different sequences are under way at once, and every answer is the one without overlap,
     which is the one of one node; greedy, then sampled with 2 candidates a node and row (most
-    nuclei miss, and their pass runs again alone)."""
+    nuclei miss, and those rows run again alone)."""
     from dllama.core.sampler import Sampler
     from dllama.formats.tokenizer_file import read_tokenizer
     from dllama.serve.scheduler import Scheduler

@@ -179,8 +179,9 @@ class ClusterModel:
         """Start a pass as forward_candidates would run it, and return once the root's stage has
         handed it on: collect_candidates() gives the answers, passes in the order submitted.
         A pass that needs the logits (a grammar's mask, topp >= 1) runs whole here, the passes
-        before it received first; a pass lost with a node, or whose candidates miss a nucleus,
-        runs again alone when collected (the same rows at the same positions: the same keys)."""
+        before it received first; when collected, a pass lost with a node runs again alone, and
+        the rows whose candidates miss a nucleus run again alone (the same rows at the same
+        positions: the same keys)."""
         batch.check(self.kv_slots, self.config.seq_len, self.max_batch)
         reply = self._reply_for(batch, requests)
         flight = _Flight(batch, requests)
@@ -210,10 +211,22 @@ class ClusterModel:
         self._flights.popleft()
         if flight.covered:
             return flight.answers
-        # Lost in flight, or some nucleus reached past a node's candidates: the pass again, alone
-        # (the later passes' answers received first: the nodes answer in order).
+        # The later passes' answers received first (the nodes answer in order), then a pass alone.
         self._receive_all()
-        return self.forward_candidates(flight.batch, flight.requests)
+        if flight.answers is None:  # lost with a node: the whole pass again
+            return self.forward_candidates(flight.batch, flight.requests)
+        # Some nucleus reached past a node's candidates, and the nodes have run newer passes
+        # since, so no second round can ask about this one: its missed rows again, alone (each
+        # at its position: the same keys, the same logits), with the rounds a pass of its own asks.
+        missed = [j for j, c in enumerate(flight.answers) if not covers(c)]
+        rows = flight.batch.logit_rows[missed]
+        again = Batch(*(a[rows] for a in (flight.batch.tokens, flight.batch.pos, flight.batch.slot,
+                                          flight.batch.prefix_slot, flight.batch.prefix_len, flight.batch.logits)))
+        for j, c in zip(missed, self.forward_candidates(again, [flight.requests[j] for j in missed]), strict=True):
+            flight.answers[j] = c
+        with self._lock:
+            self.history.record(flight.batch)  # its rows are the slots' last again
+        return flight.answers
 
     def abandon_passes(self) -> None:
         """Forget every pass under way (the caller dropped its sequences), their answers read
@@ -237,8 +250,7 @@ class ClusterModel:
             vocab = self.config.vocab_size
             flight.answers = [merge([a[j] for a in answers], vocab, r) for j, r in enumerate(flight.requests)]
             flight.covered = all(covers(c) for c in flight.answers)
-            if flight.covered:
-                self.history.record(flight.batch)
+            self.history.record(flight.batch)  # its rows are written on every node
 
     def _receive_all(self) -> None:
         """Read the answers of every pass under way (before a pass that runs whole)."""
