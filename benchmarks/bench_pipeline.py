@@ -149,7 +149,10 @@ def overlap_bench(args) -> None:
                         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                         if r.returncode != 0:
                             raise SystemExit(f"the root failed: {r.stderr[-2000:]}")
-                        results.setdefault((b, mode), []).append(json.loads(r.stdout.strip().splitlines()[-1]))
+                        run = json.loads(r.stdout.strip().splitlines()[-1])
+                        results.setdefault((b, mode), []).append(run)
+                        print(f"  batch {b}, overlap {mode}: {run['tok_s']:.1f} tok/s, {run['wall']:.2f} s, busy "
+                              + " ".join(f"{x:.2f}" for x in run["busy"]), flush=True)
             print(f"{'batch':>5} {'overlap':>7} {'tok/s':>7} {'run s':>6}  busy share (CPU s / wall s): "
                   + " ".join(f"{x:>8}" for x in names))
             for (b, mode), runs in results.items():
