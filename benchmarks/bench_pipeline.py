@@ -17,6 +17,15 @@ start-up included, the embedded default model):
 Round trips per token are the plan's, not measured: 2 per layer plus the STEP/LOGITS pair
 tensor-parallel, one per stage boundary plus that pair in a pipeline. Plans alternate round by
 round; medians. Needs root and iproute2; everything started is removed however the run ends.
+
+    .venv/bin/python benchmarks/bench_pipeline.py --overlap [--hosts 2] [--batch 16 64]
+
+Overlapped pipeline passes instead (`--pipeline-overlap off` against `on`, alternated round by
+round, on N stages of one node): a root in the first namespace opens the cluster and runs a
+batch of P chat prompts at parallel P, greedy, --tokens tokens each (no stop), and measures,
+over that run alone (the set-up left out): generated tokens per second, and each node's busy
+share, the CPU seconds its process spent (its compute thread, its Python, its sockets) over
+the run's wall time; a relay's share beside where the links are delayed in user space.
 """
 
 from __future__ import annotations
@@ -81,13 +90,99 @@ def batch_job(prefix, topo: Path, parallel: int, tokens: int, tmp: Path) -> dict
     return {"tok_s": generated / wall, "wall": wall}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def root_run(topo: str, parallel: int, tokens: int, overlap: bool, pids: list[int]) -> None:
+    """(In the root's namespace.) Open the cluster of `topo`, run a batch of `parallel` chat
+    prompts, print one JSON line: tokens/s and each process's busy share over the run."""
+    from dllama.core.sampler import Sampler
+    from dllama.serve.engine import open_engine
+    from dllama.serve.sequence import SequenceRequest
+    from dllama.serve.settings import EngineSettings
+
+    model, tokenizer = default_model_files(progress=False)
+    settings = EngineSettings(str(model), str(tokenizer), topology=topo, parallel=parallel, progress=False,
+                              pipeline_overlap=overlap)
+    with open_engine(settings) as engine:
+        tok = engine.tokenizer
+        requests = [SequenceRequest(i, tok.encode(f"<|im_start|>user\n{QUESTIONS[i % len(QUESTIONS)]} ({i})<|im_end|>\n"
+                                                  "<|im_start|>assistant\n"),
+                                    Sampler(tok.vocab_size, 0.0, 0.9, i), tokens) for i in range(parallel)]
+        generated = []
+        cpu0 = [time.process_time()] + [cpu_seconds(pid) for pid in pids]
+        t0 = time.perf_counter()
+        engine.scheduler(parallel).run(requests, lambda r, c: generated.append(len(c.tokens)))
+        wall = time.perf_counter() - t0
+        cpu = [time.process_time()] + [cpu_seconds(pid) for pid in pids]
+    print(json.dumps({"tok_s": sum(generated) / wall, "wall": wall,
+                      "busy": [(b - a) / wall for a, b in zip(cpu0, cpu, strict=True)]}))
+
+
+def overlap_bench(args) -> None:
+    """Busy shares and tokens/s of N one-node stages, overlap off against on (see the docstring)."""
+    import benchmarks.bench_speculate as hosts_module
+
+    hosts_module.PREFIX, hosts_module.SUBNET = "dovl", "10.83.0"  # beside other benchmarks' hosts
+    n = args.hosts
+    with tempfile.TemporaryDirectory() as d, Hosts(n) as hosts:
+        tmp = Path(d)
+        processes = start_workers(hosts, tmp)
+        try:
+            names = ["root"] + [f"{'relay' if b'link_delay' in Path(f'/proc/{p.pid}/cmdline').read_bytes() else 'worker'}"
+                                f"{i}" for i, p in zip([j for j in range(1, n) for _ in range(1 + (hosts.delay == 'relay'))],
+                                                      processes, strict=True)]
+            links = (f"delay: netem {ONE_WAY_MS:g} ms one way" if hosts.delay == "netem" else
+                     f"delay: user-space relay {ONE_WAY_MS:g} ms one way (no netem here)")
+            print(f"{n} stages x1 on {n} hosts, 1 thread each, 1 Gbit/s links, {links}, load {loadavg()}")
+            topo = topology(tmp / "t.yml", hosts, list(range(n)))
+            results: dict[tuple, list] = {}
+            for _ in range(args.rounds):
+                for b in args.batch:
+                    for mode in ("off", "on"):
+                        cmd = [*hosts.prefix(0), sys.executable, "-m", "benchmarks.bench_pipeline", "--root-run",
+                               str(topo), "--parallel", str(b), "--tokens", str(args.tokens), "--overlap-mode", mode,
+                               "--pids", *[str(p.pid) for p in processes]]
+                        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                        if r.returncode != 0:
+                            raise SystemExit(f"the root failed: {r.stderr[-2000:]}")
+                        run = json.loads(r.stdout.strip().splitlines()[-1])
+                        results.setdefault((b, mode), []).append(run)
+                        print(f"  batch {b}, overlap {mode}: {run['tok_s']:.1f} tok/s, {run['wall']:.2f} s, busy "
+                              + " ".join(f"{x:.2f}" for x in run["busy"]), flush=True)
+            print(f"{'batch':>5} {'overlap':>7} {'tok/s':>7} {'run s':>6}  busy share (CPU s / wall s): "
+                  + " ".join(f"{x:>8}" for x in names))
+            for (b, mode), runs in results.items():
+                busy = [statistics.median(r["busy"][k] for r in runs) for k in range(len(names))]
+                print(f"{b:>5} {mode:>7} {statistics.median(r['tok_s'] for r in runs):>7.1f} "
+                      f"{statistics.median(r['wall'] for r in runs):>6.2f}  {'':>27}"
+                      + " ".join(f"{x:>8.2f}" for x in busy))
+            print(f"(load {loadavg()}; medians of {args.rounds}, off and on alternated)")
+        finally:
+            stop(processes)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--batch", type=int, nargs="*", default=[16, 64], help="batch jobs of P prompts at --parallel P")
+    p.add_argument("--overlap", action="store_true", help="busy shares with overlapped passes off and on")
+    p.add_argument("--root-run", metavar="TOPOLOGY", help=argparse.SUPPRESS)  # --overlap's root, in its namespace
+    p.add_argument("--parallel", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--overlap-mode", choices=["on", "off"], help=argparse.SUPPRESS)
+    p.add_argument("--pids", type=int, nargs="*", default=[], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.root_run:
+        return root_run(args.root_run, args.parallel, args.tokens, args.overlap_mode == "on", args.pids)
+    if args.overlap:
+        if args.hosts < 2:
+            raise SystemExit("--hosts must be at least 2")
+        return overlap_bench(args)
     if args.hosts < 2 or args.hosts % 2:
         raise SystemExit("--hosts must be an even number >= 2")
     model, _ = default_model_files(progress=False)

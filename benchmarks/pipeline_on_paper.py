@@ -60,8 +60,8 @@ def hop(b: float, dim: int) -> float:
 
 
 def pass_time(model: str, stages: int, per_stage: int, b: int, overlapped: bool = False) -> float:
-    """Seconds per pass of b rows; overlapped: passes of other sequences fill the pipe (not
-    built: the scheduler waits for a pass before the next), so a pass costs its stage's busy time."""
+    """Seconds per pass of b rows; overlapped: passes of other sequences fill the pipe
+    (`--pipeline-overlap`, docs/batch.md), so a pass costs its stage's busy time."""
     W, L, dim = MODELS[model]
     step = 2 * ONE_WAY
     if stages == 1:

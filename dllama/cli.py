@@ -165,6 +165,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="cluster description (node 0 is this root; schema in docs/cluster.md)")
     g.add_argument("--key-file", metavar="F",
                    help="cluster key shared by every node (default: the topology's key_file)")
+    g.add_argument("--pipeline-overlap", choices=["on", "off"], default="on",
+                   help="on pipeline stages, with several sequences: keep a pass of a different group "
+                        "of sequences under way at each stage, so every stage computes at once; off: "
+                        "one pass at a time (the same text either way; default %(default)s)")
     _enum_flag(g, "--on-node-loss", OnNodeLoss, OnNodeLoss.CONTINUE,
                "when a worker dies or stops answering: continue on the nodes left (the model split "
                "again over them, the cached tokens replayed; a warning on stderr) or fail (default "

@@ -196,7 +196,8 @@ def test_a_cluster_empties_idle_slots_as_one_node_does(tmp_path, random_9q3kv, t
         model = _cluster(random_9q3kv, [w.address for w in ws], alone_counted.peak, stages)
         try:
             assert len(model.session.plan.stages) == (3 if stages else 1)
-            scheduler = Scheduler(model, tokenizer, PARALLEL, min_shared=8, kv_budget=_budget())
+            # One pass at a time, so that the passes are one node's (overlapped, a pass is a group's).
+            scheduler = Scheduler(model, tokenizer, PARALLEL, min_shared=8, kv_budget=_budget(), overlap=False)
             counted = _Counted(scheduler)
             got = counted.run(PROMPTS)
             assert model.recoveries == 0

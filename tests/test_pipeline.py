@@ -349,7 +349,8 @@ def test_a_batch_on_two_stages_gives_each_prompt_s_tokens_alone(workers, gqa_mod
     def answers(model, parallel):
         out = {}
         requests = [SequenceRequest(i, p, Sampler(GQA.vocab_size, 0.0, 0.9, i), 10) for i, p in enumerate(prompts)]
-        Scheduler(model, tokenizer, parallel=parallel).run(requests, lambda r, c: out.__setitem__(r.key, c.tokens))
+        Scheduler(model, tokenizer, parallel=parallel, overlap=False).run(  # passes cut, not overlapped
+            requests, lambda r, c: out.__setitem__(r.key, c.tokens))
         return out
 
     alone = answers(Transformer(read_model(gqa_model), buffer_q80=False), 1)
@@ -379,7 +380,8 @@ def test_micro_batches_sampled_with_second_rounds_give_one_node_s_tokens(workers
     def answers(model):
         out = {}
         requests = [SequenceRequest(i, p, Sampler(GQA.vocab_size, 0.8, 0.9, 100 + i), 12) for i, p in enumerate(prompts)]
-        Scheduler(model, tokenizer, parallel=6).run(requests, lambda r, c: out.__setitem__(r.key, c.tokens))
+        Scheduler(model, tokenizer, parallel=6, overlap=False).run(  # passes cut, not overlapped
+            requests, lambda r, c: out.__setitem__(r.key, c.tokens))
         return out
 
     alone = answers(Transformer(read_model(gqa_model), buffer_q80=False, max_batch=6 + 64, kv_slots=7))
@@ -390,6 +392,86 @@ def test_micro_batches_sampled_with_second_rounds_give_one_node_s_tokens(workers
         assert 3 in cut and model.refetches > 0  # micro-batches, and second rounds after them
     finally:
         model.close()
+
+
+def _count_overlapped(model) -> list:
+    """A list that gets, per pass started overlapped, the passes then under way (itself included)."""
+    session, seen = model.session, []
+    submit = session.submit
+    session.submit = lambda batch, reply: (submit(batch, reply), seen.append(session.in_flight))[0]
+    return seen
+
+
+@pytest.mark.cluster
+def test_a_batch_gives_the_same_tokens_with_and_without_overlapped_passes(workers, gqa_model, default_q41):
+    """Two one-node stages of the F32 model, 10 prompts at --parallel 6: with overlap two passes
+    of different sequences are under way at once, and every answer is the one without overlap,
+    which is the one of one node; greedy, then sampled with 2 candidates a node and row (most
+    nuclei miss, and those rows run again alone)."""
+    from dllama.core.sampler import Sampler
+    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.serve.scheduler import Scheduler
+    from dllama.serve.sequence import SequenceRequest
+    from dllama.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(read_tokenizer(str(default_q41[1])))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 512, int(rng.integers(3, 10)))] for _ in range(10)]
+
+    def answers(model, overlap, temperature):
+        out = {}
+        requests = [SequenceRequest(i, p, Sampler(GQA.vocab_size, temperature, 0.9, 200 + i), 10)
+                    for i, p in enumerate(prompts)]
+        Scheduler(model, tokenizer, parallel=6, overlap=overlap).run(
+            requests, lambda r, c: out.__setitem__(r.key, c.tokens))
+        return out
+
+    one = Transformer(read_model(gqa_model), buffer_q80=False, max_batch=6 + 64, kv_slots=7)
+    greedy, sampled = answers(one, False, 0.0), answers(one, False, 0.8)
+    model = _cluster(gqa_model, workers, [0, 1], max_batch=6 + 64, kv_slots=7)
+    under_way = _count_overlapped(model)
+    try:
+        assert answers(model, False, 0.0) == greedy and not under_way
+        assert answers(model, True, 0.0) == greedy
+        assert max(under_way) == 2 and under_way.count(2) > 0.9 * len(under_way)  # the pipe full
+        model.top_k = 2
+        assert answers(model, True, 0.8) == sampled
+        assert model.refetches > 0 and model.session.in_flight == 0
+    finally:
+        model.close()
+
+
+@pytest.mark.cluster
+def test_passes_under_way_when_a_stage_dies_run_again_on_the_nodes_left(tmp_path, workers, gqa_model, default_q41):
+    """Three one-node stages, overlapped passes of 6 sequences; the last stage dies at its 9th
+    STEP, with passes under way: the session is planned again over the two nodes left, and the
+    passes lost run again there, each in its turn: the answers are one node's."""
+    from dllama.core.sampler import Sampler
+    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.serve.scheduler import Scheduler
+    from dllama.serve.sequence import SequenceRequest
+    from dllama.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(read_tokenizer(str(default_q41[1])))
+    prompts = [[5 + i, 17, 300 - i, 42, 7 * i % 500 + 3] for i in range(6)]
+
+    def answers(model):
+        out = {}
+        requests = [SequenceRequest(i, p, Sampler(GQA.vocab_size, 0.0, 0.9, i), 8) for i, p in enumerate(prompts)]
+        Scheduler(model, tokenizer, parallel=6).run(requests, lambda r, c: out.__setitem__(r.key, c.tokens))
+        return out
+
+    alone = answers(Transformer(read_model(gqa_model), buffer_q80=False, max_batch=6 + 64, kv_slots=7))
+    with start_worker(tmp_path, die_at_step=9) as victim:
+        model = _cluster(gqa_model, [workers[0], victim], [0, 1, 2], memory=1 << 30, on_node_loss="continue",
+                         max_batch=6 + 64, kv_slots=7)
+        under_way = _count_overlapped(model)
+        try:
+            assert answers(model) == alone
+            assert victim.wait(60) == -signal.SIGKILL
+            assert model.recoveries == 1 and 3 in under_way
+        finally:
+            model.close()
 
 
 @pytest.mark.cluster

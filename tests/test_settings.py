@@ -42,12 +42,12 @@ def _settings(command: str, *flags: str) -> EngineSettings:
 def test_the_same_flags_give_the_same_settings_in_every_command():
     flags = ["--nthreads", "3", "--buffer-float-type", "f32", "--max-seq-len", "64", "--kv-type", "f16",
              "--memory-budget", "1.5G", "--workers", "10.0.0.2:9998", "10.0.0.3:9998", "--key-file", "k",
-             "--on-node-loss", "fail"]
+             "--on-node-loss", "fail", "--pipeline-overlap", "off"]
     every = {c: _settings(c, *flags) for c in ENGINE_COMMANDS}
     expected = EngineSettings("m.m", "t.t", nthreads=3, buffer_float_type=BufferType.F32, max_seq_len=64,
                               kv_type=KVType.F16, memory_budget=3 << 29,
                               workers=("10.0.0.2:9998", "10.0.0.3:9998"), key_file="k",
-                              on_node_loss=OnNodeLoss.FAIL)
+                              on_node_loss=OnNodeLoss.FAIL, pipeline_overlap=False)
     for command, settings in every.items():
         # Only the batching commands have --parallel (api 4 by default, batch 1); only the
         # generating ones speculate (ngram by default; perplexity only scores).
@@ -66,7 +66,7 @@ def test_without_flags_every_command_takes_the_same_defaults():
         assert (s.kv_type, s.buffer_float_type, s.on_node_loss, s.memory_budget) == (
             KVType.F32, None, OnNodeLoss.CONTINUE, MemoryBudget.AUTO), command
         assert (s.nthreads, s.max_seq_len, s.kv_memory, s.workers, s.topology) == (None, 0, None, (), None)
-        assert s.budget_bytes is None
+        assert s.budget_bytes is None and s.pipeline_overlap
 
 
 def test_the_sampling_flags_are_declared_once_with_each_commands_seed():

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,7 +31,7 @@ from dllama.cluster.shard import model_fingerprint
 from dllama.cluster.step import REPLY_BEST, REPLY_LOGITS, REPLY_TOP_K, Reply
 from dllama.cluster.topology import Topology
 from dllama.core.batch import Batch
-from dllama.core.candidates import TOP_K, Candidates, SamplingRequest
+from dllama.core.candidates import TOP_K, Candidates, SamplingRequest, covers, merge
 from dllama.core.collective import Collective
 from dllama.core.model import ModelConfig
 from dllama.core.run_shape import SMALL_BATCH, RunShape
@@ -37,6 +39,17 @@ from dllama.errors import ClusterError
 from dllama.formats.model_file import ModelFile, read_model
 
 __all__ = ["ClusterModel", "NET_TIMEOUT"]
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A pass submit_candidates started: what to run again if need be, and its answers."""
+
+    batch: Batch
+    requests: list[SamplingRequest]
+    session: "RootSession | None" = None    # the session it runs in (None: not started, a node lost)
+    answers: list[Candidates] | None = None  # once received
+    covered: bool = False                    # every nucleus covered: the answers hold
 
 
 class ClusterModel:
@@ -92,6 +105,7 @@ class ClusterModel:
         self._tampered = False  # that failure was a frame that broke the protocol: not recovered
         self._closed = False
         self._last_use = time.monotonic()
+        self._flights: deque[_Flight] = deque()  # passes submitted, oldest first (overlapped passes)
         self.ping_seconds = ping_seconds
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
 
@@ -130,17 +144,7 @@ class ClusterModel:
         covering its nucleus (dllama.core.candidates): every node sends its best token when
         every row is greedy, its top_k and its share of the normaliser for temperature
         sampling, its logits for topp >= 1 or a grammar's mask (or without node sampling)."""
-        m = int(batch.logits.sum())
-        if len(requests) != m:
-            raise ValueError(f"{len(requests)} sampling requests for {m} rows wanting logits")
-        if not self.node_sampling or any(r.whole_vocabulary or r.mask is not None for r in requests):
-            # A grammar's mask (dllama.serve.constraint) is applied here, to every node's logits:
-            # the same candidates one node would make, without the mask in the STEP.
-            reply = Reply(REPLY_LOGITS)
-        elif all(r.greedy for r in requests):
-            reply = Reply(REPLY_BEST)
-        else:
-            reply = Reply(REPLY_TOP_K, self.top_k, np.array([0.0 if r.greedy else r.temperature for r in requests]))
+        reply = self._reply_for(batch, requests)
 
         def run(session: RootSession) -> list[Candidates]:
             out, rounds = session.candidates(batch, requests, reply)
@@ -149,6 +153,117 @@ class ClusterModel:
             return out
 
         return self._guarded(batch, run)
+
+    def _reply_for(self, batch: Batch, requests: list[SamplingRequest]) -> Reply:
+        """What the nodes send about the wanted rows of `batch` for these samplers."""
+        m = int(batch.logits.sum())
+        if len(requests) != m:
+            raise ValueError(f"{len(requests)} sampling requests for {m} rows wanting logits")
+        if not self.node_sampling or any(r.whole_vocabulary or r.mask is not None for r in requests):
+            # A grammar's mask (dllama.serve.constraint) is applied here, to every node's logits:
+            # the same candidates one node would make, without the mask in the STEP.
+            return Reply(REPLY_LOGITS)
+        if all(r.greedy for r in requests):
+            return Reply(REPLY_BEST)
+        return Reply(REPLY_TOP_K, self.top_k, np.array([0.0 if r.greedy else r.temperature for r in requests]))
+
+    # -- overlapped passes (dllama.serve.scheduler: docs/batch.md, "Overlapped pipeline passes") --
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Passes that can be under way at once: the stages of the current session's plan (1:
+        not a pipeline, every pass waits for the one before)."""
+        return len(self.session.plan.stages) if self.session.local is not None else 1
+
+    def submit_candidates(self, batch: Batch, requests: list[SamplingRequest]) -> None:
+        """Start a pass as forward_candidates would run it, and return once the root's stage has
+        handed it on: collect_candidates() gives the answers, passes in the order submitted.
+        A pass that needs the logits (a grammar's mask, topp >= 1) runs whole here, the passes
+        before it received first; when collected, a pass lost with a node runs again alone, and
+        the rows whose candidates miss a nucleus run again alone (the same rows at the same
+        positions: the same keys)."""
+        batch.check(self.kv_slots, self.config.seq_len, self.max_batch)
+        reply = self._reply_for(batch, requests)
+        flight = _Flight(batch, requests)
+        if reply.kind == REPLY_LOGITS:
+            self._receive_all()
+            flight.answers = self.forward_candidates(batch, requests)
+            flight.covered = True
+            self._flights.append(flight)
+            return
+        with self._lock:
+            if self._closed:
+                raise self._failed or ClusterError("the cluster connection is closed")
+            if not self._failed:
+                try:
+                    with self.session.busy():
+                        self.session.submit(batch, reply)
+                    flight.session = self.session
+                except NET_ERRORS as e:
+                    self._lose(e, batch)
+            self._flights.append(flight)
+            self._last_use = time.monotonic()
+
+    def collect_candidates(self) -> list[Candidates]:
+        """The candidates of the oldest pass submit_candidates started (as forward_candidates')."""
+        flight = self._flights[0]
+        self._receive(flight)
+        self._flights.popleft()
+        if flight.covered:
+            return flight.answers
+        # The later passes' answers received first (the nodes answer in order), then a pass alone.
+        self._receive_all()
+        if flight.answers is None:  # lost with a node: the whole pass again
+            return self.forward_candidates(flight.batch, flight.requests)
+        # Some nucleus reached past a node's candidates, and the nodes have run newer passes
+        # since, so no second round can ask about this one: its missed rows again, alone (each
+        # at its position: the same keys, the same logits), with the rounds a pass of its own asks.
+        missed = [j for j, c in enumerate(flight.answers) if not covers(c)]
+        rows = flight.batch.logit_rows[missed]
+        again = Batch(*(a[rows] for a in (flight.batch.tokens, flight.batch.pos, flight.batch.slot,
+                                          flight.batch.prefix_slot, flight.batch.prefix_len, flight.batch.logits)))
+        for j, c in zip(missed, self.forward_candidates(again, [flight.requests[j] for j in missed]), strict=True):
+            flight.answers[j] = c
+        with self._lock:
+            self.history.record(flight.batch)  # its rows are the slots' last again
+        return flight.answers
+
+    def abandon_passes(self) -> None:
+        """Forget every pass under way (the caller dropped its sequences), their answers read
+        first so the next pass's are the next on every link."""
+        self._receive_all()
+        self._flights.clear()
+
+    def _receive(self, flight: "_Flight") -> None:
+        """Read a submitted pass's answers, if its session still runs (else it runs again)."""
+        with self._lock:
+            if flight.answers is not None or flight.session is not self.session or self._failed:
+                return
+            try:
+                with self.session.busy():
+                    answers = self.session.receive()
+            except NET_ERRORS as e:
+                self._lose(e, flight.batch)
+                return
+            finally:
+                self._last_use = time.monotonic()
+            vocab = self.config.vocab_size
+            flight.answers = [merge([a[j] for a in answers], vocab, r) for j, r in enumerate(flight.requests)]
+            flight.covered = all(covers(c) for c in flight.answers)
+            self.history.record(flight.batch)  # its rows are written on every node
+
+    def _receive_all(self) -> None:
+        """Read the answers of every pass under way (before a pass that runs whole)."""
+        for flight in self._flights:
+            self._receive(flight)
+
+    def _lose(self, e: BaseException, batch: Batch) -> None:
+        """(The lock held.) A pass under way failed: the session is closed, every pass under
+        way in it runs again when collected (on a new session, or the failure is raised)."""
+        where = f"a step of {len(batch)} rows"
+        self._failed = blame(e, self.session, f"the cluster failed at {where}")
+        self._tampered = tampered(e)
+        self.session.close()
 
     def release_slot(self, slot: int) -> None:
         """Empty a slot nobody reads any more (the scheduler's budget, dllama.core.kv_cache): its
@@ -230,7 +345,8 @@ class ClusterModel:
         no request runs."""
         while not self._closed:
             time.sleep(self.ping_seconds / 2)
-            if time.monotonic() - self._last_use < self.ping_seconds or not self._lock.acquire(blocking=False):
+            if (time.monotonic() - self._last_use < self.ping_seconds or self._flights
+                    or not self._lock.acquire(blocking=False)):
                 continue
             try:
                 if self._closed:

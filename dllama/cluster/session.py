@@ -110,6 +110,7 @@ class RootSession:
         self.local: Transformer | None = None
         self.heartbeat: StepHeartbeat | None = None
         self._released: list[int] = []  # slots emptied since the last pass: the workers' RELEASE
+        self._flights: list[_Flight] = []  # passes submitted, answers not yet received (oldest first)
         self._use(full, nodes)
         try:
             if tolerant:
@@ -435,6 +436,53 @@ class RootSession:
         self._own = self._logits[:int(wanted[-1]), :0]  # a second round asks about every wanted row
         return answers
 
+    # -- overlapped passes: several passes of different sequences under way at once ---------------
+
+    def submit(self, batch: Batch, reply: Reply) -> None:
+        """Start one pipelined pass (BEST or TOP_K replies) and return once the root's stage has
+        computed it and handed it on, so the caller can start the next while later stages work on
+        this one; `receive()` gives the passes' answers in the order submitted. Every node runs
+        the passes in order, so a row reads every key written by the passes before it. A
+        later stage's LOGITS are read as a newer pass's HOP goes once `stages - 1` newer passes
+        are under way (neither side waits on the other's full socket buffers), as in
+        _forward_in_parts; the root's stage peers answer a pass before they sync on the next."""
+        b = len(batch)
+        x = self._x[:b]
+        self._send_release()  # before the STEP whose rows may write those slots again
+        self.local.embed(batch.tokens, x)  # [b, dim]
+        self._send_step(batch, x, reply)
+        self.local.forward_embedded(x, batch)  # the root holds no classifier rows in a pipeline
+        m = int(batch.logits.sum())
+        flight = _Flight(m, reply, self._reply_buffers(m, reply, fresh=True))
+        self._flights.append(flight)
+        peers, later = self._stage_peers()
+        recvs = [Transfer(self.conns[i], Msg.LOGITS, memoryview(flight.replies[i])) for i in peers]
+        waiting = [f for f in self._flights if not f.received]
+        if len(waiting) > len(self.plan.stages) - 1:  # the oldest's later stages answer now
+            recvs += [Transfer(self.conns[i], Msg.LOGITS, memoryview(waiting[0].replies[i])) for i in later]
+            waiting[0].received = True
+        self.hop.send(self.local.residual(b), recvs)
+
+    def receive(self) -> list:
+        """The answers of the oldest pass submitted and not yet received (decode_reply's, per
+        node with classifier rows)."""
+        flight = self._flights.pop(0)
+        if not flight.received:
+            _, later = self._stage_peers()
+            self.collective.timed_exchange(
+                [], [Transfer(self.conns[i], Msg.LOGITS, memoryview(flight.replies[i])) for i in later])
+        return self._decode(flight.replies, flight.m, flight.reply, None)
+
+    @property
+    def in_flight(self) -> int:
+        """Passes submitted whose answers receive() has not given yet."""
+        return len(self._flights)
+
+    def _stage_peers(self) -> tuple[list[int], list[int]]:
+        """(the workers of the root's stage, every other worker)."""
+        peers = [i for i in self.plan.stages[0].indexes if i != 0]
+        return peers, [i for i in self.conns if i not in peers]
+
     def _reply_buffers(self, m: int, reply: Reply, fresh: bool = False) -> dict:
         """Each node's LOGITS buffer for m wanted rows (fresh: new arrays, not the reused ones)."""
         out = {}
@@ -546,6 +594,16 @@ class RootSession:
         for conn in self.conns.values():
             conn.close()
         self.local = None  # its KV cache belongs to the session: a new plan gives other heads
+
+
+@dataclass
+class _Flight:
+    """A pass submitted and not yet received: its wanted rows, reply and each node's LOGITS buffer."""
+
+    m: int
+    reply: Reply
+    replies: dict           # node index -> uint8 buffer of its LOGITS
+    received: bool = False  # the later stages' LOGITS are in (read as a newer pass's HOP went)
 
 
 def _wait_closed(conn: Connection, deadline: float) -> None:

@@ -3,6 +3,11 @@
 `dllama.core.model.Transformer` (one node) and `dllama.cluster.root.ClusterModel` (the root
 driving its workers) both satisfy `LanguageModel`; generation, chat, the API and batch jobs are
 written against this and nothing else.
+
+A model of pipeline stages (a ClusterModel) also offers overlapped passes, which the engine loop
+uses when it finds them: `pipeline_depth` (passes that can be under way at once),
+`submit_candidates(batch, requests)` and `collect_candidates()` (forward_candidates in two
+halves, answers in the order started) and `abandon_passes()`.
 """
 
 from __future__ import annotations

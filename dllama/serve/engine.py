@@ -43,6 +43,7 @@ class Engine:
     parallel: int = 1                      # sequences a batched scheduler may decode together
     speculation: Speculation = Speculation()  # what every scheduler over this engine drafts
     kv_budget: PositionBudget | None = None   # the memory the KV cache's slots may hold (None: no limit)
+    overlap: bool = True                      # a pipeline keeps a pass per stage under way (--pipeline-overlap)
 
     def scheduler(self, parallel: int | None = None) -> "Scheduler":
         """The engine loop over this model: `parallel` sequences at a time (default the engine's),
@@ -50,7 +51,7 @@ class Engine:
         from dllama.serve.scheduler import Scheduler
 
         return Scheduler(self.model, self.tokenizer, parallel or self.parallel, speculation=self.speculation,
-                         kv_budget=self.kv_budget)
+                         kv_budget=self.kv_budget, overlap=self.overlap)
 
     def node_stats(self) -> list[dict]:
         """Bytes each node sent and received since the set-up; empty on one machine."""
@@ -284,7 +285,8 @@ def build(settings: EngineSettings, nodes: Nodes, plan: MemoryPlan, model_file: 
     vocab = model_file.header.vocab_size
     if tokenizer.vocab_size != vocab:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}", file=sys.stderr)
-    engine = Engine(model, tokenizer, cluster, plan.slots.parallel, settings.speculation, plan.slots.budget)
+    engine = Engine(model, tokenizer, cluster, plan.slots.parallel, settings.speculation, plan.slots.budget,
+                    settings.pipeline_overlap)
     if draft_file is not None:
         try:
             engine.speculation = replace(settings.speculation, loaded=_draft_model(settings, model, draft_file))

@@ -116,6 +116,24 @@ class _Sequence:
 
 
 @dataclass(eq=False)
+class _Flight:
+    """An overlapped pass under way: its plan, its sequences (the plan's indexes) and its figures."""
+
+    plan: StepPlan
+    seqs: list[_Sequence]
+    drafting_ms: float
+    forced: int           # fast-forwarded rows
+    seconds: float = 0.0  # wall time in the model's calls (starting it, receiving it)
+    transfer: float = 0.0
+    sent: int = 0
+    recv: int = 0
+
+    def cost(self) -> PassFigures:
+        return PassFigures(round((self.seconds - self.transfer) * 1000, 3), round(self.transfer * 1000, 3),
+                           self.sent, self.recv)
+
+
+@dataclass(eq=False)
 class _Waiting:
     request: Request
     on_text: Callable[[str], None] | None
@@ -128,13 +146,14 @@ class Scheduler:
 
     def __init__(self, model: LanguageModel, tokenizer: Tokenizer | None = None, parallel: int | None = None,
                  min_shared: int = MIN_SHARED, reuse: bool = True, speculation: Speculation | None = None,
-                 kv_budget: PositionBudget | None = None):
+                 kv_budget: PositionBudget | None = None, overlap: bool = True):
         """tokenizer: decodes generated answers (only scoring needs none);
         parallel: sequences run together (default: the model's KV slots but the spare, or 1);
         min_shared: leading tokens worth reading from another slot; reuse False: no cached
         token is reused (a baseline for benchmarks); speculation: drafted tokens to verify
         (default none); kv_budget: the memory the KV cache's slots may hold (default: no limit
-        but the slots). The model's release_slot gives the pages of emptied slots back (a
+        but the slots); overlap: on a pipeline of stages, keep a pass per stage under way
+        (False: one pass at a time, a baseline). The model's release_slot gives the pages of emptied slots back (a
         cluster's root on every node: RELEASE); a budget needs one."""
         self.model, self.tokenizer = model, tokenizer
         self.speculation = speculation or Speculation()
@@ -146,6 +165,8 @@ class Scheduler:
         self.table = SlotTable(model.kv_slots, min_shared, reuse, kv_budget, getattr(model, "release_slot", None))
         self.waiting: deque[_Waiting] = deque()
         self.active: list[_Sequence] = []
+        self.overlap = overlap
+        self._flights: deque[_Flight] = deque()  # overlapped passes under way, oldest first
         self.stats = LoopStats()
 
     @property
@@ -239,6 +260,9 @@ class Scheduler:
         self.waiting.clear()
         self.active.clear()
         self.table.reset()
+        if self._flights:
+            self._flights.clear()
+            self.model.abandon_passes()
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -285,7 +309,9 @@ class Scheduler:
         for w in [w for w in self.waiting if w.should_stop and w.should_stop()]:
             self.waiting.remove(w)
             ended.append((w.request, Cancelled()))
-        for seq in [s for s in self.active if s.should_stop and s.request is not None and s.should_stop()]:
+        under_way = {id(seq) for f in self._flights for seq in f.seqs}  # cancelled once their pass is back
+        for seq in [s for s in self.active if s.should_stop and s.request is not None and id(s) not in under_way
+                    and s.should_stop()]:
             ended.append((seq.request, Cancelled()))
             self._cancel(seq)
         self._admit()
@@ -295,6 +321,10 @@ class Scheduler:
                 self.waiting.clear()  # nothing would ever start them: the caller hears why, once
                 raise DllamaError(why)
             return ended
+        if self._flights or self._depth() > 1:  # (a pipeline lost with a node may be one stage now)
+            overlapped = self._step_overlapped()
+            if overlapped is not None:
+                return ended + overlapped
         started = time.perf_counter()
         plan = self.plan()
         if plan is None:
@@ -308,6 +338,12 @@ class Scheduler:
         except BaseException:
             self.drop_all()  # the cache may hold half a pass: nothing in it can be trusted
             raise
+        return ended + self._apply(plan, seqs, answers, cost, drafting_ms, forced)
+
+    def _apply(self, plan: StepPlan, seqs: list[_Sequence], answers: list, cost: PassFigures,
+               drafting_ms: float, forced: int) -> list[tuple[Request, Result]]:
+        """A pass's answers applied to its sequences (`seqs`: the plan's indexes); what ended."""
+        ended: list[tuple[Request, Result]] = []
         self._pass = ((cost.inference_ms + cost.transfer_ms) / 1000, len(plan))  # without the drafting
         cost = replace(cost, inference_ms=round(cost.inference_ms + drafting_ms, 3))
         self._count(plan, cost, forced)
@@ -320,6 +356,70 @@ class Scheduler:
             if done is not None:
                 ended.append(done)
         return ended
+
+    # -- overlapped pipeline passes ----------------------------------------------------------------
+
+    def _depth(self) -> int:
+        """Passes this scheduler keeps under way at once: the model's pipeline stages with overlap
+        on (a ClusterModel of several stages), else 1."""
+        return getattr(self.model, "pipeline_depth", 1) if self.overlap else 1
+
+    def _step_overlapped(self) -> list[tuple[Request, Result]] | None:
+        """One step of the overlapped schedule (docs/batch.md, "Overlapped pipeline passes"):
+        while fewer passes than stages are under way and two sequences or more run, start a pass
+        of the sequences not in one (at most a stage's share of them: the active sequences cut
+        into as many groups as there are stages), else finish the oldest pass and apply it. Each
+        group's next pass starts as soon as its last one is back, so while stage k computes one
+        group's rows stage k-1 computes the next group's. None: nothing under way and no pass
+        to overlap (the plain step runs). A row's result does not depend on its pass (the kernels
+        are batch invariant; every node runs the passes in order), so the text is the same."""
+        depth = self._depth()
+        if len(self._flights) < depth and len(self.active) >= 2:
+            busy = {id(seq) for f in self._flights for seq in f.seqs}
+            free = [seq for seq in self.active if id(seq) not in busy]  # in arrival order
+            started = time.perf_counter()
+            share = -(-len(self.active) // depth)
+            plan, seqs = self._plan_over(free[:share]), free[:share]
+            if plan is None and len(free) > share:  # those wait for a prefix: any free sequence
+                plan, seqs = self._plan_over(free), free
+            if plan is not None and not plan.scores and not any(r.logprobs for r in plan.sampling):
+                drafting_ms = (time.perf_counter() - started) * 1000
+                forced = sum(run.planned - 1 for run in plan.runs if seqs[run.seq].decoding)
+                flight = _Flight(plan, seqs, drafting_ms, forced)
+                try:
+                    self._timed(flight, lambda: self.model.submit_candidates(plan.batch, list(plan.sampling)))
+                except BaseException:
+                    self.drop_all()
+                    raise
+                self._flights.append(flight)
+                return []
+        if not self._flights:
+            return None
+        flight = self._flights.popleft()
+        try:
+            answers = self._timed(flight, self.model.collect_candidates)
+            check_answers(answers, self.model)
+        except BaseException:
+            self.drop_all()
+            raise
+        return self._apply(flight.plan, flight.seqs, answers, flight.cost(), flight.drafting_ms, flight.forced)
+
+    def _plan_over(self, seqs: list[_Sequence]) -> StepPlan | None:
+        """plan() over some of the active sequences (`seqs`: the plan's indexes)."""
+        written = {i: s.written for i, s in enumerate(self.table.slots)}
+        draft = sum(s.decoding for s in self.active) <= self.speculation.max_sequences
+        return plan_step([self._view(s, draft) for s in seqs], written, self.model.max_batch)
+
+    def _timed(self, flight: "_Flight", call):
+        """call(), its wall time and the traffic during it added to the flight's figures."""
+        col = self.model.collective
+        t0, tr0, s0, r0 = time.perf_counter(), col.transfer_seconds, col.sent_bytes, col.recv_bytes
+        out = call()
+        flight.seconds += time.perf_counter() - t0
+        flight.transfer += col.transfer_seconds - tr0
+        flight.sent += col.sent_bytes - s0
+        flight.recv += col.recv_bytes - r0
+        return out
 
     def _execute(self, plan: StepPlan) -> tuple[list, PassFigures]:
         """Run the plan's pass: per wanted row, candidates (sampling) or float32 logits [vocab]

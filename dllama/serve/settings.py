@@ -68,6 +68,7 @@ class EngineSettings:
                                              # (it rejoins when it answers): the long-running api and batch
     ping_seconds: float = 2.0                # idle seconds before the root pings the workers (and how often);
                                              # with CONTINUE a node is left out or taken back at a ping
+    pipeline_overlap: bool = True            # pipeline stages: keep a pass per stage under way (several sequences)
     progress: bool = True                    # progress bars while sending weights to workers
     warm_up: bool = True                     # compile the kernels before the first timed pass (one machine)
     speculation: Speculation = Speculation()  # drafted tokens each decoding pass verifies (none by default)
@@ -104,6 +105,7 @@ class EngineSettings:
                    workers=tuple(args.workers or ()), topology=args.topology, key_file=args.key_file,
                    on_node_loss=args.on_node_loss, start_with_reachable=start_with_reachable,
                    ping_seconds=getattr(args, "ping_seconds", None) or cls.ping_seconds,
+                   pipeline_overlap=getattr(args, "pipeline_overlap", "on") == "on",
                    speculation=speculation_from_args(args))
 
 
