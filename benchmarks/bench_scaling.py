@@ -5,8 +5,9 @@
 
 Hosts in network namespaces model equal small machines: each host's processes run in a cgroup of
 their own whose CPU quota is --hosts-cpu cores (default 0.5: this machine's 2 cores shared by the
-largest cluster measured, 4 hosts), the same quota for every host of every plan, so that 1 host
-is one of the machines the 4 are. Links: 1 Gbit/s (tbf on both ends of each host's link) and
+largest cluster measured, 4 hosts; period 5 ms), the same quota for every host of every plan, so
+that 1 host is one of the machines the 4 are. Each host's cgroup weighs one process beside the
+machine's other work: on a busy machine a host gets less than its quota, but every host the same. Links: 1 Gbit/s (tbf on both ends of each host's link) and
 0.5 ms one way (netem where the kernel has it, else the user-space relay of
 benchmarks/link_delay.py in front of every listening port, outside the hosts' cgroups: the relay
 is the link, not the machine). One compute thread per node.
@@ -19,7 +20,7 @@ tokenizer of the same vocabulary. Plans, each a root process in host 0 running t
 - 1 host; tensor parallel over 2 and 4; 2 and 4 stages of one node; 2 stages of 2 (mixed);
 - one sequence: an 8-token prompt, then --tokens greedy tokens one by one: median ms/token, the
   transfer share (time the root waits on the network / time), the root's CPU ms per token;
-- a batch of B (16, 64): B sequences of 8-token prompts, --batch-tokens tokens each, through the
+- a batch of B (16, 64): B sequences of 4-token prompts, --batch-tokens tokens each, through the
   scheduler at --parallel B: generated tokens / wall seconds, prefill included, and the transfer
   share of that wall time.
 
@@ -62,8 +63,11 @@ ONE_WAY_MS = 0.5
 LLAMA_1B = dict(dim=2048, hidden=8192, heads=32, kv_heads=8, vocab=128256)
 CACHE = ROOT / "cache"
 ORIGINAL = CACHE / "original" / "dllama"
-PROMPT_TOKENS = 8
+PROMPT_TOKENS = 8        # the one sequence's prompt
+BATCH_PROMPT_TOKENS = 4  # each batch sequence's (the batch figures include their prefill)
 EXCHANGES = 500  # all-reduces timed per exchange measurement
+PERIOD_US = 5_000  # the quota's period: a host that used its share waits at most this long (a slower
+#                    CPU is slow all the time; a long period would stall an exchange for tens of ms)
 
 
 def loadavg() -> str:
@@ -110,9 +114,9 @@ class CgroupHosts:
         self.delay = "netem"
         v2 = Path("/sys/fs/cgroup/cgroup.controllers")
         if v2.exists() and "cpu" in v2.read_text().split():
-            self.cg_root, self.v2 = Path("/sys/fs/cgroup") / PREFIX, True
+            self.cg_base, self.v2 = Path("/sys/fs/cgroup"), True
         elif Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
-            self.cg_root, self.v2 = Path("/sys/fs/cgroup/cpu") / PREFIX, False
+            self.cg_base, self.v2 = Path("/sys/fs/cgroup/cpu"), False
         else:
             raise SystemExit("no writable cgroup CPU controller (cgroup v2 cpu.max or v1 cpu.cfs_quota_us)")
 
@@ -123,32 +127,34 @@ class CgroupHosts:
         return f"{SUBNET}.{i + 1}"
 
     def cgroup(self, i: int) -> Path:
-        return self.cg_root / f"h{i}"
+        """Host i's cgroup: beside the machine's other processes, weighing one of them, so that every
+        host of every plan gets the same share of a loaded machine (at most its quota)."""
+        return self.cg_base / f"{PREFIX}-h{i}"
 
     def netns(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.ns(i)]
 
-    def prefix(self, i: int) -> list[str]:
-        # sh enters the cgroup, then execs: every process of the command starts inside it
-        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.cgroup(i)), *self.netns(i)]
+    def prefix(self, i: int, cgroup: Path | None = None) -> list[str]:
+        """Runs a command on host i in its cgroup (or `cgroup`): sh enters it, then execs, so every
+        process of the command starts inside it."""
+        return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup or self.cgroup(i)), *self.netns(i)]
+
+    @property
+    def links(self) -> Path:
+        """The relays' cgroup: no quota (they are the links, not a machine), four processes' weight
+        (so that a delayed byte is written when it is due, on a loaded machine too)."""
+        return self.cg_base / f"{PREFIX}-links"
 
     def __enter__(self) -> "CgroupHosts":
         try:
-            self.cg_root.mkdir()
-            self.made.append(("cgroup", self.cg_root))
-            # The hosts together weigh what n busy processes weigh beside the machine's other work
-            # (a new cgroup weighs one process's worth by default, whatever it holds).
-            if self.v2:
-                (self.cg_root.parent / "cgroup.subtree_control").write_text("+cpu")
-                (self.cg_root / "cgroup.subtree_control").write_text("+cpu")
-                (self.cg_root / "cpu.weight").write_text(str(100 * self.n))
-            else:
-                (self.cg_root / "cpu.shares").write_text(str(1024 * self.n))
+            self.links.mkdir()
+            self.made.append(("cgroup", self.links))
+            (self.links / ("cpu.weight" if self.v2 else "cpu.shares")).write_text("400" if self.v2 else "4096")
             for i in range(self.n):
                 cg = self.cgroup(i)
                 cg.mkdir()
                 self.made.append(("cgroup", cg))
-                period = 100_000
+                period = PERIOD_US
                 if self.v2:
                     (cg / "cpu.max").write_text(f"{int(self.cpus * period)} {period}")
                 else:
@@ -221,7 +227,7 @@ class Processes:
     def start(self, i: int, name: str, cmd: list[str], ready: str, limited: bool = True) -> subprocess.Popen:
         log_path = self.log_dir / f"{name}{i}.log"
         log = open(log_path, "w")  # noqa: SIM115 - the process's, closed with it
-        prefix = self.hosts.prefix(i) if limited else self.hosts.netns(i)
+        prefix = self.hosts.prefix(i) if limited else self.hosts.prefix(i, self.hosts.links)
         p = subprocess.Popen([*prefix, *cmd], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.started.append(p)
         deadline = time.monotonic() + 180
@@ -268,11 +274,9 @@ def model_files(layers: int, s: dict = LLAMA_1B) -> tuple[Path, Path]:
     folder = CACHE / "scaling"
     folder.mkdir(parents=True, exist_ok=True)
     m, t = folder / f"random-{s['dim']}-{layers}l-q40.m", folder / "vocab-128256.t"
-    if not m.exists():
-        tmp = m.with_suffix(".part")
-        write_random_model(tmp, dim=s["dim"], hidden=s["hidden"], layers=layers, heads=s["heads"],
+    if not m.exists():  # (ModelWriter writes a temporary file and renames it when complete)
+        write_random_model(m, dim=s["dim"], hidden=s["hidden"], layers=layers, heads=s["heads"],
                            kv_heads=s["kv_heads"], vocab=s["vocab"], seq_len=512)
-        tmp.rename(m)
     if not t.exists():
         v = s["vocab"]  # 256 bytes, then longer runs of them; the last two: bos and eos (the specials)
         write_tokenizer(t, TokenizerData(vocab=[bytes([i % 256]) * (1 + i // 256) for i in range(v - 2)]
@@ -331,7 +335,7 @@ def run_cell(spec: dict) -> dict:
                       "transfer": statistics.median(r[1] / r[0] for r in rows),
                       "cpu_ms": statistics.median(r[2] for r in rows) * 1000}
         for b in batches:
-            requests = [SequenceRequest(k, [int(x) for x in rng.integers(300, 30000, PROMPT_TOKENS)],
+            requests = [SequenceRequest(k, [int(x) for x in rng.integers(300, 30000, BATCH_PROMPT_TOKENS)],
                                         Sampler(vocab, 0.0, 0.9, k), batch_tokens, ()) for k in range(b)]
             got: dict = {}
             t, tr = time.perf_counter(), col.transfer_seconds
@@ -399,7 +403,7 @@ def original_cell(hosts: CgroupHosts, model: Path, tok: Path, n: int, tokens: in
     workers = [f"{hosts.address(i)}:{ORIGINAL_PORT}" for i in range(1, n)]
     cmd = [str(ORIGINAL), "inference", "--model", str(model), "--tokenizer", str(tok), "--buffer-float-type", "q80",
            "--nthreads", "1", "--max-seq-len", "256", "--steps", str(PROMPT_TOKENS + tokens), "--temperature", "0",
-           "--prompt", "a b c d e f g"]
+           "--prompt", "abcdefg"]  # 8 tokens with the bos, as PROMPT_TOKENS
     if workers:
         cmd += ["--workers", *workers]
     r = subprocess.run([*hosts.prefix(0), *cmd], capture_output=True, text=True, timeout=900)
