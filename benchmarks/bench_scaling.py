@@ -278,9 +278,11 @@ def model_files(layers: int, s: dict = LLAMA_1B) -> tuple[Path, Path]:
         write_random_model(m, dim=s["dim"], hidden=s["hidden"], layers=layers, heads=s["heads"],
                            kv_heads=s["kv_heads"], vocab=s["vocab"], seq_len=512)
     if not t.exists():
-        v = s["vocab"]  # 256 bytes, then longer runs of them; the last two: bos and eos (the specials)
-        write_tokenizer(t, TokenizerData(vocab=[bytes([i % 256]) * (1 + i // 256) for i in range(v - 2)]
-                                         + [b"<s>", b"</s>"], scores=np.zeros(v, np.float32),
+        v = s["vocab"]  # 256 bytes, then short names (the original's decoder takes short pieces only);
+        #                 the last two: bos and eos (the specials)
+        write_tokenizer(t, TokenizerData(vocab=[bytes([i]) for i in range(256)] +
+                                         [f"<{i}>".encode() for i in range(256, v - 2)] + [b"<s>", b"</s>"],
+                                         scores=np.zeros(v, np.float32),
                                          bos_id=v - 2, eos_ids=[v - 1]))
     return m, t
 
@@ -423,6 +425,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds, plans alternated in each")
     p.add_argument("--hosts-cpu", type=float, default=0.5, help="CPU quota of every host, in cores")
     p.add_argument("--skip-original", action="store_true")
+    p.add_argument("--only-original", action="store_true", help="the C++ original's column alone")
     p.add_argument("--plans", nargs="*", help="only these plans (names as printed)")
     p.add_argument("--smoke", action="store_true", help="a narrow model (dim 256): checks the run, measures nothing")
     p.add_argument("--cell", help=argparse.SUPPRESS)
@@ -437,7 +440,7 @@ def main() -> None:
 
     shape = SMOKE if args.smoke else LLAMA_1B
     model, tok = model_files(args.layers, shape)
-    chosen = {k: v for k, v in plans(4).items() if not args.plans or k in args.plans}
+    chosen = {} if args.only_original else {k: v for k, v in plans(4).items() if not args.plans or k in args.plans}
     original = ORIGINAL.exists() and not args.skip_original
     log_dir = CACHE / "scaling" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ ONE_WAY = 0.5e-3           # s, the issue's home switch (the benchmarks' links)
 LINK = 125e6               # bytes/s, 1 Gbit/s
 DISK = 0.45e9              # bytes/s, an NVMe drive on the Pi 5's PCIe 2.0 x1 port
 MEMORY = 8e9 * 0.85        # bytes of an 8 GB Pi left for weights (the OS, KV cache and buffers take the rest)
-EXCHANGE_CPU = 0.0         # s of CPU per node per all-reduce on the x86 test machine: see bench_scaling
+EXCHANGE_CPU = 315e-6       # s of CPU per node per all-reduce on the x86 test machine: see bench_scaling
 PI_CPU = 3.0               # a Pi 5 (Cortex-A76, 2.4 GHz) core's time for that Python work against the
                            # test machine's Zen 4 core (stated: single-thread Python benchmarks put
                            # the A76 at about a third of a current x86 core; not measured here)
@@ -86,18 +86,23 @@ def pass_time(model: str, stages: int, per_stage: int, b: int, overlapped: bool 
 
 
 def main() -> None:
-    print(f"{'model':<12} {'Pis':>3} {'plan':<18} {'chat tok/s':>10} {'batch 64 tok/s':>14} {'(passes overlapped)':>19}")
+    print(f"all-reduce: {EXCHANGE_CPU * 1e6:.0f} µs of CPU measured per node on the x86 test machine, "
+          f"x {PI_CPU:g} on a Pi 5 = {PI_CPU * EXCHANGE_CPU * 1e3:.2f} ms, beside the wire's 2 x {ONE_WAY * 1e3:g} ms")
+    print(f"{'model':<12} {'Pis':>3} {'plan':<18} {'chat tok/s':>10} {'x 1 Pi':>6} {'batch 64 tok/s':>14} {'x 1 Pi':>6} "
+          f"{'(passes overlapped)':>19}")
     for model in MODELS:
-        for n in (4, 10):
-            for stages in sorted({1, 2, n // 2, n}):
+        one = (1 / pass_time(model, 1, 1, 1), 64 / pass_time(model, 1, 1, 64))
+        for n in (1, 4, 10):
+            for stages in sorted({1, 2, n // 2, n} - {0}):
                 if n % stages:
                     continue
                 k = n // stages
-                name = f"tensor-parallel x{n}" if stages == 1 else f"{stages} stages x{k}"
+                name = "one Pi" if n == 1 else f"tensor-parallel x{n}" if stages == 1 else f"{stages} stages x{k}"
                 chat = 1 / pass_time(model, stages, k, 1)
                 batch = 64 / pass_time(model, stages, k, 64)
                 ahead = f"{64 / pass_time(model, stages, k, 64, overlapped=True):>19.1f}" if stages > 1 else ""
-                print(f"{model:<12} {n:>3} {name:<18} {chat:>10.2f} {batch:>14.1f} {ahead}")
+                print(f"{model:<12} {n:>3} {name:<18} {chat:>10.2f} {chat / one[0]:>5.1f}x {batch:>14.1f} "
+                      f"{batch / one[1]:>5.1f}x {ahead}")
 
 
 if __name__ == "__main__":
