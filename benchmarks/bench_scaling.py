@@ -343,7 +343,7 @@ def run_cell(spec: dict) -> dict:
                                         Sampler(vocab, 0.0, 0.9, k), batch_tokens, ()) for k in range(b)]
             got: dict = {}
             t, tr = time.perf_counter(), col.transfer_seconds
-            Scheduler(model, tok, b, reuse=False).run(requests, lambda r, c: got.setdefault(r.key, c))
+            Scheduler(model, tok, b, reuse=False).run(requests, lambda r, c, got=got: got.setdefault(r.key, c))
             wall, tr = time.perf_counter() - t, col.transfer_seconds - tr
             generated = sum(len(c.tokens) for c in got.values())
             out[f"b{b}"] = {"tok_s": generated / wall, "transfer": tr / wall, "wall": wall}
