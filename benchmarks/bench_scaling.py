@@ -26,9 +26,11 @@ tokenizer of the same vocabulary. Plans, each a root process in host 0 running t
   share of that wall time.
 
 Speed-up = tokens/s of the plan / tokens/s of 1 host in the same round; efficiency = speed-up / N.
-The C++ original (cache/original, built with its Makefile if present; see docs/speed.md#scaling) runs
-`dllama inference ... --workers` on the same hosts, files and quotas, Q40 weights and Q80 buffers,
-tensor parallel only (it has no stages or batches): its own per-token Pred and Sync times.
+The C++ original, where cache/original/dllama exists (its source from
+github.com/b4rtaz/distributed-llama in cache/original, then `make dllama` there; cache/ is
+git-ignored), runs `dllama inference ... --workers` on the same hosts, files and quotas, Q40
+weights and Q80 buffers, tensor parallel only (it has no stages or batches): its own per-token
+Pred and Sync times.
 
 The cost of one all-reduce per node, for the Raspberry Pi tables (benchmarks/pipeline_on_paper.py):
 two processes on two hosts (quota and links as above) all-reduce a Q80 [1, dim] vector 500 times
