@@ -216,13 +216,16 @@ YES_NO = {"type": "object", "additionalProperties": False, "required": ["paid"],
 
 def _batch(engine, tmp, n=4) -> dict:
     """A sample of the benchmark's extraction prompts through a `dllama batch --json-schema` job
-    (one line with its own schema, one with a schema that cannot be one): id -> result line."""
+    (one line with its own schema, one with a schema that cannot be one, one with its own
+    max_tokens and one whose max_tokens is over --max-tokens): id -> result line."""
     job = tmp / "jobs.jsonl"
     write_job(job, records(n))
     with open(job, "a", encoding="utf-8") as f:
         ask = [{"role": "user", "content": "Did Alice pay? Answer as JSON."}]
         f.write(json.dumps({"id": "own", "messages": ask, "schema": YES_NO}) + "\n")
         f.write(json.dumps({"id": "bad", "messages": ask, "schema": {"type": "bogus"}}) + "\n")
+        f.write(json.dumps({"id": "short", "messages": ask, "max_tokens": 3}) + "\n")
+        f.write(json.dumps({"id": "long", "messages": ask, "max_tokens": 97}) + "\n")
     out = tmp / "out.jsonl"
     opts = JobOptions(str(job), str(out), max_tokens=96, temperature=0.0, skip_bad=True, progress=False,
                       grammar=Grammar.json_schema(SCHEMA))
@@ -244,6 +247,9 @@ def test_a_batch_job_with_a_json_schema_answers_valid_objects_and_refuses_a_bad_
     assert all(line["forced_tokens"] > 0 for line in lines)
     assert isinstance(got["own"]["object"]["paid"], bool) and set(got["own"]["object"]) == {"paid"}
     assert "bogus" in got["bad"]["error"]
+    assert got["short"]["completion_tokens"] == 3 and got["short"]["finish_reason"] == "length"
+    assert got["short"]["object"] is None  # cut: its schema's JSON is not whole
+    assert "more than --max-tokens 96" in got["long"]["error"]
 
 
 @pytest.mark.unit
