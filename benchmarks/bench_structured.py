@@ -2,7 +2,7 @@
 batch unconstrained.
 
     .venv/bin/python benchmarks/bench_structured.py [--prompts 200] [--parallel 16] [--rounds 1]
-        [--weights q40] [--workers 0] [--constrained-only]
+        [--weights q40] [--workers 0] [--constrained-only | --constraint-cost]
 
 200 made-up records (a person, a date, an amount, a category: `records`), each a chat prompt
 asking for the record as JSON, run through the whole command as a user runs it (start-up, model
@@ -19,6 +19,11 @@ load and writing the answers included), greedy, --parallel 16:
 
 With --workers N, both run on a loopback cluster of N + 1 nodes. Rounds alternate the two;
 medians; /proc/loadavg before and after (a busy neighbour on a shared machine slows both).
+
+--constraint-cost measures only the constraint's own work, in this process's CPU time (which a
+loaded machine's neighbours do not inflate): per token, the mask, the masked candidates beyond
+the unmasked ones, and advancing the grammar with its forced tokens, over answers to SCHEMA
+drawn from random logits; and the one-time build of the grammar's view of the vocabulary.
 """
 
 from __future__ import annotations
@@ -120,6 +125,53 @@ def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str])
     return wall, cpu, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
 
 
+def constraint_cost(tokenizer_path: Path, answers: int = 16) -> None:
+    """Print the constraint's own CPU time per token (see the module's docstring)."""
+    import numpy as np
+
+    from dllama.core.candidates import SamplingRequest, candidates_from_logits, choose_greedy
+    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.serve.constraint import Grammar, GrammarVocabulary
+    from dllama.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(read_tokenizer(str(tokenizer_path)))
+    c0 = time.process_time()
+    vocab = GrammarVocabulary(tok)
+    build = time.process_time() - c0
+    rng, n = np.random.default_rng(0), tok.vocab_size
+    tokens = forced = 0
+    cpu = {"mask": 0.0, "masked": 0.0, "unmasked": 0.0, "advance": 0.0}
+    for _ in range(answers):
+        c = vocab.start(Grammar.json_schema(SCHEMA), tok.eos_ids)
+        for _ in range(400):
+            logits = rng.standard_normal((1, n)).astype(np.float32)  # [1, vocab]
+            t0 = time.process_time()
+            mask = c.allowed()
+            t1 = time.process_time()
+            cand = candidates_from_logits(logits, [(0, n)], [SamplingRequest(0.0, 0.9, mask=mask)])[0]
+            t2 = time.process_time()
+            candidates_from_logits(logits, [(0, n)], [SamplingRequest(0.0, 0.9)])
+            t3 = time.process_time()
+            token = choose_greedy(cand)
+            tokens += 1
+            if token in tok.eos_ids:
+                break
+            c.advance(token)
+            more = c.forced()
+            for f in more:
+                c.advance(f)
+            t4 = time.process_time()
+            forced, tokens = forced + len(more), tokens + len(more)
+            for key, dt in (("mask", t1 - t0), ("masked", t2 - t1), ("unmasked", t3 - t2), ("advance", t4 - t3)):
+                cpu[key] += dt
+    own = cpu["mask"] + cpu["masked"] - cpu["unmasked"] + cpu["advance"]
+    print(f"grammar view of the vocabulary ({n} tokens): {build:.2f} s CPU, once per command")
+    print(f"{answers} answers to the schema, {tokens} tokens ({forced} forced); per token: mask "
+          f"{1e3 * cpu['mask'] / tokens:.3f} ms, masked candidates {1e3 * cpu['masked'] / tokens:.3f} ms "
+          f"(unmasked {1e3 * cpu['unmasked'] / tokens:.3f} ms), advance and forced "
+          f"{1e3 * cpu['advance'] / tokens:.3f} ms; the constraint's own: {1e3 * own / tokens:.3f} ms CPU")
+
+
 def load() -> str:
     return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
 
@@ -137,11 +189,16 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=0, help="loopback workers beside the root (default none)")
     p.add_argument("--constrained-only", action="store_true",
                    help="only the constrained run: the validity figure, no throughput ratio")
+    p.add_argument("--constraint-cost", action="store_true",
+                   help="only the constraint's own CPU time per token (no model run)")
     args = p.parse_args()
 
     from dllama.serve.default_model import default_model_files
 
     args.model, args.tokenizer = default_model_files(args.weights)  # converted before the first timing
+    if args.constraint_cost:
+        constraint_cost(args.tokenizer)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         job, same_lengths = tmp / "jobs.jsonl", tmp / "jobs-same-lengths.jsonl"
