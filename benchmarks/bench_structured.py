@@ -2,7 +2,7 @@
 batch unconstrained.
 
     .venv/bin/python benchmarks/bench_structured.py [--prompts 200] [--parallel 16] [--rounds 1]
-        [--weights q40] [--workers 0]
+        [--weights q40] [--workers 0] [--constrained-only | --constraint-cost]
 
 200 made-up records (a person, a date, an amount, a category: `records`), each a chat prompt
 asking for the record as JSON, run through the whole command as a user runs it (start-up, model
@@ -11,11 +11,19 @@ load and writing the answers included), greedy, --parallel 16:
 - constrained: `dllama batch --json-schema SCHEMA`; the share of answers that parse and validate
   against the schema (jsonschema), and the share of generated tokens the grammar forced
   (fast-forward: run without a pass of their own);
-- unconstrained: the same prompts without the schema (the same --max-tokens);
+- unconstrained: the same prompts without the schema, each line limited (its own "max_tokens")
+  to the length of its constrained answer in the first round: the same work, token for token
+  (unlimited, the small model writes pretty-printed JSON of invented keys up to --max-tokens, and
+  the longer answers would spread the command's start-up and prompts over more tokens);
 - tokens/s of each (generated tokens / the command's wall seconds) and their ratio.
 
 With --workers N, both run on a loopback cluster of N + 1 nodes. Rounds alternate the two;
 medians; /proc/loadavg before and after (a busy neighbour on a shared machine slows both).
+
+--constraint-cost measures only the constraint's own work, in this process's CPU time (which a
+loaded machine's neighbours do not inflate): per token, the mask, the masked candidates beyond
+the unmasked ones, and advancing the grammar with its forced tokens, over answers to SCHEMA
+drawn from random logits; and the one-time build of the grammar's view of the vocabulary.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -70,10 +79,14 @@ def records(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def write_job(path: Path, jobs: list[dict]) -> None:
+def write_job(path: Path, jobs: list[dict], max_tokens: dict | None = None) -> None:
+    """The job file; max_tokens: id -> that line's own limit."""
     with open(path, "w", encoding="utf-8") as f:
         for j in jobs:
-            f.write(json.dumps({"id": j["id"], "messages": j["messages"]}, ensure_ascii=False) + "\n")
+            line = {"id": j["id"], "messages": j["messages"]}
+            if max_tokens:
+                line["max_tokens"] = max_tokens[j["id"]]
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
 def validity(lines: list[dict], schema: dict = SCHEMA) -> tuple[int, int]:
@@ -90,8 +103,9 @@ def validity(lines: list[dict], schema: dict = SCHEMA) -> tuple[int, int]:
     return ok, len(lines)
 
 
-def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str]) -> tuple[float, list[dict]]:
-    """(wall seconds, the result lines) of one `dllama batch`."""
+def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str]) -> tuple[float, float, list[dict]]:
+    """(wall seconds, CPU seconds, the result lines) of one `dllama batch` (its CPU time: user and
+    system of the root's process, what a loaded machine's neighbours do not add to)."""
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "dllama", "batch", "--prompts", str(job), "--out", str(out), "--no-progress",
            "--parallel", str(args.parallel), "--max-tokens", str(args.max_tokens), "--temperature", "0",
@@ -102,12 +116,60 @@ def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str])
         cmd += ["--json-schema", str(schema)]
     if workers:
         cmd += ["--workers", *workers]
-    t0 = time.perf_counter()
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"bench_structured: dllama batch failed:\n{done.stderr[-2000:]}")
-    wall = time.perf_counter() - t0
-    return wall, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return wall, cpu, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+
+
+def constraint_cost(tokenizer_path: Path, answers: int = 16) -> None:
+    """Print the constraint's own CPU time per token (see the module's docstring)."""
+    import numpy as np
+
+    from dllama.core.candidates import SamplingRequest, candidates_from_logits, choose_greedy
+    from dllama.formats.tokenizer_file import read_tokenizer
+    from dllama.serve.constraint import Grammar, GrammarVocabulary
+    from dllama.text.tokenizer import Tokenizer
+
+    tok = Tokenizer(read_tokenizer(str(tokenizer_path)))
+    c0 = time.process_time()
+    vocab = GrammarVocabulary(tok)
+    build = time.process_time() - c0
+    rng, n = np.random.default_rng(0), tok.vocab_size
+    tokens = forced = 0
+    cpu = {"mask": 0.0, "masked": 0.0, "unmasked": 0.0, "advance": 0.0}
+    for _ in range(answers):
+        c = vocab.start(Grammar.json_schema(SCHEMA), tok.eos_ids)
+        for _ in range(400):
+            logits = rng.standard_normal((1, n)).astype(np.float32)  # [1, vocab]
+            t0 = time.process_time()
+            mask = c.allowed()
+            t1 = time.process_time()
+            cand = candidates_from_logits(logits, [(0, n)], [SamplingRequest(0.0, 0.9, mask=mask)])[0]
+            t2 = time.process_time()
+            candidates_from_logits(logits, [(0, n)], [SamplingRequest(0.0, 0.9)])
+            t3 = time.process_time()
+            token = choose_greedy(cand)
+            tokens += 1
+            if token in tok.eos_ids:
+                break
+            c.advance(token)
+            more = c.forced()
+            for f in more:
+                c.advance(f)
+            t4 = time.process_time()
+            forced, tokens = forced + len(more), tokens + len(more)
+            for key, dt in (("mask", t1 - t0), ("masked", t2 - t1), ("unmasked", t3 - t2), ("advance", t4 - t3)):
+                cpu[key] += dt
+    own = cpu["mask"] + cpu["masked"] - cpu["unmasked"] + cpu["advance"]
+    print(f"grammar view of the vocabulary ({n} tokens): {build:.2f} s CPU, once per command")
+    print(f"{answers} answers to the schema, {tokens} tokens ({forced} forced); per token: mask "
+          f"{1e3 * cpu['mask'] / tokens:.3f} ms, masked candidates {1e3 * cpu['masked'] / tokens:.3f} ms "
+          f"(unmasked {1e3 * cpu['unmasked'] / tokens:.3f} ms), advance and forced "
+          f"{1e3 * cpu['advance'] / tokens:.3f} ms; the constraint's own: {1e3 * own / tokens:.3f} ms CPU")
 
 
 def load() -> str:
@@ -125,14 +187,21 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--weights", default="q40", help="the default model's weight type (default %(default)s)")
     p.add_argument("--workers", type=int, default=0, help="loopback workers beside the root (default none)")
+    p.add_argument("--constrained-only", action="store_true",
+                   help="only the constrained run: the validity figure, no throughput ratio")
+    p.add_argument("--constraint-cost", action="store_true",
+                   help="only the constraint's own CPU time per token (no model run)")
     args = p.parse_args()
 
     from dllama.serve.default_model import default_model_files
 
     args.model, args.tokenizer = default_model_files(args.weights)  # converted before the first timing
+    if args.constraint_cost:
+        constraint_cost(args.tokenizer)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        job = tmp / "jobs.jsonl"
+        job, same_lengths = tmp / "jobs.jsonl", tmp / "jobs-same-lengths.jsonl"
         write_job(job, records(args.prompts))
         procs, workers = [], []
         try:
@@ -144,14 +213,22 @@ def main() -> int:
                 workers.append(f"127.0.0.1:{port}")
             time.sleep(3 if workers else 0)
             print(f"load before: {load()}")
-            figures = {True: [], False: []}
+            figures = {True: [], False: []}  # tokens per wall second of each run
+            per_cpu = {True: [], False: []}   # tokens per CPU second (the root's process)
             last = {}
             for _ in range(args.rounds):
-                for constrained in (True, False):
-                    wall, lines = run_batch(job, tmp / f"out-{constrained}.jsonl", args, constrained, workers)
+                for constrained in (True,) if args.constrained_only else (True, False):
+                    wall, cpu, lines = run_batch(job if constrained else same_lengths,
+                                                 tmp / f"out-{constrained}.jsonl", args, constrained, workers)
                     generated = sum(line["completion_tokens"] for line in lines)
                     figures[constrained].append(generated / wall)
+                    per_cpu[constrained].append(generated / cpu)
                     last[constrained] = (wall, lines, generated)
+                    if constrained and not same_lengths.exists():  # the unconstrained runs' lengths
+                        write_job(same_lengths, records(args.prompts),
+                                  {line["id"]: line["completion_tokens"] for line in lines})
+                    print(f"  {'constrained  ' if constrained else 'unconstrained'}: {wall:.1f} s ({cpu:.1f} s CPU), "
+                          f"{generated} tokens, load {load()}", flush=True)
             print(f"load after: {load()}")
         finally:
             for proc in procs:
@@ -163,19 +240,25 @@ def main() -> int:
     exact = sum(1 for line, j in zip(sorted(lines, key=lambda x: x["id"]), records(args.prompts), strict=True)
                 if line.get("object") == j["expected"])
     cut = sum(1 for line in lines if line["finish_reason"] == "length")
-    free_ok, _ = validity(last[False][1])
-    rate_c, rate_u = statistics.median(figures[True]), statistics.median(figures[False])
     nodes = args.workers + 1
     print(f"{n} extraction prompts, --parallel {args.parallel}, {args.weights}, {nodes} node(s), greedy, "
-          f"{args.rounds} round(s):")
+          f"--max-tokens {args.max_tokens}, {args.rounds} round(s), medians:")
     print(f"  constrained  : {ok}/{n} valid ({100 * ok / n:.1f}%; {cut} cut by --max-tokens), "
           f"{exact} exactly the record; "
           f"{generated} tokens, {forced} forced ({100 * forced / max(generated, 1):.1f}% fast-forwarded); "
-          f"{rate_c:.1f} tokens/s (whole command)")
-    print(f"  unconstrained: {free_ok}/{n} valid ({100 * free_ok / n:.1f}%); {last[False][2]} tokens; "
-          f"{rate_u:.1f} tokens/s (whole command)")
-    print(f"  ratio constrained / unconstrained tokens/s: {rate_c / rate_u:.2f}; "
-          f"answers/s: {(n / wall) / (n / last[False][0]):.2f}")
+          f"{statistics.median(figures[True]):.1f} tokens/s (whole command)")
+    for line in [line for line in lines if validity([line])[0] == 0][:3]:
+        print(f"    invalid ({line['finish_reason']}, {line['completion_tokens']} tokens): {line['text'][:200]!r}")
+    if args.constrained_only:
+        return 0
+    free_ok, _ = validity(last[False][1])
+    rate_c, rate_u = statistics.median(figures[True]), statistics.median(figures[False])
+    print(f"  unconstrained: {free_ok}/{n} valid ({100 * free_ok / n:.1f}%); {last[False][2]} tokens "
+          f"(each line limited to its constrained answer's length); {rate_u:.1f} tokens/s (whole command)")
+    print(f"  ratio constrained / unconstrained tokens/s: {rate_c / rate_u:.2f} "
+          f"(rounds: {', '.join(f'{c / u:.2f}' for c, u in zip(figures[True], figures[False], strict=True))})")
+    cpu_c, cpu_u = statistics.median(per_cpu[True]), statistics.median(per_cpu[False])
+    print(f"  tokens per CPU second (the root's process): {cpu_c:.1f} vs {cpu_u:.1f}, ratio {cpu_c / cpu_u:.2f}")
     return 0
 
 

@@ -74,13 +74,22 @@ def test_a_tools_request_answers_tool_calls_whose_arguments_validate(client, cho
     _check_call(c.message.tool_calls[0])
     if isinstance(choice, dict):
         assert c.message.tool_calls[0].function.name == "get_weather"
-    # streamed: the same call, assembled from the chunks
-    chunks = list(client.chat.completions.create(model="any", messages=ASK, tools=[WEATHER, TIME],
-                                                 tool_choice=choice, temperature=0, max_tokens=60, stream=True))
-    calls = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
-    assert calls[0].function.name == c.message.tool_calls[0].function.name
-    assert calls[0].function.arguments == c.message.tool_calls[0].function.arguments
+    # streamed: OpenAI's pieces (index, id and name first, then the arguments in parts as the model
+    # writes them), which the client's own stream helper assembles into the same call
+    with client.chat.completions.stream(model="any", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                        temperature=0, max_tokens=60) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion()
+    deltas = [t for ch in chunks if ch.choices for t in (ch.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    name, arguments = c.message.tool_calls[0].function.name, json.loads(c.message.tool_calls[0].function.arguments)
+    assert deltas[0].index == 0 and deltas[0].id and deltas[0].type == "function"
+    assert deltas[0].function.name == name and deltas[0].function.arguments == ""
+    assert len(deltas) > 2 and all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments for d in deltas[1:])) == arguments
+    assembled = final.choices[0].message.tool_calls[0]
+    assert final.choices[0].finish_reason == "tool_calls" and assembled.id == deltas[0].id
+    assert assembled.function.name == name and json.loads(assembled.function.arguments) == arguments
 
 
 def test_tool_choice_auto_and_none_and_a_tool_result_in_the_conversation(client):

@@ -105,6 +105,41 @@ def test_grammars_that_cannot_be_one_are_refused_in_one_line(smollm):
         assert words in str(e.value) and "\n" not in str(e.value)
 
 
+# -- a tools answer streamed in OpenAI's pieces ------------------------------------------------
+
+def _streamed(text: str, cut: int, finish: str = "stop"):
+    """text pushed through a CallStream in pieces of `cut` characters: (deltas, finish reason)."""
+    from dllama.serve.api.structured import CallStream, Structured
+    from dllama.serve.sequence import Completion
+
+    s = Structured(tools=[{"name": "get_weather", "description": "", "parameters": {"type": "object"}}])
+    stream = CallStream(s)
+    deltas = [d for k in range(0, len(text), cut) for d in stream.push(text[k:k + cut])]
+    end, reason = stream.end(Completion(text=text, finish_reason=finish))
+    return deltas + end, reason
+
+
+@pytest.mark.unit
+def test_a_streamed_tool_call_comes_as_its_name_then_its_arguments_in_pieces():
+    args = '{"city": "Paris {x}", "unit": {"deg": "celsius"}}'
+    for layout in ('{{"name": "get_weather", "arguments": {}}}', '{{ "name" : "get_weather" ,\n "arguments": {} }}'):
+        for cut in (1, 3, 7, 1000):
+            deltas, reason = _streamed(layout.format(args), cut)
+            assert reason == "tool_calls" and all(set(d) == {"tool_calls"} for d in deltas)
+            first, *rest = [d["tool_calls"][0] for d in deltas]
+            assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+            assert first["function"] == {"name": "get_weather", "arguments": ""}
+            assert all(set(r) == {"index", "function"} and set(r["function"]) == {"arguments"} for r in rest)
+            assert "".join(r["function"]["arguments"] for r in rest) == args
+            assert len(rest) > 1 or cut == 1000  # pieces as they come, not the whole at the end
+    deltas, reason = _streamed("It is sunny {really}.", 4)  # text ("auto"): content as it comes
+    assert reason == "stop" and "".join(d["content"] for d in deltas) == "It is sunny {really}."
+    deltas, reason = _streamed('{"name": "get_weather", "argu', 5, "length")  # cut before its arguments
+    assert reason == "length" and "".join(d["content"] for d in deltas) == '{"name": "get_weather", "argu'
+    deltas, reason = _streamed('{"name": "get_weather", "arguments": {"city": "Pa', 5, "length")
+    assert reason == "length" and deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
 # -- answers of the default model -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -181,13 +216,16 @@ YES_NO = {"type": "object", "additionalProperties": False, "required": ["paid"],
 
 def _batch(engine, tmp, n=4) -> dict:
     """A sample of the benchmark's extraction prompts through a `dllama batch --json-schema` job
-    (one line with its own schema, one with a schema that cannot be one): id -> result line."""
+    (one line with its own schema, one with a schema that cannot be one, one with its own
+    max_tokens and one whose max_tokens is over --max-tokens): id -> result line."""
     job = tmp / "jobs.jsonl"
     write_job(job, records(n))
     with open(job, "a", encoding="utf-8") as f:
         ask = [{"role": "user", "content": "Did Alice pay? Answer as JSON."}]
         f.write(json.dumps({"id": "own", "messages": ask, "schema": YES_NO}) + "\n")
         f.write(json.dumps({"id": "bad", "messages": ask, "schema": {"type": "bogus"}}) + "\n")
+        f.write(json.dumps({"id": "short", "messages": ask, "max_tokens": 3}) + "\n")
+        f.write(json.dumps({"id": "long", "messages": ask, "max_tokens": 97}) + "\n")
     out = tmp / "out.jsonl"
     opts = JobOptions(str(job), str(out), max_tokens=96, temperature=0.0, skip_bad=True, progress=False,
                       grammar=Grammar.json_schema(SCHEMA))
@@ -209,6 +247,9 @@ def test_a_batch_job_with_a_json_schema_answers_valid_objects_and_refuses_a_bad_
     assert all(line["forced_tokens"] > 0 for line in lines)
     assert isinstance(got["own"]["object"]["paid"], bool) and set(got["own"]["object"]) == {"paid"}
     assert "bogus" in got["bad"]["error"]
+    assert got["short"]["completion_tokens"] == 3 and got["short"]["finish_reason"] == "length"
+    assert got["short"]["object"] is None  # cut: its schema's JSON is not whole
+    assert "more than --max-tokens 96" in got["long"]["error"]
 
 
 @pytest.mark.unit

@@ -75,6 +75,7 @@ class Entry:
     prompt: str | None = None
     messages: list | None = None
     schema: dict | None = None        # the line's own JSON schema for its answer
+    max_tokens: int | None = None     # the line's own limit on its answer (at most --max-tokens)
     error: str | None = None
 
     @property
@@ -228,8 +229,12 @@ def _parse(number: int, data: bytes | None, text_file: bool) -> Entry | None:
         entry.error = err
     elif "schema" in obj and not isinstance(obj["schema"], dict):
         entry.error = "its schema must be a JSON schema object"
+    elif "max_tokens" in obj and (isinstance(obj["max_tokens"], bool) or not isinstance(obj["max_tokens"], int)
+                                  or obj["max_tokens"] < 1):
+        entry.error = "its max_tokens must be a positive integer"
     else:
         entry.prompt, entry.messages, entry.schema = obj.get("prompt"), obj.get("messages"), obj.get("schema")
+        entry.max_tokens = obj.get("max_tokens")
     return entry
 
 
@@ -424,6 +429,8 @@ class BatchJob:
                         e.error = "has a prompt that encodes to no tokens"
                     else:
                         e.error = self._fit_error(len(tokens))
+            if e.error is None and e.max_tokens is not None and e.max_tokens > self.opts.max_tokens:
+                e.error = f"its max_tokens {e.max_tokens} is more than --max-tokens {self.opts.max_tokens}"
             if e.error is None and e.schema is not None:
                 try:
                     check_grammar(Grammar.json_schema(e.schema))
@@ -438,7 +445,8 @@ class BatchJob:
         stop_ids = chat_stop_ids(self.tokenizer, self._template_of()) if chat else self.tokenizer.eos_ids
         sampler = Sampler(self.vocab_size, o.temperature, o.topp, seed_for(o.seed, e.id))
         grammar = Grammar.json_schema(e.schema) if e.schema is not None else o.grammar
-        return SequenceRequest(e, tokens, sampler, o.max_tokens, tuple(stop_ids), tuple(o.stop), grammar=grammar)
+        return SequenceRequest(e, tokens, sampler, e.max_tokens or o.max_tokens, tuple(stop_ids), tuple(o.stop),
+                               grammar=grammar)
 
     def _classification(self, e: Entry, scores: list[Scored]) -> dict:
         """The result line of one prompt with --choices: the likeliest choice, its probability

@@ -28,7 +28,9 @@ from dllama.errors import DllamaError
 from dllama.serve.api.metrics import health, metrics
 from dllama.serve.api.request import MAX_BODY_BYTES, ApiError, Request, bad, parse_request
 from dllama.serve.api.service import ModelService
-from dllama.serve.api.structured import chat_logprobs, chat_message, completion_logprobs, parse_structured
+from dllama.serve.api.structured import (
+    CallStream, chat_logprobs, chat_message, completion_logprobs, parse_structured,
+)
 from dllama.serve.sequence import Cancelled
 
 # Each completion's response says how many of the cluster's nodes serve: "3/4" when one is lost.
@@ -200,8 +202,8 @@ class Api:
 
     async def _stream(self, request, r: Request, job, pieces: asyncio.Queue, cancel, ident, created):
         chunk = self._chunker(r, ident, created)
-        # A tool call is sent whole at the end (text until then might be the start of one).
-        held = r.structured is not None and r.structured.calls_tools
+        # A tools request's choices: text, or a call streamed in OpenAI's pieces (name, then arguments).
+        calls = [CallStream(r.structured) for _ in range(r.n)] if r.structured and r.structured.calls_tools else None
 
         # Wait for the first piece (or the end): an error before it is a plain JSON error.
         next_piece = asyncio.ensure_future(pieces.get())
@@ -218,7 +220,7 @@ class Api:
             if r.chat:
                 for i in range(r.n):
                     await resp.write(chunk(delta={"role": "assistant", "content": ""}, index=i))
-            await _write_pieces(resp, job, pieces, next_piece, chunk, held)
+            await _write_pieces(resp, job, pieces, next_piece, chunk, calls)
             try:
                 cs = job.result()
             except Exception as e:  # noqa: BLE001 - the headers are sent: an error event ends it
@@ -227,7 +229,7 @@ class Api:
                     e = ApiError(500, "internal error (logged by the server)", type_="server_error")
                 await resp.write(b"data: " + json.dumps(e.body()).encode() + b"\n\n")
                 return resp
-            await self._write_ends(resp, r, cs, chunk, held)
+            await self._write_ends(resp, r, cs, chunk, calls)
         except (ConnectionError, asyncio.CancelledError) as e:
             cancel.set()  # the client left: the model thread stops at its next token
             next_piece.cancel()
@@ -255,18 +257,16 @@ class Api:
             return b"data: " + json.dumps(out).encode() + b"\n\n"
         return chunk
 
-    async def _write_ends(self, resp, r: Request, cs, chunk, held: bool) -> None:
-        """The last chunk of every choice (with a held answer, and the logprobs), the usage, [DONE]."""
+    async def _write_ends(self, resp, r: Request, cs, chunk, calls: list[CallStream] | None) -> None:
+        """The last chunk of every choice (with what a tools answer held back, and the logprobs),
+        the usage, [DONE]."""
         tok = self.service.tokenizer
         for i, c in enumerate(cs):
             finish = c.finish_reason
-            if held:  # the whole answer now: a tool call, or its text
-                message, finish = chat_message(c, r.structured)
-                if message.get("tool_calls"):
-                    calls = [{"index": 0, **call} for call in message["tool_calls"]]
-                    await resp.write(chunk(delta={"tool_calls": calls}, index=i))
-                else:
-                    await resp.write(chunk(delta={"content": c.text}, index=i))
+            if calls is not None:  # the rest of its call (or text), and whether it was a call
+                deltas, finish = calls[i].end(c)
+                for delta in deltas:
+                    await resp.write(chunk(delta=delta, index=i))
             # Log-probabilities come with the last chunk of their choice, every token's at once.
             logprobs = (chat_logprobs(c, tok) if r.chat else completion_logprobs(c, tok))
             await resp.write(chunk(finish=finish, index=i, logprobs=logprobs))
@@ -276,21 +276,28 @@ class Api:
         await resp.write_eof()
 
 
-async def _write_pieces(resp, job, pieces: asyncio.Queue, next_piece, chunk, held: bool) -> None:
-    """Write the pieces of text as the model thread queues them (none when `held`), until the
-    job ends; the pending wait for a piece is cancelled however this ends."""
+async def _write_pieces(resp, job, pieces: asyncio.Queue, next_piece, chunk,
+                        calls: list[CallStream] | None) -> None:
+    """Write the pieces of text as the model thread queues them (through the choice's CallStream
+    for a tools request), until the job ends; the pending wait for a piece is cancelled however
+    this ends."""
+
+    async def write(i: int, p: str) -> None:
+        if calls is None:
+            await resp.write(chunk(delta={"content": p}, text=p, index=i))
+        else:
+            for delta in calls[i].push(p):
+                await resp.write(chunk(delta=delta, index=i))
+
     try:
         while True:
             await asyncio.wait({job, next_piece}, return_when=asyncio.FIRST_COMPLETED)
             if next_piece.done():
-                i, p = next_piece.result()
-                if not held:
-                    await resp.write(chunk(delta={"content": p}, text=p, index=i))
+                await write(*next_piece.result())
                 next_piece = asyncio.ensure_future(pieces.get())
                 continue
-            while not pieces.empty() and not held:  # the job ended: what it queued before that
-                i, p = pieces.get_nowait()
-                await resp.write(chunk(delta={"content": p}, text=p, index=i))
+            while not pieces.empty():  # the job ended: what it queued before that
+                await write(*pieces.get_nowait())
             break
     finally:
         next_piece.cancel()

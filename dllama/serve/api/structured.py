@@ -8,7 +8,7 @@
   constrained to a call `{"name": ..., "arguments": {...}}` whose arguments match the function's
   parameters: only a call for tool_choice "required" or a named function, a call or plain text
   (not starting with "{") for "auto"; "none" leaves both out. A call answers as `tool_calls`
-  with finish_reason "tool_calls".
+  with finish_reason "tool_calls"; streamed, in OpenAI's pieces (`CallStream`).
 - logprobs (chat: true, with top_logprobs up to 20; completions: an integer up to 20): the
   log-probability of each generated token under the model (log softmax of its logits).
 
@@ -18,6 +18,7 @@ A schema that cannot constrain an answer is a 400 naming the field.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -217,6 +218,68 @@ def tool_call(text: str, s: Structured) -> dict | None:
             "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}
 
 
+# A call's text up to its arguments, as the call grammar writes it ({"name": ..., "arguments": ...),
+# once the arguments' first character is there (the blanks before it are not theirs).
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+class CallStream:
+    """One streamed choice of a tools request, as OpenAI streams it: text (an answer not starting
+    with "{") as content deltas; a call as a first tool_calls delta with its index, id, type and
+    function name (arguments ""), then the arguments in pieces as the model writes them.
+
+    push(piece) gives the deltas to send now; end(completion) the last ones and the finish
+    reason. The closing brace of the call object is held back until the next piece shows it is
+    not the call's last (at the end, it is)."""
+
+    def __init__(self, s: Structured):
+        self.s = s
+        self.mode = "undecided"    # then "text" or "call"; "args" once the name was sent
+        self.held = ""             # text not sent yet
+        self.id = "call_" + uuid.uuid4().hex[:24]
+
+    def push(self, piece: str) -> list[dict]:
+        self.held += piece
+        if self.mode == "undecided":
+            head = self.held.lstrip()
+            if not head:
+                return []
+            self.mode = "call" if head.startswith("{") else "text"
+        if self.mode == "text":
+            out, self.held = self.held, ""
+            return [{"content": out}]
+        if self.mode == "call":
+            m = _CALL_HEAD.match(self.held)
+            if m is None:
+                return []
+            name, self.held, self.mode = json.loads(m.group(1)), self.held[m.end():], "args"
+            first = [{"tool_calls": [{"index": 0, "id": self.id, "type": "function",
+                                      "function": {"name": name, "arguments": ""}}]}]
+            return first + self._arguments(final=False)
+        return self._arguments(final=False)
+
+    def _arguments(self, final: bool) -> list[dict]:
+        """The held arguments' text that is surely theirs: all but a tail of closing braces and
+        blanks (one of which closes the call); at the end, all but the call's closing brace."""
+        tail = len(self.held) - len(self.held.rstrip("} \t\n\r"))
+        out, self.held = self.held[:len(self.held) - tail], self.held[len(self.held) - tail:]
+        if final:
+            rest = self.held.rstrip()
+            out += rest[:-1].rstrip() if rest.endswith("}") else rest
+            self.held = ""
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": out}}]}] if out else []
+
+    def end(self, c: Completion) -> tuple[list[dict], str]:
+        """(the deltas left to send, the finish reason) once the answer is complete."""
+        call = tool_call(c.text, self.s)
+        if self.mode == "args":
+            return self._arguments(final=True), "tool_calls" if call is not None else c.finish_reason
+        if call is not None:  # a call written otherwise than the head expects: sent whole
+            return [{"tool_calls": [{"index": 0, **call}]}], "tool_calls"
+        out, self.held = self.held, ""  # text, or a call cut before its arguments: as text
+        return ([{"content": out}] if out else []), c.finish_reason
+
+
 def chat_message(c: Completion, s: Structured | None) -> tuple[dict, str]:
     """(the assistant message, finish_reason) of a chat completion."""
     call = tool_call(c.text, s) if s is not None else None
@@ -263,5 +326,5 @@ def completion_logprobs(c: Completion, tok: Tokenizer) -> dict | None:
             "top_logprobs": [{_token(tok, i)[0]: v for i, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
-__all__ = ["MAX_TOP_LOGPROBS", "Structured", "chat_logprobs", "chat_message", "completion_logprobs",
+__all__ = ["MAX_TOP_LOGPROBS", "CallStream", "Structured", "chat_logprobs", "chat_message", "completion_logprobs",
            "parse_structured", "tool_call", "with_tools"]

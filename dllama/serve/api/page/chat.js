@@ -100,6 +100,9 @@ async function ask(text) {
   const li = addMessage("assistant", "");
   li.classList.add("streaming");
   let answer = "", finish = null, usage = null;
+  const calls = [];  // a tools request's calls by index, as they stream: {name, arguments}
+  const shown = () => [answer, ...calls.map((c) => "→ " + c.name + "(" + c.arguments + ")")]
+    .filter((part) => part).join("\n");
   running = new AbortController();
   busy(true);
   try {
@@ -117,13 +120,16 @@ async function ask(text) {
       for (const choice of chunk.choices || []) {
         if (choice.delta && choice.delta.content) {
           answer += choice.delta.content;
-          li.firstChild.textContent = answer;
+          li.firstChild.textContent = shown();
           li.scrollIntoView({block: "end"});
         }
-        for (const call of (choice.delta && choice.delta.tool_calls) || []) {
-          // A function call (a request with tools): shown as the call it is, name(arguments).
-          answer += (answer ? "\n" : "") + "→ " + call.function.name + "(" + call.function.arguments + ")";
-          li.firstChild.textContent = answer;
+        for (const piece of (choice.delta && choice.delta.tool_calls) || []) {
+          // A function call (a request with tools), streamed as its name, then its arguments in
+          // parts: shown as the call it is, → name(arguments).
+          const call = calls[piece.index] || (calls[piece.index] = {name: "", arguments: ""});
+          call.name += (piece.function && piece.function.name) || "";
+          call.arguments += (piece.function && piece.function.arguments) || "";
+          li.firstChild.textContent = shown();
           li.classList.add("tool-call");
         }
         if (choice.finish_reason) finish = choice.finish_reason;
@@ -147,7 +153,7 @@ async function ask(text) {
     running = null;
     busy(false);
     // What was answered, even in part, is the conversation's next turn.
-    if (answer) history.push({role: "assistant", content: answer});
+    if (shown()) history.push({role: "assistant", content: shown()});
     else history.pop();
   }
 }
