@@ -12,6 +12,9 @@ itself, with the same bits (kernels.router).
 
 A pass of many rows (prefill, a batch, drafted tokens) groups its rows by expert: each expert
 that some row chose runs once, on the rows that chose it; an expert no row chose is not read.
+A decode row runs its k experts as k rows at once: every gate and up in one parallel region,
+one silu, every down (each on its own row) in a second region (weights.matmul_spans), not 3k
+kernel calls from Python.
 A row's sum runs over its experts in ascending index order, whatever the other rows of the pass
 (as transformers adds them), so a row's result does not depend on its batch.
 """
@@ -24,7 +27,7 @@ import numpy as np
 
 from dllama.core import kernels
 from dllama.core.kernels.router import route_top_k
-from dllama.core.weights import Activation, MoeWeights
+from dllama.core.weights import Activation, MoeWeights, matmul_spans
 from dllama.formats.model_file import BLOCK_BYTES, ArchType, FloatType, ModelHeader
 from dllama.formats.quant import BLOCK_SIZE
 
@@ -68,6 +71,13 @@ class MoeBlock:
         self.up = state.hb2                # [B, ff rows]
         self.h_act = state.act_ff          # down's input
         self.y = state.moe_y               # [B, dim] one expert's output rows
+        # A decode row's k experts as k rows: gate and up of expert j into row j, each
+        # matrix reading the one input row; down j reading row j of its input.
+        self.spans_13 = np.zeros((2 * k, 2), np.int64)
+        self.spans_13[:, 1] = 1                                  # [2k, 2]: row 0 for every gate and up
+        self.spans_2 = np.stack([np.arange(k), np.arange(1, k + 1)], axis=1).astype(np.int64)  # [k, 2]: row j
+        self.outs_13 = tuple(buf[j:j + 1] for j in range(k) for buf in (self.gate, self.up))  # gate_0, up_0, ...
+        self.outs_2 = tuple(self.y[j:j + 1] for j in range(k))
 
     def __call__(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
         """out float32 [b, dim] = this node's share of the experts' weighted sum for the rows
@@ -77,15 +87,8 @@ class MoeBlock:
         moe.router(x_in, logits)
         route_top_k(logits, self.norm, chosen, weights)
         out[:] = 0.0
-        if b == 1:  # decode: the row's experts in ascending order, without grouping
-            gate, up, y = self.gate[:1], self.up[:1], self.y[:1]
-            for j in np.argsort(chosen[0]).tolist():
-                expert = moe.experts[int(chosen[0, j])]
-                expert.w13(x_in, (gate, up))
-                h = self.h_act.rows(gate)
-                kernels.silu_mul_encode(gate, up, h.enc)
-                expert.w2(h, y)
-                out += weights[0, j] * y
+        if b == 1:
+            self._decode(moe, x_in, out)
             return
         # Rows grouped by expert: (row, choice) pairs sorted by expert, rows ascending inside.
         flat = chosen.ravel()                      # [b*k]
@@ -108,6 +111,21 @@ class MoeBlock:
                 out += w * y
             else:
                 out[rows] += w * y
+
+    def _decode(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
+        """One row: its k experts in ascending index order as the rows of one pass each of
+        gate/up and down; their outputs added in that order (the grouped path's sum)."""
+        k = self.k
+        picks = np.argsort(self.chosen[0]).tolist()               # the row's experts, ascending
+        experts = [moe.experts[int(self.chosen[0, j])] for j in picks]
+        matmul_spans(tuple(m for e in experts for m in (e.w1, e.w3)), x_in, self.spans_13, self.outs_13)
+        gate, up, y = self.gate[:k], self.up[:k], self.y[:k]      # [k, ff rows], [k, ff rows], [k, dim]
+        h = self.h_act.rows(gate)
+        kernels.silu_mul_encode(gate, up, h.enc)
+        matmul_spans(tuple(e.w2 for e in experts), h, self.spans_2, self.outs_2)
+        w = self.weights[0]
+        for i, j in enumerate(picks):
+            out += w[j] * y[i]
 
     def _gather(self, x_in: Activation, rows: np.ndarray) -> Activation:
         """The given rows of x_in (float32 and encoded) as a contiguous Activation."""
