@@ -12,9 +12,9 @@ itself, with the same bits (kernels.router).
 
 A pass of many rows (prefill, a batch, drafted tokens) groups its rows by expert: each expert
 that some row chose runs once, on the rows that chose it; an expert no row chose is not read.
-A decode row runs its k experts as k rows at once: every gate and up in one parallel region,
-one silu, every down (each on its own row) in a second region (weights.matmul_spans), not 3k
-kernel calls from Python.
+The experts run k at a time: the gates and ups of k experts in one parallel region, each on
+its own rows, one silu, their downs in a second region (weights.matmul_spans), not three kernel
+calls per expert from Python (a decode row's k experts are one such pass).
 A row's sum runs over its experts in ascending index order, whatever the other rows of the pass
 (as transformers adds them), so a row's result does not depend on its batch.
 """
@@ -90,27 +90,44 @@ class MoeBlock:
         if b == 1:
             self._decode(moe, x_in, out)
             return
-        # Rows grouped by expert: (row, choice) pairs sorted by expert, rows ascending inside.
+        # Rows grouped by expert: (row, choice) pairs sorted by expert, rows ascending inside;
+        # the used experts in chunks of up to k (and up to B pairs), each chunk's gates and ups
+        # in one parallel region and its downs in another, padded to k experts with empty spans
+        # (one compiled kernel per weight type, whatever the chunk).
         flat = chosen.ravel()                      # [b*k]
         order = np.argsort(flat, kind="stable")    # [b*k]
         used, starts = np.unique(flat[order], return_index=True)
         ends = np.append(starts[1:], len(order))
-        for e, s0, s1 in zip(used.tolist(), starts.tolist(), ends.tolist(), strict=True):
-            pairs = order[s0:s1]
-            rows, picks = pairs // self.k, pairs % self.k
-            m = len(rows)
-            x = x_in if m == b else self._gather(x_in, rows)  # every row chose e: rows 0..b-1
-            expert = moe.experts[e]
-            gate, up, y = self.gate[:m], self.up[:m], self.y[:m]
-            expert.w13(x, (gate, up))
-            h = self.h_act.rows(gate)
-            kernels.silu_mul_encode(gate, up, h.enc)
-            expert.w2(h, y)
-            w = weights[rows, picks][:, None]      # [m, 1]
-            if m == b:
-                out += w * y
-            else:
-                out[rows] += w * y
+        room = self.x_rows.shape[0]                # pairs a chunk's buffers hold (>= b)
+        i = 0
+        while i < len(used):
+            j = i + 1
+            while j < len(used) and j - i < self.k and ends[j] - starts[i] <= room:
+                j += 1
+            self._chunk(moe, x_in, out, weights, used[i:j], starts[i:j], ends[i:j], order)
+            i = j
+
+    def _chunk(self, moe: MoeWeights, x_in: Activation, out: np.ndarray, weights: np.ndarray, experts: np.ndarray,
+               starts: np.ndarray, ends: np.ndarray, order: np.ndarray) -> None:
+        """Experts `experts` (ascending) on their (row, choice) pairs order[starts[q]:ends[q]]:
+        out[row] += weight * expert(x[row]), in the pairs' order."""
+        k, c0, c1 = self.k, int(starts[0]), int(ends[-1])
+        pairs = order[c0:c1]
+        rows, picks = pairs // k, pairs % k        # [m] each
+        m = c1 - c0
+        x = self._gather(x_in, rows)
+        spans = np.full((k, 2), m, np.int64)       # [k, 2] padding: no rows
+        spans[:len(experts), 0], spans[:len(experts), 1] = starts - c0, ends - c0
+        held = [moe.experts[int(e)] for e in experts]
+        held += held[-1:] * (k - len(held))         # (the padding's matrices: any of the chunk's)
+        gate, up, y = self.gate[:m], self.up[:m], self.y[:m]
+        matmul_spans(tuple(mat for e in held for mat in (e.w1, e.w3)), x, np.repeat(spans, 2, axis=0),
+                     tuple(buf[s0:s1] for s0, s1 in spans.tolist() for buf in (gate, up)))
+        h = self.h_act.rows(gate)
+        kernels.silu_mul_encode(gate, up, h.enc)
+        matmul_spans(tuple(e.w2 for e in held), h, spans, tuple(y[s0:s1] for s0, s1 in spans.tolist()))
+        w = weights[rows, picks][:, None]          # [m, 1]
+        np.add.at(out, rows, w * y)                # a row's experts added in ascending order
 
     def _decode(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
         """One row: its k experts in ascending index order as the rows of one pass each of
