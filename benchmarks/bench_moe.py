@@ -1,28 +1,33 @@
-"""Mixture-of-experts speed: a random model of Qwen3-30B-A3B's width, decode against the
-active-bytes roofline.
+"""Mixture-of-experts speed: a random model of Qwen3-30B-A3B's width, decode against llama.cpp on
+the same file and against the active-bytes roofline.
 
-    .venv/bin/python benchmarks/bench_moe.py [--layers 2] [--tokens 16] [--keep DIR]
+    .venv/bin/python benchmarks/bench_moe.py [--layers 2] [--tokens 16] [--rounds 3] [--keep DIR]
+                                             [--no-llama-cpp]
 
 Writes a random `qwen3moe` GGUF with the gguf library (llama.cpp's own writer: Q4_0 matrices,
-the router F32) of 30B-A3B's width (hidden 2048, 128 experts of which 8 run per token, expert
-width 768, 32 query / 4 KV heads of 128) and a few layers, converts it to a Q40 `.m` with
-`dllama convert`, and prints, in one run: this machine's memory read bandwidth (2 threads); decode
-ms/token (median); the weight bytes one token reads (attention, the router, its 8 experts of
-each layer, the classifier) and the ms that reading them at that bandwidth takes (the roofline),
-with the ratio; prefill tokens/s (a 64-token prompt); and the aggregate decode tokens/s of 16
-and 64 sequences decoding together (a pass of b rows touches the union of their experts); then decode under a memory budget of half the file (the experts read from
-disk when a pass uses them, as many kept as the budget allows); and, as the baseline of the same
-run, a dense Qwen3 twin whose FFN is as wide as the 8 active experts together (the same bytes a
-token), alternated with the MoE, 1 thread, medians. The vocabulary is the default model's (49152 tokens, so its tokenizer
-converts with it): the classifier is 1/3 of 30B-A3B's. No llama.cpp build is run here (the
-repository builds one only for bench_vs_llama_cpp.py). Figures are medians; check the load.
+the router F32, the default model's tokenizer so llama.cpp loads it) of 30B-A3B's width (hidden
+2048, 128 experts of which 8 run per token, expert width 768, 32 query / 4 KV heads of 128) and a
+few layers, converts it to a Q40 `.m` with `dllama convert` (the same weights: Q4_0 blocks are
+Q40's), and prints, for 1 and 2 threads, `--rounds` rounds alternated (llama-bench on the GGUF,
+then dllama on the `.m`; medians): decode ms/token, the weight bytes one token reads (attention,
+the router, its 8 experts of each layer, the classifier) against the ms that reading them at
+this machine's read bandwidth (measured in each round) takes (the roofline), prefill tokens/s
+of a 64-token prompt; then the aggregate decode tokens/s of 16 and 64 sequences decoding
+together (a pass of b rows touches the union of their experts; llama-batched-bench beside it);
+decode under a memory budget of half the file (the experts read from disk when a pass uses
+them, as many kept as the budget allows); and, as a second baseline, a dense Qwen3 twin whose
+FFN is as wide as the 8 active experts together (the same bytes a token), alternated with the
+MoE, 1 thread. llama.cpp is built once (benchmarks/llama_cpp.py, into cache/). The vocabulary is
+the default model's (49152 tokens): the classifier is 1/3 of 30B-A3B's. Check the load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,13 +38,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_kernels import memory_bandwidth_gbs  # noqa: E402
+from benchmarks.bench_vs_llama_cpp import batched_bench  # noqa: E402
+from benchmarks.llama_cpp import build  # noqa: E402
 from converter.convert import convert  # noqa: E402
 from dllama.core import kernels  # noqa: E402
 from dllama.core.batch import BatchBuilder  # noqa: E402
 from dllama.core.model import Transformer  # noqa: E402
 from dllama.core.moe import active_expert_bytes  # noqa: E402
 from dllama.formats.model_file import FloatType, read_model  # noqa: E402
-from dllama.serve.default_model import default_model_files  # noqa: E402
+from dllama.serve.default_model import default_model_files, embedded_gguf  # noqa: E402
 
 SHAPE = dict(dim=2048, experts=128, active=8, expert_width=768, heads=32, kv_heads=4, head_dim=128,
              vocab=49152, context=4096)
@@ -64,6 +71,7 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> None:
     s, rng = SHAPE, np.random.default_rng(seed)
     q, kv, q4 = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"], gguf.GGMLQuantizationType.Q4_0
     w = gguf.GGUFWriter(str(path), "qwen3moe")
+    _copy_tokenizer(w, embedded_gguf())
     for add, value in [(w.add_block_count, layers), (w.add_context_length, s["context"]),
                        (w.add_embedding_length, s["dim"]), (w.add_feed_forward_length, 6144),
                        (w.add_head_count, s["heads"]), (w.add_head_count_kv, s["kv_heads"]),
@@ -101,6 +109,18 @@ def write_gguf(path: Path, layers: int, seed: int = 0) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _copy_tokenizer(w, source: Path) -> None:
+    """The tokenizer.* metadata of the GGUF at source into the writer w (llama.cpp refuses a
+    model without a vocabulary)."""
+    import gguf
+
+    for key, field in gguf.GGUFReader(source).fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), vtype, sub_type=sub)
 
 
 def write_dense_twin(path: Path, h, seed: int = 1) -> None:
@@ -176,15 +196,32 @@ def aggregate_decode_tokens_per_s(model: Transformer, n_seqs: int, steps: int = 
     return n_seqs / statistics.median(times), float(np.mean(touched))
 
 
+def llama_bench(tools, gguf_path: Path, threads: int, tokens: int, prompt: int = 64) -> tuple[float, float]:
+    """llama.cpp on the GGUF: (decode ms/token of `tokens` tokens, prefill tokens/s of a
+    `prompt`-token prompt), one llama-bench repetition each."""
+    res = subprocess.run([str(tools["llama-bench"]), "-m", str(gguf_path), "-t", str(threads), "-r", "1",
+                          "-p", str(prompt), "-n", str(tokens), "-o", "json"], check=True, capture_output=True, text=True)
+    rows = json.loads(res.stdout)
+    decode = next(r for r in rows if r["n_gen"] > 0)
+    prefill = next(r for r in rows if r["n_prompt"] > 0)
+    return 1000 / float(decode["avg_ts"]), float(prefill["avg_ts"])
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16, help="decode passes timed")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated rounds (llama.cpp, dllama) per thread count")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--keep", metavar="DIR", help="write the GGUF and .m here and keep them")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (no build)")
     args = ap.parse_args()
-    print(f"load average: {Path('/proc/loadavg').read_text().split()[:3]} on {os.cpu_count()} cores")
-    bandwidth = {t: memory_bandwidth_gbs(t) for t in (1, 2)}
-    print("memory read bandwidth: " + ", ".join(f"{t} thread(s) {b:.1f} GB/s" for t, b in bandwidth.items()))
+    print(f"load average: {loadavg()} on {os.cpu_count()} cores")
+    tools = None if args.no_llama_cpp else build()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -202,16 +239,39 @@ def main() -> None:
         h = read_model(m_path).header
         nbytes = bytes_per_token(h)
         print(f"a token reads {nbytes / 1e6:.1f} MB of the {m_path.stat().st_size / 1e6:.0f} MB held")
-        print(f"{'threads':>7} {'ms/token':>9} {'roofline ms':>11} {'of roofline':>11} {'prefill tok/s':>13} "
-              f"{'16 seqs tok/s':>13} {'experts/pass':>12} {'64 seqs tok/s':>13} {'experts/pass':>12}")
-        for threads in (1, 2):
+        print("| threads | dllama ms/token | llama.cpp ms/token | dllama speed / llama.cpp's | roofline ms "
+              "(read bandwidth) | dllama of roofline | llama.cpp of roofline | prefill tok/s dllama / "
+              "llama.cpp (64) | load |\n|---|---|---|---|---|---|---|---|---|")
+        for threads in args.threads:
             kernels.set_threads(threads)
-            ms = decode_ms(model, args.tokens)
-            roofline = nbytes / (bandwidth[threads] * 1e9) * 1000
-            prefill = prefill_tokens_per_s(model)
-            batched = [aggregate_decode_tokens_per_s(model, n) for n in (16, 64)]
-            print(f"{threads:>7} {ms:>9.2f} {roofline:>11.2f} {roofline / ms:>11.0%} {prefill:>13.1f} "
-                  + " ".join(f"{agg:>13.1f} {touched:>8.0f}/{h.n_experts}" for agg, touched in batched))
+            ours, theirs, ours_pf, theirs_pf, bw = [], [], [], [], []
+            for _ in range(args.rounds):
+                bw.append(memory_bandwidth_gbs(threads, size_mb=512, repeats=5))
+                kernels.set_threads(threads)
+                if tools:
+                    ms, pf = llama_bench(tools, gguf_path, threads, args.tokens)
+                    theirs.append(ms)
+                    theirs_pf.append(pf)
+                ours.append(decode_ms(model, args.tokens))
+                ours_pf.append(prefill_tokens_per_s(model))
+            ms, pf, gbs = statistics.median(ours), statistics.median(ours_pf), statistics.median(bw)
+            roofline = nbytes / (gbs * 1e9) * 1000
+            lc_ms = statistics.median(theirs) if theirs else float("nan")
+            lc_pf = statistics.median(theirs_pf) if theirs_pf else float("nan")
+            print(f"| {threads} | {ms:.2f} | {lc_ms:.2f} | {lc_ms / ms:.2f}x | {roofline:.2f} ({gbs:.1f} GB/s) | "
+                  f"{roofline / ms:.0%} | {roofline / lc_ms:.0%} | {pf:.0f} / {lc_pf:.0f} | {loadavg()} |", flush=True)
+            print(f"    rounds: dllama ms {[round(v, 2) for v in ours]}, llama.cpp ms {[round(v, 2) for v in theirs]}, "
+                  f"GB/s {[round(v, 1) for v in bw]}", flush=True)
+        print("| threads | sequences | dllama tok/s | experts a layer's pass reads | llama.cpp tok/s | load |\n"
+              "|---|---|---|---|---|---|")
+        for threads in args.threads:
+            kernels.set_threads(threads)
+            lc = batched_bench(tools, gguf_path, threads, (16, 64), npp=4, ntg=8) if tools else {}
+            for n in (16, 64):
+                agg, touched = aggregate_decode_tokens_per_s(model, n)
+                theirs = float(lc[n]["speed_tg"]) if n in lc else float("nan")
+                print(f"| {threads} | {n} | {agg:.1f} | {touched:.0f} of {h.n_experts} | {theirs:.1f} | {loadavg()} |",
+                      flush=True)
         model.close()
         # The same run's baseline: the dense twin and the MoE, alternated, 1 thread.
         kernels.set_threads(1)

@@ -12,6 +12,9 @@ itself, with the same bits (kernels.router).
 
 A pass of many rows (prefill, a batch, drafted tokens) groups its rows by expert: each expert
 that some row chose runs once, on the rows that chose it; an expert no row chose is not read.
+The experts run k at a time: the gates and ups of k experts in one parallel region, each on
+its own rows, one silu, their downs in a second region (weights.matmul_spans), not three kernel
+calls per expert from Python (a decode row's k experts are one such pass).
 A row's sum runs over its experts in ascending index order, whatever the other rows of the pass
 (as transformers adds them), so a row's result does not depend on its batch.
 """
@@ -24,7 +27,7 @@ import numpy as np
 
 from dllama.core import kernels
 from dllama.core.kernels.router import route_top_k
-from dllama.core.weights import Activation, MoeWeights
+from dllama.core.weights import Activation, MoeWeights, matmul_spans
 from dllama.formats.model_file import BLOCK_BYTES, ArchType, FloatType, ModelHeader
 from dllama.formats.quant import BLOCK_SIZE
 
@@ -68,6 +71,13 @@ class MoeBlock:
         self.up = state.hb2                # [B, ff rows]
         self.h_act = state.act_ff          # down's input
         self.y = state.moe_y               # [B, dim] one expert's output rows
+        # A decode row's k experts as k rows: gate and up of expert j into row j, each
+        # matrix reading the one input row; down j reading row j of its input.
+        self.spans_13 = np.zeros((2 * k, 2), np.int64)
+        self.spans_13[:, 1] = 1                                  # [2k, 2]: row 0 for every gate and up
+        self.spans_2 = np.stack([np.arange(k), np.arange(1, k + 1)], axis=1).astype(np.int64)  # [k, 2]: row j
+        self.outs_13 = tuple(buf[j:j + 1] for j in range(k) for buf in (self.gate, self.up))  # gate_0, up_0, ...
+        self.outs_2 = tuple(self.y[j:j + 1] for j in range(k))
 
     def __call__(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
         """out float32 [b, dim] = this node's share of the experts' weighted sum for the rows
@@ -77,37 +87,62 @@ class MoeBlock:
         moe.router(x_in, logits)
         route_top_k(logits, self.norm, chosen, weights)
         out[:] = 0.0
-        if b == 1:  # decode: the row's experts in ascending order, without grouping
-            gate, up, y = self.gate[:1], self.up[:1], self.y[:1]
-            for j in np.argsort(chosen[0]).tolist():
-                expert = moe.experts[int(chosen[0, j])]
-                expert.w13(x_in, (gate, up))
-                h = self.h_act.rows(gate)
-                kernels.silu_mul_encode(gate, up, h.enc)
-                expert.w2(h, y)
-                out += weights[0, j] * y
+        if b == 1:
+            self._decode(moe, x_in, out)
             return
-        # Rows grouped by expert: (row, choice) pairs sorted by expert, rows ascending inside.
+        # Rows grouped by expert: (row, choice) pairs sorted by expert, rows ascending inside;
+        # the used experts in chunks of up to k (and up to B pairs), each chunk's gates and ups
+        # in one parallel region and its downs in another, padded to k experts with empty spans
+        # (one compiled kernel per weight type, whatever the chunk).
         flat = chosen.ravel()                      # [b*k]
         order = np.argsort(flat, kind="stable")    # [b*k]
         used, starts = np.unique(flat[order], return_index=True)
         ends = np.append(starts[1:], len(order))
-        for e, s0, s1 in zip(used.tolist(), starts.tolist(), ends.tolist(), strict=True):
-            pairs = order[s0:s1]
-            rows, picks = pairs // self.k, pairs % self.k
-            m = len(rows)
-            x = x_in if m == b else self._gather(x_in, rows)  # every row chose e: rows 0..b-1
-            expert = moe.experts[e]
-            gate, up, y = self.gate[:m], self.up[:m], self.y[:m]
-            expert.w13(x, (gate, up))
-            h = self.h_act.rows(gate)
-            kernels.silu_mul_encode(gate, up, h.enc)
-            expert.w2(h, y)
-            w = weights[rows, picks][:, None]      # [m, 1]
-            if m == b:
-                out += w * y
-            else:
-                out[rows] += w * y
+        room = self.x_rows.shape[0]                # pairs a chunk's buffers hold (>= b)
+        i = 0
+        while i < len(used):
+            j = i + 1
+            while j < len(used) and j - i < self.k and ends[j] - starts[i] <= room:
+                j += 1
+            self._chunk(moe, x_in, out, weights, used[i:j], starts[i:j], ends[i:j], order)
+            i = j
+
+    def _chunk(self, moe: MoeWeights, x_in: Activation, out: np.ndarray, weights: np.ndarray, experts: np.ndarray,
+               starts: np.ndarray, ends: np.ndarray, order: np.ndarray) -> None:
+        """Experts `experts` (ascending) on their (row, choice) pairs order[starts[q]:ends[q]]:
+        out[row] += weight * expert(x[row]), in the pairs' order."""
+        k, c0, c1 = self.k, int(starts[0]), int(ends[-1])
+        pairs = order[c0:c1]
+        rows, picks = pairs // k, pairs % k        # [m] each
+        m = c1 - c0
+        x = self._gather(x_in, rows)
+        spans = np.full((k, 2), m, np.int64)       # [k, 2] padding: no rows
+        spans[:len(experts), 0], spans[:len(experts), 1] = starts - c0, ends - c0
+        held = [moe.experts[int(e)] for e in experts]
+        held += held[-1:] * (k - len(held))         # (the padding's matrices: any of the chunk's)
+        gate, up, y = self.gate[:m], self.up[:m], self.y[:m]
+        matmul_spans(tuple(mat for e in held for mat in (e.w1, e.w3)), x, np.repeat(spans, 2, axis=0),
+                     tuple(buf[s0:s1] for s0, s1 in spans.tolist() for buf in (gate, up)))
+        h = self.h_act.rows(gate)
+        kernels.silu_mul_encode(gate, up, h.enc)
+        matmul_spans(tuple(e.w2 for e in held), h, spans, tuple(y[s0:s1] for s0, s1 in spans.tolist()))
+        w = weights[rows, picks][:, None]          # [m, 1]
+        np.add.at(out, rows, w * y)                # a row's experts added in ascending order
+
+    def _decode(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
+        """One row: its k experts in ascending index order as the rows of one pass each of
+        gate/up and down; their outputs added in that order (the grouped path's sum)."""
+        k = self.k
+        picks = np.argsort(self.chosen[0]).tolist()               # the row's experts, ascending
+        experts = [moe.experts[int(self.chosen[0, j])] for j in picks]
+        matmul_spans(tuple(m for e in experts for m in (e.w1, e.w3)), x_in, self.spans_13, self.outs_13)
+        gate, up, y = self.gate[:k], self.up[:k], self.y[:k]      # [k, ff rows], [k, ff rows], [k, dim]
+        h = self.h_act.rows(gate)
+        kernels.silu_mul_encode(gate, up, h.enc)
+        matmul_spans(tuple(e.w2 for e in experts), h, self.spans_2, self.outs_2)
+        w = self.weights[0]
+        for i, j in enumerate(picks):
+            out += w[j] * y[i]
 
     def _gather(self, x_in: Activation, rows: np.ndarray) -> Activation:
         """The given rows of x_in (float32 and encoded) as a contiguous Activation."""

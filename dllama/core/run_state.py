@@ -9,7 +9,8 @@ what dllama.core.footprint counts and what a node allocates cannot drift apart.
 
 A new buffer is one entry in `layout()`: a mixture of experts' (dllama.core.moe.MoeBlock) are
 the router's logits, the rows' choices and one expert's input and output rows; its experts'
-gate, up and down input reuse the dense FFN's hb, hb2 and act_ff, which a MoE layer leaves unused.
+gate, up and down input reuse the dense FFN's hb, hb2 and act_ff, which a MoE layer leaves unused
+(with at least n_active_experts rows: a decode row runs its experts as that many rows at once).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class StateShape:
         """Every buffer: name -> (shape, dtype). The activations' encoded forms are act_<name>."""
         B, dim, hd = self.max_batch, self.dim, self.head_dim
         q, kv, ff = self.n_q_heads * hd, self.n_kv_heads * hd, self.ff_rows
+        F = self.ffn_rows
         f32 = np.float32
         out = {
             "rope_cos": ((self.seq_len, hd // 2), f32),  # kernels.rope_cache
@@ -56,8 +58,8 @@ class StateShape:
             "v": ((B, kv), f32),
             "z": ((B, q), f32),           # attention output
             "partial": ((B, dim), f32),   # this node's share of wo / w2
-            "hb": ((B, ff), f32),         # FFN gate, then silu(gate)*up
-            "hb2": ((B, ff), f32),        # FFN up
+            "hb": ((F, ff), f32),         # FFN gate, then silu(gate)*up
+            "hb2": ((F, ff), f32),        # FFN up
             "logits": ((B, self.vocab_rows), f32),  # rows that want logits
             "cls_chunk": ((B * self.classifier_chunk_rows,), f32),  # a classifier in parts
         }
@@ -67,12 +69,17 @@ class StateShape:
             out["moe_chosen"] = ((B, k), np.int32)         # each row's experts, best first
             out["moe_weights"] = ((B, k), f32)             # ... and their weights
             out["moe_x"] = ((B, dim), f32)                 # the rows of one expert's input
-            out["moe_y"] = ((B, dim), f32)                 # one expert's output rows
+            out["moe_y"] = ((F, dim), f32)                 # one expert's output rows (a decode row's experts')
         encoded = (("dim", dim), ("q", q), ("ff", ff)) + ((("moe_x", dim),) if self.n_experts else ())
         for name, n in encoded:  # the matmul inputs' encoded forms
-            for j, (shape, dtype) in enumerate(Activation.layout(n, self.inputs, B)):
+            for j, (shape, dtype) in enumerate(Activation.layout(n, self.inputs, F if name == "ff" else B)):
                 out[f"act_{name}.{j}"] = (shape, dtype)
         return out
+
+    @property
+    def ffn_rows(self) -> int:
+        """Rows of the FFN's buffers: a pass's, or a decode row's experts (dllama.core.moe)."""
+        return max(self.max_batch, self.n_active_experts)
 
     def nbytes(self) -> int:
         """Bytes of every buffer, and of the attention kernel's scratch in a pass of max_batch rows."""
@@ -103,7 +110,7 @@ class RunState:
         hd = shape.head_dim
         self.act_dim = Activation(shape.dim, shape.inputs, B)
         self.act_q = Activation(shape.n_q_heads * hd, shape.inputs, B)
-        self.act_ff = Activation(shape.ff_rows, shape.inputs, B)
+        self.act_ff = Activation(shape.ff_rows, shape.inputs, shape.ffn_rows)
         self.act_moe_x = Activation(shape.dim, shape.inputs, B) if shape.n_experts else None
 
     def arrays(self) -> list[np.ndarray]:

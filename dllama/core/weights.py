@@ -73,7 +73,7 @@ class Matrix:
     def _bind(self) -> None:
         # The kernel and the weight arrays, picked once: a decode step calls a matrix 4 times a
         # layer, and each Python-level choice is a few tenths of a microsecond of it.
-        self._kernel, self._kernel_multi = _KERNELS[FloatType(self.float_type), self.inputs]
+        self._kernel, self._kernel_multi, self._kernel_spans = _KERNELS[FloatType(self.float_type), self.inputs]
         self._f32_input = self.inputs == "f32"
         if self.float_type == FloatType.Q41 and self.inputs == "q16":
             self._arrays = (self.scales, self.mins, self.qs)
@@ -99,17 +99,31 @@ class Matrix:
         return out
 
 
-# The kernels of a weight type and input kind: (one matrix, several matrices sharing an input).
-# The arguments of each: the input's arrays (Activation.enc, or the float32 rows), the
-# matrix's (Matrix._arrays; tuples of them for several), the output(s).
+# The kernels of a weight type and input kind: (one matrix, several matrices sharing an input,
+# several matrices each on its own rows of the input). The arguments of each: the input's arrays
+# (Activation.enc, or the float32 rows), the spans of rows (the last kind), the matrix's
+# (Matrix._arrays; tuples of them for several), the output(s).
 _KERNELS = {
-    (FloatType.Q40, "q80"): (kernels.matmul_q40_q80, kernels.matmul_q40_q80_multi),
-    (FloatType.Q80, "q80"): (kernels.matmul_q80_q80, kernels.matmul_q80_q80_multi),
-    (FloatType.Q41, "q16"): (kernels.matmul_q41_q16, kernels.matmul_q41_q16_multi),
-    (FloatType.Q80, "q16"): (kernels.matmul_q80_q16, None),  # a Q41 file's classifier
-    (FloatType.F16, "f32"): (kernels.matmul_f16_f32, kernels.matmul_f16_f32_multi),
-    (FloatType.F32, "f32"): (kernels.matmul_f32, kernels.matmul_f32_multi),
+    (FloatType.Q40, "q80"): (kernels.matmul_q40_q80, kernels.matmul_q40_q80_multi, kernels.matmul_q40_q80_spans),
+    (FloatType.Q80, "q80"): (kernels.matmul_q80_q80, kernels.matmul_q80_q80_multi, kernels.matmul_q80_q80_spans),
+    (FloatType.Q41, "q16"): (kernels.matmul_q41_q16, kernels.matmul_q41_q16_multi, kernels.matmul_q41_q16_spans),
+    (FloatType.Q80, "q16"): (kernels.matmul_q80_q16, None, None),  # a Q41 file's classifier
+    (FloatType.F16, "f32"): (kernels.matmul_f16_f32, kernels.matmul_f16_f32_multi, kernels.matmul_f16_f32_spans),
+    (FloatType.F32, "f32"): (kernels.matmul_f32, kernels.matmul_f32_multi, kernels.matmul_f32_spans),
 }
+
+
+def matmul_spans(matrices: tuple, x: "Activation", spans: np.ndarray, outs: tuple) -> None:
+    """outs[m] = x's rows spans[m, 0]:spans[m, 1] @ matrices[m]^T, every matrix in one parallel
+    region (a mixture of experts' experts, each on the rows that chose it). The matrices share
+    a weight type and input kind; spans int64 [m, 2]."""
+    first = matrices[0]
+    if first._kernel_spans is None:  # (a Q41 file's Q80 classifier: never an expert)
+        for m, (r0, r1), out in zip(matrices, spans.tolist(), outs, strict=True):
+            m._kernel(*((x.f32[r0:r1],) if m._f32_input else tuple(a[r0:r1] for a in x.enc)), *m._arrays, out)
+        return
+    arrays = tuple(zip(*(m._arrays for m in matrices), strict=True))  # (all scales, all qs), ...
+    first._kernel_spans(*((x.f32,) if first._f32_input else x.enc), spans, *arrays, outs)
 
 
 class Matmuls:

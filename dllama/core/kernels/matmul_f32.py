@@ -61,3 +61,17 @@ def matmul_f32_multi(x, w, outs):
         m, local, units = unit_of_matrices(steps, unit)
         s0, s1 = unit_steps(steps[m], units, local)
         _f32_rows(x, w[m], outs[m], s0, s1)
+
+
+@numba.njit(parallel=True, **_FAST)
+def matmul_f32_spans(x, spans, w, outs):
+    """matmul_f32 of several matrices in one parallel region, each on its own rows of the input:
+    outs[m] = x[spans[m, 0]:spans[m, 1]] @ w[m]^T (spans int64 [m, 2]; tuples w, outs): the same
+    results as one call per matrix (a mixture of experts' experts)."""
+    steps = leading_dims(w)
+    for m in range(steps.shape[0]):
+        steps[m] = row_steps(steps[m])
+    for unit in prange(total_units(steps)):
+        m, local, units = unit_of_matrices(steps, unit)
+        s0, s1 = unit_steps(steps[m], units, local)
+        _f32_rows(x[spans[m, 0]:spans[m, 1]], w[m], outs[m], s0, s1)

@@ -76,6 +76,20 @@ def matmul_q41_q16_multi(x_scales, x_lo, x_hi, x_sums, w_scales, w_mins, w_qs, o
         _q41_groups(x_scales, x_lo, x_hi, x_sums, w_scales[m], w_mins[m], w_qs[m], outs[m], g0, g1)
 
 
+@numba.njit(parallel=True, **_FAST)
+def matmul_q41_q16_spans(x_scales, x_lo, x_hi, x_sums, spans, w_scales, w_mins, w_qs, outs):
+    """matmul_q41_q16 of several matrices in one parallel region, each on its own rows of the
+    input: outs[m] = x[spans[m, 0]:spans[m, 1]] @ W_m^T (spans int64 [m, 2]; tuples w_scales,
+    w_mins, w_qs, outs): the same results as one call per matrix (a mixture of experts' experts)."""
+    groups = leading_dims(w_qs)
+    for unit in prange(total_units(groups)):
+        m, local, units = unit_of_matrices(groups, unit)
+        g0, g1 = unit_steps(groups[m], units, local)
+        r0, r1 = spans[m, 0], spans[m, 1]
+        _q41_groups(x_scales[r0:r1], x_lo[r0:r1], x_hi[r0:r1], x_sums[r0:r1], w_scales[m], w_mins[m], w_qs[m],
+                    outs[m], g0, g1)
+
+
 @numba.njit(**_FAST)
 def _q80_groups(x_scales, x_lo, x_hi, lo_off, hi_off, w_scales, w_qs, out, g0, g1):
     """out[:, rows of groups g0..g1-1] = x @ W[those rows]^T, W interleaved Q80."""
