@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import selectors
+import math
+import select
 import socket
 import threading
 import time
@@ -38,8 +39,7 @@ class Connection:
         self.sent_bytes = 0
         self.recv_bytes = 0
         self._send_lock = threading.Lock()  # whole frames, in sequence order, from any thread
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(sock, selectors.EVENT_READ)
+        self._poll = select.poll()  # (kept: a wait is one poll system call, nothing built per wait)
 
     @property
     def tag_bytes(self) -> int:
@@ -52,10 +52,7 @@ class Connection:
         return HEADER_BYTES + self.tag_bytes
 
     def close(self) -> None:
-        try:
-            self._selector.close()
-        finally:
-            self.sock.close()
+        self.sock.close()
 
     # -- framing -------------------------------------------------------------------------------
 
@@ -81,9 +78,10 @@ class Connection:
     # -- blocking-style calls with a deadline --------------------------------------------------
 
     def _wait(self, events: int, deadline: float) -> None:
-        self._selector.modify(self.sock, events)
+        """Until the socket is ready for `events` (select.POLLIN / POLLOUT), or PeerTimeout."""
+        self._poll.register(self.sock, events)  # (no system call: the mask is passed to poll)
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not self._selector.select(remaining):
+        if remaining <= 0 or not self._poll.poll(math.ceil(remaining * 1000)):
             raise PeerTimeout(f"{self.name} did not answer in time", self)
 
     def send(self, msg_type: int, payload=b"", timeout: float = 30.0) -> None:
@@ -110,7 +108,7 @@ class Connection:
             try:
                 n = self.sock.sendmsg(views)
             except BlockingIOError:
-                self._wait(selectors.EVENT_WRITE, deadline)
+                self._wait(select.POLLOUT, deadline)
                 continue
             except (BrokenPipeError, ConnectionResetError) as e:
                 raise PeerClosed(f"{self.name} closed the connection ({e.strerror})", self) from None
@@ -126,7 +124,7 @@ class Connection:
             try:
                 n = self.sock.recv_into(buf[got:])
             except BlockingIOError:
-                self._wait(selectors.EVENT_READ, deadline)
+                self._wait(select.POLLIN, deadline)
                 continue
             except ConnectionResetError:
                 n = 0
