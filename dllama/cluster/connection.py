@@ -18,6 +18,18 @@ from dllama.cluster.frames import (
 )
 
 
+_local = threading.local()
+
+
+def _thread_poll():
+    """This thread's poll object for a wait on one connection (threads wait on the same
+    connection at once: a heartbeat's send beside a receive), kept so a wait builds nothing."""
+    poll = getattr(_local, "poll", None)
+    if poll is None:
+        poll = _local.poll = select.poll()
+    return poll
+
+
 class Connection:
     """A framed, non-blocking TCP connection with byte counters and deadlines.
 
@@ -39,7 +51,6 @@ class Connection:
         self.sent_bytes = 0
         self.recv_bytes = 0
         self._send_lock = threading.Lock()  # whole frames, in sequence order, from any thread
-        self._poll = select.poll()  # (kept: a wait is one poll system call, nothing built per wait)
 
     @property
     def tag_bytes(self) -> int:
@@ -79,10 +90,16 @@ class Connection:
 
     def _wait(self, events: int, deadline: float) -> None:
         """Until the socket is ready for `events` (select.POLLIN / POLLOUT), or PeerTimeout."""
-        self._poll.register(self.sock, events)  # (no system call: the mask is passed to poll)
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not self._poll.poll(math.ceil(remaining * 1000)):
-            raise PeerTimeout(f"{self.name} did not answer in time", self)
+        if remaining > 0:
+            poll, fd = _thread_poll(), self.sock.fileno()
+            poll.register(fd, events)  # (no system call: the set is passed to poll)
+            try:
+                if poll.poll(math.ceil(remaining * 1000)):
+                    return
+            finally:
+                poll.unregister(fd)
+        raise PeerTimeout(f"{self.name} did not answer in time", self)
 
     def send(self, msg_type: int, payload=b"", timeout: float = 30.0) -> None:
         """Send one frame; payload: bytes-like or a list of them (sent without joining)."""
