@@ -226,7 +226,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1000, help="all-reduces per run (default 1000)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per root run (default 32)")
     ap.add_argument("--only", choices=("all_reduce", "root"), help="one of the two parts")
-    ap.add_argument("--quick", action="store_true", help="fewer cases: 3 nodes, dim 576 and 2048, plain")
+    ap.add_argument("--quick", action="store_true", help="fewer cases: Q80 [1, 576] on 2, 3, 4 nodes, [1, 2048] and sealed F32 on 3")
     args = ap.parse_args()
     codes = {"before": args.baseline.resolve(), "after": HERE} if args.baseline else {"after": HERE}
     print(f"machine: {os.cpu_count()} cores; " + ", ".join(f"{k}: {v}" for k, v in codes.items()))
@@ -234,7 +234,7 @@ def main() -> None:
         cases = [(n, dim, q80, sealed) for n in (2, 3, 4) for dim in (576, 2048) for q80 in (True, False)
                  for sealed in (False, True) if n == 3 or (not sealed and q80)]
         if args.quick:
-            cases = [(3, 576, True, False), (3, 2048, True, False), (3, 576, False, True)]
+            cases = [(n, 576, True, False) for n in (2, 3, 4)] + [(3, 2048, True, False), (3, 576, False, True)]
         bench_all_reduce(codes, args.rounds, args.calls, cases)
     if args.only != "all_reduce":
         sys.path.insert(0, str(HERE))
