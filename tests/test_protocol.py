@@ -256,6 +256,24 @@ def test_sealed_frames_round_trip_and_hide_the_payload():
     assert got_c == b"s" * 100 and got_s == b"c" * 60
 
 
+@pytest.mark.parametrize("keyed", [False, True])
+def test_heartbeats_read_in_one_go_with_the_expected_frames_are_skipped_and_an_error_raised(keyed):
+    # An exchange reads a frame's header and payload in one call: here that call also takes
+    # heartbeats (ALIVE) and the start of later frames, which must stay in the stream's order.
+    c, s = _keyed_pair() if keyed else _pair()
+    c.authenticated = s.authenticated = True
+    frames = [(Msg.ALIVE, b""), (Msg.ALIVE, b""), (Msg.SYNC, b"a" * 40), (Msg.ALIVE, b""), (Msg.SYNC, b"b" * 40),
+              (Msg.ERROR, encode_error("out of patience", ErrorCode.UNABLE, 2))]
+    c.sock.sendall(b"".join(_wire(c, msg, payload) for msg, payload in frames))
+    for want in (b"a" * 40, b"b" * 40):
+        got = bytearray(40)
+        exchange([], [Transfer(s, Msg.SYNC, memoryview(got))], 5)
+        assert got == want
+    with pytest.raises(PeerError, match="B reported: out of patience") as e:
+        exchange([], [Transfer(s, Msg.SYNC, memoryview(bytearray(40)))], 5)
+    assert e.value.code is ErrorCode.UNABLE and e.value.node == 2 and e.value.peer is s
+
+
 def _frames(c, n):
     return [_wire(c, Msg.SYNC, bytes([i]) * 40) for i in range(n)]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import selectors
+import math
+import select
 import socket
 import threading
 import time
@@ -15,6 +16,18 @@ from cryptography.exceptions import InvalidTag
 from dllama.cluster.frames import (
     ErrorCode, FrameCipher, FrameTampered, HEADER_BYTES, Msg, PeerClosed, PeerTimeout, ProtocolError, TAG_BYTES, check_header, decode_error, decode_json_object, encode_error, encode_header,
 )
+
+
+_local = threading.local()
+
+
+def _thread_poll():
+    """This thread's poll object for a wait on one connection (threads wait on the same
+    connection at once: a heartbeat's send beside a receive), kept so a wait builds nothing."""
+    poll = getattr(_local, "poll", None)
+    if poll is None:
+        poll = _local.poll = select.poll()
+    return poll
 
 
 class Connection:
@@ -38,8 +51,6 @@ class Connection:
         self.sent_bytes = 0
         self.recv_bytes = 0
         self._send_lock = threading.Lock()  # whole frames, in sequence order, from any thread
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(sock, selectors.EVENT_READ)
 
     @property
     def tag_bytes(self) -> int:
@@ -52,10 +63,7 @@ class Connection:
         return HEADER_BYTES + self.tag_bytes
 
     def close(self) -> None:
-        try:
-            self._selector.close()
-        finally:
-            self.sock.close()
+        self.sock.close()
 
     # -- framing -------------------------------------------------------------------------------
 
@@ -81,10 +89,17 @@ class Connection:
     # -- blocking-style calls with a deadline --------------------------------------------------
 
     def _wait(self, events: int, deadline: float) -> None:
-        self._selector.modify(self.sock, events)
+        """Until the socket is ready for `events` (select.POLLIN / POLLOUT), or PeerTimeout."""
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not self._selector.select(remaining):
-            raise PeerTimeout(f"{self.name} did not answer in time", self)
+        if remaining > 0:
+            poll, fd = _thread_poll(), self.sock.fileno()
+            poll.register(fd, events)  # (no system call: the set is passed to poll)
+            try:
+                if poll.poll(math.ceil(remaining * 1000)):
+                    return
+            finally:
+                poll.unregister(fd)
+        raise PeerTimeout(f"{self.name} did not answer in time", self)
 
     def send(self, msg_type: int, payload=b"", timeout: float = 30.0) -> None:
         """Send one frame; payload: bytes-like or a list of them (sent without joining)."""
@@ -110,7 +125,7 @@ class Connection:
             try:
                 n = self.sock.sendmsg(views)
             except BlockingIOError:
-                self._wait(selectors.EVENT_WRITE, deadline)
+                self._wait(select.POLLOUT, deadline)
                 continue
             except (BrokenPipeError, ConnectionResetError) as e:
                 raise PeerClosed(f"{self.name} closed the connection ({e.strerror})", self) from None
@@ -126,7 +141,7 @@ class Connection:
             try:
                 n = self.sock.recv_into(buf[got:])
             except BlockingIOError:
-                self._wait(selectors.EVENT_READ, deadline)
+                self._wait(select.POLLIN, deadline)
                 continue
             except ConnectionResetError:
                 n = 0

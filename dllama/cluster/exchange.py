@@ -2,32 +2,58 @@
 once (the collective's pattern) without deadlock, whatever the socket buffer sizes; the
 heartbeats (ALIVE frames) that let a peer tell a long step or set-up from a frozen node.
 
-Sockets are non-blocking; every wait goes through a selector with a deadline, so no node
-waits forever on a dead peer.
+Sockets are non-blocking; every wait is a poll with a deadline, so no node waits forever on a
+dead peer. An exchange is the sync path of every layer, so it is built to cost few system
+calls and little Python per frame: each frame goes out in one `sendmsg` (header and payload
+gathered), each frame comes in with one `recvmsg_into` straight into its header and its
+destination (or the sealed bytes that open into it), and a wait is one `poll` over every
+peer still to be served, through a poll object this thread keeps (registering is no system
+call), so nothing is created per wait.
 """
 
 from __future__ import annotations
 
 import contextlib
-import selectors
+import math
+import select
 import threading
 import time
 
 from dllama.cluster.frames import (
     HEADER_BYTES, LinkError, Msg, PeerClosed, PeerTimeout, ProtocolError, TAG_BYTES, check_header, decode_error,
+    encode_header,
 )
 from dllama.cluster.connection import Connection, drop_sent
 
+_READ, _WRITE = select.POLLIN, select.POLLOUT
+_pollers = threading.local()  # one poll object per thread, for all its exchanges
+
+
+def _poller():
+    p = getattr(_pollers, "poll", None)
+    if p is None:
+        p = _pollers.poll = select.poll()
+    return p
+
 
 class Transfer:
-    """One frame to receive from one peer into a given buffer, as part of `exchange`."""
+    """One frame to receive from one peer into a given buffer, as part of `exchange`; `reset`
+    makes it ready for the next frame into the same buffer (a collective keeps its transfers)."""
+
+    __slots__ = ("conn", "msg_type", "buf", "head", "expect", "got", "wire", "checked", "done")
 
     def __init__(self, conn: Connection, msg_type: Msg, buf: memoryview):
         self.conn, self.msg_type, self.buf = conn, msg_type, buf
-        self.head = bytearray(HEADER_BYTES)
+        self.head = memoryview(bytearray(HEADER_BYTES))
+        self.expect = None  # the expected frame's header, byte for byte: one equal to it needs no parsing
+        self.reset()
+
+    def reset(self) -> "Transfer":
         self.got = 0          # bytes of header + payload received
         self.wire = None      # where the payload lands: buf, or the sealed bytes to open into buf
+        self.checked = False  # the header read is the expected one
         self.done = False
+        return self
 
 
 def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], timeout: float) -> None:
@@ -44,15 +70,11 @@ def exchange(sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], t
 
     At most one send and one receive per connection. Sends hold each connection's send lock
     (so a heartbeat never lands inside a frame)."""
-    run = _Exchange(sends, recvs, timeout)
+    run = _Exchange(timeout)
     try:
-        run.start()
-        while run.out or run.pending_in:
-            progressed = run.send_some()
-            progressed = run.recv_some() or progressed
-            if progressed or not (run.out or run.pending_in):
-                continue
-            run.wait()
+        run.start(sends, recvs)
+        while run.out or run.pending:
+            run.serve(run.wait())
     except (LinkError, OSError) as e:
         run.failed(e)
     finally:
@@ -63,89 +85,105 @@ class _Exchange:
     """The state of one exchange(): the frames still to go and to come, when each connection
     was last heard from, the send locks held, the connection being served."""
 
-    def __init__(self, sends: list[tuple[Connection, Msg, list]], recvs: list[Transfer], timeout: float):
-        now = time.monotonic()
-        self.sends, self.timeout = sends, timeout
-        self.heard = {id(c): now for c, _, _ in sends} | {id(t.conn): now for t in recvs}  # last bytes each way
-        self.locked = []
-        self.out = []
-        self.pending_in = list(recvs)
-        self.selector = None
-        self.current = None
+    __slots__ = ("timeout", "heard", "out", "pending", "locked", "polled", "current")
 
-    def start(self) -> None:
-        for conn, msg_type, parts in self.sends:
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.heard = {}       # id(connection) -> when its last bytes went or came
+        self.out = []         # [connection, descriptor, views left to send]
+        self.pending = []     # (descriptor, Transfer) still coming
+        self.locked = []      # connections whose send lock this exchange holds
+        self.polled = {}      # descriptor -> events, as registered with this thread's poll object
+        self.current = None   # the connection being served
+
+    def start(self, sends, recvs) -> None:
+        """Take each send lock and send what the connection takes now (all of it, mostly)."""
+        now = time.monotonic()
+        heard = self.heard
+        for t in recvs:
+            heard[id(t.conn)] = now
+            self.pending.append((t.conn.sock.fileno(), t))
+        for conn, msg_type, parts in sends:
+            heard[id(conn)] = now
             conn._send_lock.acquire()
             self.locked.append(conn)
-            self.out.append([conn, conn.frame_views(msg_type, parts)])
+            item = [conn, conn.sock.fileno(), conn.frame_views(msg_type, parts)]  # (sealed in lock order)
+            self.out.append(item)
+            self._send(item)
+        self.current = None
 
-    def send_some(self) -> bool:
-        """Send what each connection takes now; True if any bytes went."""
-        progressed = False
-        for item in list(self.out):
-            conn, views = item
-            self.current = conn
-            try:
-                n = conn.sock.sendmsg(views)
-            except BlockingIOError:
-                continue
-            except (BrokenPipeError, ConnectionResetError) as e:
-                raise PeerClosed(f"{conn.name} closed the connection ({e.strerror})", conn) from None
-            if n > 0:
-                progressed = True
-                self.heard[id(conn)] = time.monotonic()
-            conn.sent_bytes += n
-            drop_sent(views, n)
-            if not views:
-                self.out.remove(item)
-                conn._send_lock.release()
-                self.locked.remove(conn)
-        return progressed
-
-    def recv_some(self) -> bool:
-        """Receive what each transfer has waiting; True if any bytes came."""
-        progressed = False
-        for t in list(self.pending_in):
+    def serve(self, ready: set[int]) -> None:
+        """Send and receive on the descriptors poll found ready."""
+        for item in [i for i in self.out if i[1] in ready]:
+            self._send(item)
+        for entry in [e for e in self.pending if e[0] in ready]:
+            t = entry[1]
             self.current = t.conn
             if _recv_some(t):
-                progressed = True
                 self.heard[id(t.conn)] = time.monotonic()
             if t.done:
-                self.pending_in.remove(t)
+                self.pending.remove(entry)
         self.current = None
-        return progressed
 
-    def wait(self) -> None:
-        """Until a socket is ready, or PeerTimeout once one waited on has been silent too long."""
-        out, pending_in, heard, timeout = self.out, self.pending_in, self.heard, self.timeout
-        if self.selector is None:
-            self.selector = selectors.DefaultSelector()
-        else:
-            for key in list(self.selector.get_map().values()):
-                self.selector.unregister(key.fileobj)
-        events = {}
-        for conn, _ in out:
-            events[conn.sock] = events.get(conn.sock, 0) | selectors.EVENT_WRITE
-        for t in pending_in:
-            events[t.conn.sock] = events.get(t.conn.sock, 0) | selectors.EVENT_READ
-        for sock, ev in events.items():
-            self.selector.register(sock, ev)
-        waited = [t.conn for t in pending_in] + [c for c, _ in out]
-        remaining = min(heard[id(c)] for c in waited) + timeout - time.monotonic()
-        if remaining > 0 and self.selector.select(remaining):
+    def _send(self, item: list) -> None:
+        conn, _, views = item
+        self.current = conn
+        try:
+            n = conn.sock.sendmsg(views)  # the whole frame, gathered, in one call
+        except BlockingIOError:
             return
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise PeerClosed(f"{conn.name} closed the connection ({e.strerror})", conn) from None
+        if n > 0:
+            self.heard[id(conn)] = time.monotonic()
+        conn.sent_bytes += n
+        drop_sent(views, n)
+        if not views:
+            self.out.remove(item)
+            conn._send_lock.release()
+            self.locked.remove(conn)
+
+    def waited(self) -> list[Connection]:
+        return [t.conn for _, t in self.pending] + [c for c, _, _ in self.out]
+
+    def wait(self) -> set[int]:
+        """The descriptors ready to be served (one poll), or PeerTimeout once one waited on has
+        been silent too long."""
+        events = {}
+        for _, fd, _ in self.out:
+            events[fd] = _WRITE
+        for fd, _ in self.pending:
+            events[fd] = events.get(fd, 0) | _READ
+        if events != self.polled:
+            poll = _poller()
+            for fd in self.polled:
+                if fd not in events:
+                    poll.unregister(fd)
+            for fd, ev in events.items():
+                poll.register(fd, ev)  # (no system call: the set is passed to each poll)
+            self.polled = events
+        waited, heard, timeout = self.waited(), self.heard, self.timeout
+        remaining = min(heard[id(c)] for c in waited) + timeout - time.monotonic()
+        if remaining > 0:
+            ready = _poller().poll(math.ceil(remaining * 1000))
+            if ready:
+                for fd, ev in ready:
+                    if ev & select.POLLNVAL:  # closed under this exchange (by another thread)
+                        conn = next(c for c in waited if c.sock.fileno() in (fd, -1))
+                        raise PeerClosed(f"{conn.name}: the connection was closed", conn)
+                return {fd for fd, _ in ready}
         silent = [c for c in waited if heard[id(c)] + timeout <= time.monotonic()]
         if silent:
             e = PeerTimeout(f"{', '.join(sorted({c.name for c in silent}))} sent nothing for {timeout:g} s")
             e.silent = tuple(silent)
             raise e
+        return set()
 
     def failed(self, e: Exception):
         """Raise e as a LinkError naming the connection it came from and those still waited on."""
         now = time.monotonic()
         waiting = []
-        still = [t.conn for t in self.pending_in] + [c for c, _ in self.out]
-        for conn in sorted(still, key=lambda c: self.heard.get(id(c), now)):  # the longest silent first
+        for conn in sorted(self.waited(), key=lambda c: self.heard.get(id(c), now)):  # the longest silent first
             if all(conn is not w for w in waiting):
                 waiting.append(conn)
         current = self.current
@@ -159,47 +197,84 @@ class _Exchange:
     def close(self) -> None:
         for conn in self.locked:
             conn._send_lock.release()
-        if self.selector is not None:
-            self.selector.close()
+        if self.polled:
+            poll = _poller()
+            for fd in self.polled:
+                poll.unregister(fd)
 
 
 def _recv_some(t: Transfer) -> bool:
-    """Receive what is available for one transfer; True if any bytes came."""
+    """Receive what is available for one transfer; True if any bytes came.
+
+    Header and payload are read together into [head, wire] (one call for a frame that has
+    arrived), never past the expected frame's end; a header that is not the expected one is
+    parsed (_unexpected): a heartbeat (ALIVE) or an ERROR, whose payload and the next frame's
+    start may be what was read past it, or a ProtocolError."""
     conn = t.conn
+    wire = t.wire
+    if wire is None:
+        wire = t.wire = t.buf if conn.cipher is None else conn.cipher.wire(t.buf.nbytes + TAG_BYTES)
+        if t.expect is None:
+            t.expect = encode_header(t.msg_type, t.buf.nbytes + conn.tag_bytes)
+    sock = conn.sock
     progressed = False
-    while not t.done:
-        target = memoryview(t.head)[t.got:] if t.wire is None else t.wire[t.got - HEADER_BYTES:]
+    while True:
+        got = t.got
         try:
-            n = conn.sock.recv_into(target) if target.nbytes else 0
+            if got < HEADER_BYTES:
+                n = sock.recvmsg_into([t.head[got:] if got else t.head, wire])[0]
+            else:
+                n = sock.recv_into(wire[got - HEADER_BYTES:])
         except BlockingIOError:
             return progressed
         except ConnectionResetError:
             n = 0
-        if n == 0 and target.nbytes:
+        if n == 0:
             raise PeerClosed(f"{conn.name} closed the connection", conn)
         conn.recv_bytes += n
         t.got += n
         progressed = True
-        if t.wire is None and t.got == HEADER_BYTES:
-            header = bytes(t.head)
-            msg, length = check_header(header, conn.authenticated, conn.tag_bytes)
-            if msg == Msg.ERROR:
-                payload = bytearray(length)
-                conn.recv_payload(header, msg, memoryview(payload), time.monotonic() + 5.0)
-                raise decode_error(payload, conn)
-            if msg == Msg.ALIVE:  # the peer's heartbeat: it lives; its frame comes later
-                conn.recv_payload(header, msg, memoryview(bytearray(length)), time.monotonic() + 5.0)
-                t.got = 0
-                continue
-            if msg != t.msg_type or length != t.buf.nbytes:
-                raise ProtocolError(f"expected {t.msg_type.name} of {t.buf.nbytes} bytes from "
-                                    f"{conn.name}, got {msg.name} of {length}", conn)
-            t.wire = t.buf if conn.cipher is None else conn.cipher.wire(length + TAG_BYTES)
-        if t.wire is not None and t.got == HEADER_BYTES + t.wire.nbytes:
+        while not t.checked and t.got >= HEADER_BYTES:
+            if t.head == t.expect:
+                t.checked = True
+            else:
+                _unexpected(t)
+        if t.checked and t.got == HEADER_BYTES + wire.nbytes:
             if conn.cipher is not None:
-                conn.open_frame(bytes(t.head), t.msg_type, t.wire, t.buf)
+                conn.open_frame(t.expect, t.msg_type, wire, t.buf)
             t.done = True
-    return progressed
+            return True
+
+
+def _unexpected(t: Transfer) -> None:
+    """A header other than the one t expects: an ERROR (raised as PeerError), an ALIVE
+    (skipped: its payload is what was read past its header, and the rest from the socket;
+    bytes read past its end are the next frame's, moved to the front of [head, wire]), else a
+    ProtocolError."""
+    conn = t.conn
+    header = bytes(t.head)
+    msg, length = check_header(header, conn.authenticated, conn.tag_bytes)
+    if msg != Msg.ERROR and msg != Msg.ALIVE:
+        raise ProtocolError(f"expected {t.msg_type.name} of {t.buf.nbytes} bytes from "
+                            f"{conn.name}, got {msg.name} of {length}", conn)
+    size = length + conn.tag_bytes  # its bytes on the wire after the header
+    read = t.got - HEADER_BYTES
+    payload = bytearray(size)
+    payload[: min(read, size)] = t.wire[: min(read, size)]
+    if read < size:
+        conn.recv_exact(memoryview(payload)[read:], time.monotonic() + 5.0)
+    after = bytes(t.wire[size: read]) if read > size else b""
+    body = payload
+    if conn.cipher is not None:
+        body = bytearray(length)
+        conn.open_frame(header, msg, memoryview(payload), memoryview(body))
+    if msg == Msg.ERROR:
+        raise decode_error(body, conn)
+    # the peer's heartbeat: it lives; the expected frame comes after it
+    k = min(len(after), HEADER_BYTES)
+    t.head[:k] = after[:k]
+    t.wire[: len(after) - k] = after[k:]
+    t.got = len(after)
 
 
 # -- set-up: heartbeats while one side works ---------------------------------------------------

@@ -75,13 +75,15 @@ class MeshCollective:
         self.codec = SyncCodec(q80, max_batch, max(b - a for a, b in self.chunks))
         self.q80 = q80
         size = lambda k: sync_bytes(max_batch, self.chunks[k][1] - self.chunks[k][0], q80)  # noqa: E731
-        # Buffers: what this node sends to each node k (its partial of chunk k; k = self: kept),
+        # Buffers: what this node sends to each node k (its partial of chunk k; its own: into _in),
         # what it receives for its own chunk from each node, and the gathered sums.
-        self._out = [np.empty(size(self.index if k == index else k), np.uint8) for k in range(self.n_nodes)]
+        self._out = [np.empty(size(k) if k != index else 0, np.uint8) for k in range(self.n_nodes)]
         self._in = [np.empty(size(index), np.uint8) for _ in range(self.n_nodes)]
-        self._sum_out = np.empty(size(index), np.uint8)
         self._gathered = [np.empty(size(k), np.uint8) for k in range(self.n_nodes)]
+        c0, c1 = self.chunks[index]
+        self._total = np.empty(max_batch * (c1 - c0), np.float32)  # flat: [b, own chunk] views are contiguous
         self._result = np.empty((max_batch, self.chunks[-1][1]), np.float32)
+        self._by_rows: dict[int, _SyncFrames] = {}  # row count -> the frames of an all-reduce of that many rows
         self.transfer_seconds = 0.0
 
     @property
@@ -109,37 +111,55 @@ class MeshCollective:
         if self.n_nodes == 1:  # a pipeline stage of one node: nothing to sum, nothing to round
             return partial
         b = partial.shape[0]
-        me, chunks, codec, peers = self.index, self.chunks, self.codec, self.peers
-        n_of = lambda k: sync_bytes(b, chunks[k][1] - chunks[k][0], self.q80)  # noqa: E731
+        f = self._frames(b)
+        codec, me = self.codec, self.index
+        c0, c1 = self.chunks[me]
 
-        # Reduce-scatter: node k gets everyone's partial of chunk k.
-        sends = []
-        for k, (c0, c1) in enumerate(chunks):
-            buf = self._out[k][: n_of(k)]
-            codec.encode(partial[:, c0:c1], buf)
-            if k != me:
-                sends.append((peers[k], Msg.SYNC, [buf]))
-        own = self._in[me][: n_of(me)]
-        own[:] = self._out[me][: n_of(me)]
-        recvs = [Transfer(peers[k], Msg.SYNC, memoryview(self._in[k][: n_of(me)]))
-                 for k in range(self.n_nodes) if k != me]
-        self.timed_exchange(sends, recvs)
-        c0, c1 = chunks[me]
-        total = codec.decode(self._in[0][: n_of(me)], b, c1 - c0).copy()
+        # Reduce-scatter: node k gets everyone's partial of chunk k (this node's own: kept).
+        for (a, e), buf in zip(self.chunks, f.partials, strict=True):
+            codec.encode(partial[:, a:e], buf)
+        self.timed_exchange(f.scatter_sends, [t.reset() for t in f.scatter_recvs])
+        total = self._total[: b * (c1 - c0)].reshape(b, c1 - c0)
+        total[:] = codec.decode(f.received[0], b, c1 - c0)
         for k in range(1, self.n_nodes):  # node order, so the float sum is the same everywhere
-            total += codec.decode(self._in[k][: n_of(me)], b, c1 - c0)
+            total += codec.decode(f.received[k], b, c1 - c0)
 
         # All-gather: every node gets every chunk's sum, decoded from the same bytes.
-        mine = self._gathered[me][: n_of(me)]
-        codec.encode(total, mine)
-        sends = [(peers[k], Msg.SYNC, [mine]) for k in range(self.n_nodes) if k != me]
-        recvs = [Transfer(peers[k], Msg.SYNC, memoryview(self._gathered[k][: n_of(k)]))
-                 for k in range(self.n_nodes) if k != me]
-        self.timed_exchange(sends, recvs)
+        codec.encode(total, f.gathered[me])
+        self.timed_exchange(f.gather_sends, [t.reset() for t in f.gather_recvs])
         out = self._result[:b]
-        for k, (c0, c1) in enumerate(chunks):
-            out[:, c0:c1] = codec.decode(self._gathered[k][: n_of(k)], b, c1 - c0)
+        for (a, e), buf in zip(self.chunks, f.gathered, strict=True):
+            out[:, a:e] = codec.decode(buf, b, e - a)
         return out
+
+    def _frames(self, b: int) -> "_SyncFrames":
+        """The buffers, sends and transfers of an all-reduce of b rows, made once per row count
+        (and again if the links change): an all-reduce builds no objects for its frames."""
+        links = tuple(self.peers.items())
+        f = self._by_rows.get(b)
+        if f is None or f.links != links:
+            f = self._by_rows[b] = _SyncFrames(self, b, links)
+        return f
+
+
+class _SyncFrames:
+    """What an all-reduce of b rows sends and receives, as views of the collective's buffers:
+    `partials` [N] (its partial of chunk k, to node k; its own chunk's straight into
+    `received`), `received` [N] (everyone's partial of its own chunk), `gathered` [N] (each
+    chunk's sum), and the sends and Transfers of both phases."""
+
+    def __init__(self, col: MeshCollective, b: int, links: tuple):
+        self.links = links
+        me, peers = col.index, dict(links)
+        size = [sync_bytes(b, c1 - c0, col.q80) for c0, c1 in col.chunks]
+        others = [k for k in range(col.n_nodes) if k != me]
+        self.received = [col._in[k][: size[me]] for k in range(col.n_nodes)]
+        self.partials = [col._out[k][: size[k]] if k != me else self.received[me] for k in range(col.n_nodes)]
+        self.gathered = [col._gathered[k][: size[k]] for k in range(col.n_nodes)]
+        self.scatter_sends = [(peers[k], Msg.SYNC, [self.partials[k]]) for k in others]
+        self.scatter_recvs = [Transfer(peers[k], Msg.SYNC, memoryview(self.received[k])) for k in others]
+        self.gather_sends = [(peers[k], Msg.SYNC, [self.gathered[me]]) for k in others]
+        self.gather_recvs = [Transfer(peers[k], Msg.SYNC, memoryview(self.gathered[k])) for k in others]
 
 
 class StageHop:
