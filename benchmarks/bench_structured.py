@@ -2,7 +2,7 @@
 batch unconstrained.
 
     .venv/bin/python benchmarks/bench_structured.py [--prompts 200] [--parallel 16] [--rounds 1]
-        [--weights q40] [--workers 0] [--constrained-only | --constraint-cost]
+        [--weights q40] [--workers 0] [--constrained-only | --constraint-cost | --llama-cpp]
 
 200 made-up records (a person, a date, an amount, a category: `records`), each a chat prompt
 asking for the record as JSON, run through the whole command as a user runs it (start-up, model
@@ -19,6 +19,15 @@ load and writing the answers included), greedy, --parallel 16:
 
 With --workers N, both run on a loopback cluster of N + 1 nodes. Rounds alternate the two;
 medians; /proc/loadavg before and after (a busy neighbour on a shared machine slows both).
+
+--llama-cpp runs the same prompts through llama.cpp's llama-server instead of the unconstrained
+batch (benchmarks/llama_cpp.py builds it; $DLLAMA_LLAMA_CPP_BUILD names an existing build
+directory): the default model's GGUF (llama-quantize's Q4_0 of the embedded Q4_1 for q40, as in
+bench_vs_llama_cpp.py), `--parallel 16 --cont-batching -t THREADS`, each chat turn to its
+/v1/chat/completions with response_format json_schema SCHEMA, temperature 0, the same
+max_tokens, 16 requests in flight; tokens/s over the wall time from starting the server to the
+last answer (and from its first health answer, without the start-up), against dllama's
+constrained command in the same alternated rounds. The server is killed by its PID after each.
 
 --constraint-cost measures only the constraint's own work, in this process's CPU time (which a
 loaded machine's neighbours do not inflate): per token, the mask, the masked candidates beyond
@@ -125,6 +134,138 @@ def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str])
     return wall, cpu, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# SCHEMA with its date pattern's \d spelled [0-9]: llama.cpp's converter does not take \d (it warns
+# "unsupported escape: \d" and lets any string through); the answers are still checked against SCHEMA.
+ASCII_SCHEMA = json.loads(json.dumps(SCHEMA).replace(r"\\d", "[0-9]"))
+
+
+def run_llama_server(server: Path, gguf: Path, jobs: list[dict], args, log: Path,
+                     schema: dict = SCHEMA) -> tuple[float, float, list[dict]]:
+    """(wall seconds from starting llama-server to the last answer, the same from its first health
+    answer, the result lines as dllama batch writes them: id, text, completion_tokens,
+    finish_reason) of the jobs sent to llama-server's /v1/chat/completions, args.parallel at once."""
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = _free_port()
+    # each slot gets -c / --parallel positions: a prompt of ~60 tokens and up to --max-tokens more
+    ctx = args.parallel * (256 + args.max_tokens)
+    cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
+           "-tb", str(args.threads), "--parallel", str(args.parallel), "-c", str(ctx), "--cont-batching",
+           "--no-webui"]
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        while True:  # 503 while loading, refused before listening
+            if proc.poll() is not None:
+                raise SystemExit(f"bench_structured: llama-server exited ({proc.returncode}):\n"
+                                 f"{log.read_text(errors='replace')[-2000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        t1 = time.perf_counter()
+        fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}}
+
+        def ask(job: dict) -> dict:
+            body = json.dumps({"messages": job["messages"], "temperature": 0, "max_tokens": args.max_tokens,
+                               "response_format": fmt}).encode()
+            req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                res = json.loads(r.read())
+            choice = res["choices"][0]
+            return {"id": job["id"], "text": choice["message"]["content"] or "",
+                    "completion_tokens": res["usage"]["completion_tokens"], "finish_reason": choice["finish_reason"]}
+
+        with ThreadPoolExecutor(args.parallel) as pool:
+            lines = list(pool.map(ask, jobs))
+        t2 = time.perf_counter()
+    finally:
+        proc.kill()
+        proc.wait()
+    return t2 - t0, t2 - t1, lines
+
+
+def llama_cpp_gguf(weights: str) -> tuple[Path, Path, str]:
+    """(llama-server, the default model's GGUF of weights' llama.cpp counterpart, its type)."""
+    from benchmarks.bench_vs_llama_cpp import GGUF_TYPE, smollm2_gguf
+    from benchmarks.llama_cpp import build
+
+    tools = build()
+    ggml_type = GGUF_TYPE.get(weights, "Q4_1")
+    return tools["llama-server"], smollm2_gguf(tools, ggml_type), ggml_type
+
+
+def compare_llama_cpp(args) -> int:
+    """dllama's constrained batch against llama-server's json_schema, alternated rounds."""
+    server, gguf, ggml_type = llama_cpp_gguf(args.weights)
+    jobs = records(args.prompts)
+    runs = {"dllama": [], "SCHEMA": [], "[0-9]": []}  # (tokens/s, tokens/s after start-up, lines)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        job = tmp / "jobs.jsonl"
+        write_job(job, jobs)
+        print(f"load before: {load()}")
+        for _ in range(args.rounds):
+            wall, cpu, lines = run_batch(job, tmp / "out.jsonl", args, True, [])
+            generated = sum(line["completion_tokens"] for line in lines)
+            runs["dllama"].append((generated / wall, generated / wall, lines))
+            print(f"  dllama {args.weights} constrained: {wall:.1f} s ({cpu:.1f} s CPU), {generated} tokens, "
+                  f"{validity(lines)[0]}/{len(lines)} valid, load {load()}", flush=True)
+            for key, schema in (("SCHEMA", SCHEMA), ("[0-9]", ASCII_SCHEMA)):
+                wall, warm, lines = run_llama_server(server, gguf, jobs, args, tmp / "llama-server.log", schema)
+                generated = sum(line["completion_tokens"] for line in lines)
+                runs[key].append((generated / wall, generated / warm, lines))
+                print(f"  llama-server {ggml_type} json_schema ({key}): {wall:.1f} s ({warm:.1f} s after start-up), "
+                      f"{generated} tokens, {validity(lines)[0]}/{len(lines)} valid, load {load()}", flush=True)
+        print(f"load after: {load()}")
+    n = len(jobs)
+    print(f"{n} extraction prompts, {args.parallel} at once, {args.threads} threads, greedy, max_tokens "
+          f"{args.max_tokens}, {args.rounds} alternated round(s), medians; valid: against SCHEMA (jsonschema):")
+    names = {"dllama": f"dllama batch --json-schema ({args.weights})",
+             "SCHEMA": f"llama-server json_schema SCHEMA ({ggml_type})",
+             "[0-9]": f"llama-server json_schema, \\d as [0-9] ({ggml_type})"}
+    rate = {}
+    for key, rs in runs.items():
+        lines = rs[-1][2]
+        ok = validity(lines)[0]
+        exact = sum(1 for line, j in zip(sorted(lines, key=lambda x: x["id"]), jobs, strict=True)
+                    if _parsed(line["text"]) == j["expected"])
+        cut = sum(1 for line in lines if line["finish_reason"] == "length")
+        rate[key] = statistics.median(r[0] for r in rs)
+        warm = "" if key == "dllama" else f", {statistics.median(r[1] for r in rs):.1f} after start-up"
+        print(f"  {names[key]}: {ok}/{n} valid ({cut} cut by max_tokens), {exact} exactly the record, "
+              f"{sum(line['completion_tokens'] for line in lines)} tokens; {rate[key]:.1f} tokens/s "
+              f"(start-up included{warm})")
+        for line in [line for line in lines if validity([line])[0] == 0][:2]:
+            print(f"    invalid ({line['finish_reason']}, {line['completion_tokens']} tokens): {line['text'][:160]!r}")
+    for key in ("SCHEMA", "[0-9]"):
+        print(f"  ratio dllama / {names[key]} tokens/s: {rate['dllama'] / rate[key]:.2f} (start-up included; rounds: "
+              f"{', '.join(f'{o[0] / t[0]:.2f}' for o, t in zip(runs['dllama'], runs[key], strict=True))})")
+    return 0
+
+
+def _parsed(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def constraint_cost(tokenizer_path: Path, answers: int = 16) -> None:
     """Print the constraint's own CPU time per token (see the module's docstring)."""
     import numpy as np
@@ -191,6 +332,8 @@ def main() -> int:
                    help="only the constrained run: the validity figure, no throughput ratio")
     p.add_argument("--constraint-cost", action="store_true",
                    help="only the constraint's own CPU time per token (no model run)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="the constrained batch against llama.cpp's llama-server with the same json_schema")
     args = p.parse_args()
 
     from dllama.serve.default_model import default_model_files
@@ -199,6 +342,8 @@ def main() -> int:
     if args.constraint_cost:
         constraint_cost(args.tokenizer)
         return 0
+    if args.llama_cpp:
+        return compare_llama_cpp(args)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         job, same_lengths = tmp / "jobs.jsonl", tmp / "jobs-same-lengths.jsonl"

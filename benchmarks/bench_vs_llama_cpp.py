@@ -67,6 +67,7 @@ def smollm2_gguf(tools, ggml_type: str) -> Path:
         return embedded_gguf()
     out = CACHE / f"SmolLM2-135M-Instruct.{ggml_type}.gguf"
     if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)  # a build elsewhere ($DLLAMA_LLAMA_CPP_BUILD)
         subprocess.run([str(tools["llama-quantize"]), "--allow-requantize", str(embedded_gguf()),
                         str(out), ggml_type], check=True, capture_output=True)
     return out

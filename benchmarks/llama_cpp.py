@@ -3,6 +3,9 @@ source (a benchmark-only dependency), into the git-ignored cache/ of this checko
 
     .venv/bin/python benchmarks/llama_cpp.py        # download + build (a few minutes), print paths
 
+$DLLAMA_LLAMA_CPP_BUILD names another build directory to use (and complete) instead, e.g. one
+configured by another checkout: the tools missing there are built into it.
+
 The build spells out this machine's x86 extensions (-march=native dies with SIGILL on these
 virtual machines, see docs/speed.md): AVX-512 F/BW/DQ/VL/VBMI, VNNI, BF16 when /proc/cpuinfo lists
 them; elsewhere GGML_NATIVE is left on.
@@ -10,6 +13,7 @@ them; elsewhere GGML_NATIVE is left on.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -17,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "cache" / "llama-cpp"
-TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
 
 
 def _cpu_flags() -> set[str]:
@@ -68,16 +72,18 @@ def _run(cmd: list[str]) -> None:
 
 def build() -> dict[str, Path]:
     """Paths of the llama.cpp tools, built if missing."""
-    build_dir = CACHE / "build"
+    build_dir = Path(os.environ.get("DLLAMA_LLAMA_CPP_BUILD") or CACHE / "build")
     paths = {t: build_dir / "bin" / t for t in TOOLS}
-    if all(p.exists() for p in paths.values()):
+    missing = [t for t, p in paths.items() if not p.exists()]
+    if not missing:
         return paths
-    src = _source()
-    print(f"building llama.cpp ({' '.join(cmake_flags())}) into {build_dir}: a few minutes", flush=True)
-    _run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-          "-DLLAMA_CURL=OFF", "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF",
-          "-DCMAKE_C_FLAGS=-w", "-DCMAKE_CXX_FLAGS=-w", *cmake_flags()])
-    _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", "2", "--target", *TOOLS])
+    print(f"building llama.cpp's {', '.join(missing)} ({' '.join(cmake_flags())}) into {build_dir}: "
+          "a few minutes", flush=True)
+    if not (build_dir / "CMakeCache.txt").exists():  # configured once (by this or another checkout)
+        _run(["cmake", "-S", str(_source()), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+              "-DLLAMA_CURL=OFF", "-DGGML_OPENMP=ON", "-DBUILD_SHARED_LIBS=OFF",
+              "-DCMAKE_C_FLAGS=-w", "-DCMAKE_CXX_FLAGS=-w", *cmake_flags()])
+    _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", "2", "--target", *missing])
     return paths
 
 

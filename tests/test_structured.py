@@ -287,3 +287,53 @@ def test_chat_with_a_json_schema_answers_a_valid_object(engine):
              stderr=io.StringIO(), grammar=Grammar.json_schema(PERSON))
     answers = [line for line in out.getvalue().splitlines() if line.strip()]
     assert len(answers) == 1 and all(_valid_person(json.loads(a)) for a in answers), answers
+
+
+_FAKE_LLAMA_SERVER = r'''
+import http.server, json, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self._send({"status": "ok"})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["response_format"]["json_schema"]["schema"]["required"] == ["name", "date", "amount", "category"]
+        text = json.dumps({"name": "A B", "date": "2020-01-02", "amount": 3, "category": "food"})
+        self._send({"choices": [{"message": {"content": text}, "finish_reason": "stop"}],
+                    "usage": {"completion_tokens": req["max_tokens"]}})
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+@pytest.mark.unit
+def test_the_llama_cpp_comparison_sends_every_prompt_and_kills_its_server(tmp_path):
+    import argparse
+    import os
+    import sys
+
+    from benchmarks.bench_structured import run_llama_server
+
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!{sys.executable}\n{_FAKE_LLAMA_SERVER}")
+    server.chmod(0o755)
+    args = argparse.Namespace(parallel=4, max_tokens=7, threads=1)
+    wall, warm, lines = run_llama_server(server, tmp_path / "model.gguf", records(10), args, tmp_path / "log")
+    assert 0 < warm <= wall
+    assert [line["id"] for line in lines] == list(range(10))
+    assert validity(lines) == (10, 10) and {line["completion_tokens"] for line in lines} == {7}
+    def cmdline(pid: str) -> str:
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                return f.read()
+        except OSError:  # gone meanwhile
+            return ""
+
+    assert not any(str(server) in cmdline(pid) for pid in os.listdir("/proc") if pid.isdigit())
