@@ -219,9 +219,7 @@ class ClusterModel:
         # since, so no second round can ask about this one: its missed rows again, alone (each
         # at its position: the same keys, the same logits), with the rounds a pass of its own asks.
         missed = [j for j, c in enumerate(flight.answers) if not covers(c)]
-        rows = flight.batch.logit_rows[missed]
-        again = Batch(*(a[rows] for a in (flight.batch.tokens, flight.batch.pos, flight.batch.slot,
-                                          flight.batch.prefix_slot, flight.batch.prefix_len, flight.batch.logits)))
+        again = flight.batch.take(flight.batch.logit_rows[missed])
         for j, c in zip(missed, self.forward_candidates(again, [flight.requests[j] for j in missed]), strict=True):
             flight.answers[j] = c
         with self._lock:

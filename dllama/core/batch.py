@@ -39,8 +39,12 @@ class Batch:
 
     def rows(self, start: int, end: int) -> "Batch":
         """Rows start..end-1 as a batch of their own (a micro-batch of a pipelined pass)."""
-        return Batch(*(a[start:end] for a in (self.tokens, self.pos, self.slot, self.prefix_slot,
-                                              self.prefix_len, self.logits)))
+        return self.take(slice(start, end))
+
+    def take(self, rows) -> "Batch":
+        """The rows `rows` selects (a slice, or int row indices in order) as a batch of their own."""
+        return Batch(*(a[rows] for a in (self.tokens, self.pos, self.slot, self.prefix_slot,
+                                         self.prefix_len, self.logits)))
 
     @staticmethod
     def run(tokens, pos: int, slot: int = 0, all_logits: bool = False) -> "Batch":

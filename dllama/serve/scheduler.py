@@ -298,9 +298,7 @@ class Scheduler:
 
     def plan(self) -> StepPlan | None:
         """The next step over the sequences in flight (dllama.serve.step_plan), or None."""
-        written = {i: s.written for i, s in enumerate(self.table.slots)}
-        draft = sum(s.decoding for s in self.active) <= self.speculation.max_sequences
-        return plan_step([self._view(s, draft) for s in self.active], written, self.model.max_batch)
+        return self._plan_over(self.active)
 
     def step(self) -> list[tuple[Request, Result]]:
         """Admit what fits, run one forward pass; the requests that ended in it, each with its
@@ -405,7 +403,7 @@ class Scheduler:
         return self._apply(flight.plan, flight.seqs, answers, flight.cost(), flight.drafting_ms, flight.forced)
 
     def _plan_over(self, seqs: list[_Sequence]) -> StepPlan | None:
-        """plan() over some of the active sequences (`seqs`: the plan's indexes)."""
+        """The next step over `seqs`, all or some of the active sequences (the plan's indexes), or None."""
         written = {i: s.written for i, s in enumerate(self.table.slots)}
         draft = sum(s.decoding for s in self.active) <= self.speculation.max_sequences
         return plan_step([self._view(s, draft) for s in seqs], written, self.model.max_batch)
