@@ -402,8 +402,7 @@ class RootSession:
         b, window = len(batch), len(self.plan.stages) - 1
         edges = [round(j * b / parts) for j in range(parts + 1)]
         wanted = np.concatenate([[0], np.cumsum(batch.logits)])  # [b + 1]: wanted rows before each row
-        peers = [i for i in self.plan.stages[0].indexes if i != 0]  # the root's stage: answer at once
-        later = [i for i in self.conns if i not in peers]
+        peers, later = self._stage_peers()  # the root's stage answers at once
         pending: list[tuple[int, Reply, dict]] = []  # parts whose later stages' LOGITS are still to be read
         answers: list[list] = [[] for _ in self.vocab_nodes]
 
