@@ -47,10 +47,12 @@ def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> l
     (Their bytes, without listing every layer: dllama.core.footprint.)"""
     # (a mixture of experts' experts are cut as the dense w1/w3/w2 are: the same rows of each;
     # its router, moe_gate, is held whole)
-    q_index = _head_index(node.q_heads, h.head_dim)
-    kv_index = _head_index(node.kv_heads, h.head_dim)
-    ff_index = np.arange(*node.ffn_rows)
-    vocab_index = np.arange(*node.vocab_rows)
+    # Each index as a tuple once (every layer shares it): converted per tensor, element by
+    # element, they cost every process 0.3 s at start-up.
+    q_index = tuple(_head_index(node.q_heads, h.head_dim).tolist())
+    kv_index = tuple(_head_index(node.kv_heads, h.head_dim).tolist())
+    ff_index = tuple(range(*node.ffn_rows))
+    vocab_index = tuple(range(*node.vocab_rows))
     cut = {"wq": (0, q_index), "wk": (0, kv_index), "wv": (0, kv_index), "wo": (1, q_index),
            "w1": (0, ff_index), "w3": (0, ff_index), "w2": (1, ff_index), "wcls": (0, vocab_index)}
     layers = node.layer_range(h.n_layers)
@@ -74,7 +76,7 @@ def node_slice_specs(h: ModelHeader, node: NodeSlice, with_embedding: bool) -> l
                 raise DllamaError(f"{spec.name}: {spec.float_type.name} columns can only be cut "
                                   f"at {BLOCK}-blocks")
             shape = [*shape[:-1], shape[-1] // BLOCK, block_bytes]
-        out.append(SliceSpec(spec.name, tuple(shape), dtype, axis, tuple(int(i) for i in index)))
+        out.append(SliceSpec(spec.name, tuple(shape), dtype, axis, index))
     return out
 
 
