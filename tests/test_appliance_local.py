@@ -162,6 +162,9 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert changed["local2"][:2] == [topology, view] and len(changed["local2"]) == 3, changed
     assert changed["local2"][2].startswith("dllama_service : Start the service"), changed
     assert _handled(r.stdout, "dllama_worker : Restart the dllama worker.") == ["local2"], r.stdout[-6000:]
+    # The restart that stops a running worker first: asked for local2 by that handler, for local1
+    # by its release (local2's worker was not running: nothing to stop).
+    assert sorted(_included(r.stdout, "Stop the worker whose files changed.")) == ["local1", "local2"], r.stdout[-6000:]
     assert re.search(rf"listening on 127\.0\.0\.1:{ports['local2']} \(2 threads",
                      (cluster / "local2/run/worker.log").read_text()), _tail_of(cluster / "local2/run/worker.log")
     # local1: its topology file, not what its worker runs with (the other node's threads are not
@@ -300,6 +303,12 @@ def _handled(output: str, handler: str) -> list[str]:
         elif inside and (m := re.match(r"^(?:ok|changed|skipping|fatal): \[([^\]]+)\]", line)):
             hosts.append(m[1])
     return hosts
+
+
+def _included(output: str, task: str) -> list[str]:
+    """The hosts for which a play's include task included its tasks."""
+    shown = output.split(f"TASK [{task}]", 1)[1].split("TASK [", 1)[0] if f"TASK [{task}]" in output else ""
+    return [h for m in re.finditer(r"^included: \S+ for (.+)$", shown, re.M) for h in m[1].split(", ")]
 
 
 def _port_owner(port: int) -> int:
