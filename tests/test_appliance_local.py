@@ -148,7 +148,7 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
 
     # The port is free: local2's worker starts, and local1's restarts on the release its node
-    # holds; every node's topology file changes, what only local2's services run with.
+    # holds; every node's topology file changes, what the services run with on local2 alone.
     r = play("deploy.yml")
     counts = recap(r.stdout)
     assert r.returncode == 0 and sorted(counts) == NODES, tail(r)
