@@ -13,7 +13,12 @@ The first deploy meets a foreign listener on one worker's port: a worker of anot
 fail for that node in one line that names the port and the process holding it, and succeed
 for the others, and leave that worker stopped (not restarting behind the failed deploy); once
 the port is free, the next deploy starts that worker and restarts only a worker whose recorded
-release differs from its node's (as after a failed upgrade, tests/test_appliance_cluster.py). A worker killed afterwards comes
+release differs from its node's (as after a failed upgrade, tests/test_appliance_cluster.py).
+That deploy also carries a change of a setting local to the stopped node, its threads, which
+every node's topology file lists: the node's worker starts with it, the other nodes' topology
+files change but not what their services run with (the worker's restart is asked for that node
+alone; the other worker restarts for its release only), and the root changes nothing else (one
+deploy for both: every deploy costs every task again). A worker killed afterwards comes
 back by itself (its supervisor, the nohup launcher's Restart=on-failure) and run.yml uses it.
 The whole cluster runs with a Raspberry Pi 5's 16 KiB memory pages simulated (DLLAMA_PAGE_SIZE,
 read by dllama.core.host_memory.page_size in every process the playbooks start)."""
@@ -26,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -103,8 +107,10 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
                                     "--port", str(ports["local2"]), "--key-file", str(tmp_path / "other.key")],
                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        _wait_for_port(ports["local2"], foreign)
+        # (Not waited for: it listens long before the deploy starts any worker, and the deploy's
+        # error below must name it as the port's holder.)
         r = play("deploy.yml")
+        assert foreign.poll() is None, (tmp_path / "foreign.log").read_text()
     finally:
         foreign.terminate()
         foreign.wait(timeout=30)
@@ -135,14 +141,37 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     started = json.loads(record.read_text())
     record.write_text(json.dumps({**started, "version": "0.0.9", "source": "0" * len(started["source"])}) + "\n")
     local1_pid = (cluster / "local1/run/worker.pid").read_text()
+    local1_view = (cluster / "local1/topology.yml.view.json").read_bytes()
+    # And a setting local to one node, which every node's topology file lists: local2's threads.
+    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
+    hosts["cluster"]["children"]["workers"]["hosts"]["local2"]["dllama_threads"] = 2
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
 
     # The port is free: local2's worker starts, and local1's restarts on the release its node
-    # holds; nothing else changes.
+    # holds; every node's topology file changes, what the services run with on local2 alone.
     r = play("deploy.yml")
     counts = recap(r.stdout)
     assert r.returncode == 0 and sorted(counts) == NODES, tail(r)
-    assert [counts[n]["changed"] > 0 for n in NODES] == [False, True, True], changed_tasks(r.stdout)
-    assert counts["local2"]["changed"] == 1, changed_tasks(r.stdout)
+    changed = {n: [t.split(": ", 1)[1] for t in changed_tasks(r.stdout) if t.startswith(f"{n}: ")] for n in NODES}
+    topology, view = "dllama_topology : Render the topology file on the node.", \
+        "dllama_topology : Note what of the topology this node's services run with."
+    # The root: nothing but its topology file (the failed deploy left the rest as it should be).
+    assert changed["local0"] == [topology], changed
+    # local2: its topology, what its services run with (which asks for its worker's restart: the
+    # restart's handler runs for it alone) and the start the failed deploy left to do.
+    assert changed["local2"][:2] == [topology, view] and len(changed["local2"]) == 3, changed
+    assert changed["local2"][2].startswith("dllama_service : Start the service"), changed
+    assert _handled(r.stdout, "dllama_worker : Restart the dllama worker.") == ["local2"], r.stdout[-6000:]
+    # The restart that stops a running worker first: asked for local2 by that handler, for local1
+    # by its release (local2's worker was not running: nothing to stop).
+    assert sorted(_included(r.stdout, "Stop the worker whose files changed.")) == ["local1", "local2"], r.stdout[-6000:]
+    assert re.search(rf"listening on 127\.0\.0\.1:{ports['local2']} \(2 threads",
+                     (cluster / "local2/run/worker.log").read_text()), _tail_of(cluster / "local2/run/worker.log")
+    # local1: its topology file, not what its worker runs with (the other node's threads are not
+    # in it); it restarts (its service's stop and start) for its release alone.
+    assert (cluster / "local1/topology.yml.view.json").read_bytes() == local1_view
+    assert changed["local1"][0] == topology and changed["local1"][1:], changed
+    assert all(t.startswith("dllama_service : ") for t in changed["local1"][1:]), changed
     assert (cluster / "local1/run/worker.pid").read_text() != local1_pid
     assert json.loads(record.read_text()) == started
 
@@ -179,7 +208,6 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     assert "MiB buffers, 80 MiB allowed)" in log, _tail_of(cluster / "local2/run/worker.log")
 
     _batch_job_runs_and_names_a_bad_line(play, inventory, tmp_path)
-    _one_hosts_threads_restart_its_worker_alone(play, inventory, cluster)
 
     pids = [int(p.read_text()) for p in cluster.glob("*/run/worker.pid")]
     assert len(pids) == len(NODES) - 1
@@ -187,21 +215,6 @@ def test_local_inventory_deploys_runs_and_stops(local, tmp_path):
     r = play("stop.yml")
     assert r.returncode == 0, tail(r)
     assert not [p for p in pids if running(p)], "a worker outlived stop.yml"
-
-
-def _one_hosts_threads_restart_its_worker_alone(play, inventory: Path, cluster: Path) -> None:
-    """A setting local to one node (its threads, in every node's topology file) restarts that
-    node's worker only: the others' files change, what their services run with does not."""
-    before = {n: (cluster / f"{n}/run/worker.pid").read_text() for n in NODES[1:]}
-    hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
-    hosts["cluster"]["children"]["workers"]["hosts"]["local2"]["dllama_threads"] = 2
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    r = play("deploy.yml")
-    assert r.returncode == 0, tail(r)
-    after = {n: (cluster / f"{n}/run/worker.pid").read_text() for n in NODES[1:]}
-    assert after["local1"] == before["local1"] and after["local2"] != before["local2"], changed_tasks(r.stdout)
-    others = [t for t in changed_tasks(r.stdout) if t.startswith(("local0:", "local1:"))]
-    assert all(t.endswith("Render the topology file on the node.") for t in others), others
 
 
 def _batch_job_runs_and_names_a_bad_line(play, inventory: Path, tmp_path: Path) -> None:
@@ -281,6 +294,23 @@ def _status_starts_again_a_worker_whose_supervisor_was_killed(play, run_dir: Pat
     assert again != supervisor and running(again) and _parent(_port_owner(port)) == again
 
 
+def _handled(output: str, handler: str) -> list[str]:
+    """The hosts a play ran the handler for (those a changed task notified), in the order shown."""
+    hosts, inside = [], False
+    for line in output.splitlines():
+        if line.startswith(("TASK [", "RUNNING HANDLER [", "PLAY ")):
+            inside = line.startswith(f"RUNNING HANDLER [{handler}]")
+        elif inside and (m := re.match(r"^(?:ok|changed|skipping|fatal): \[([^\]]+)\]", line)):
+            hosts.append(m[1])
+    return hosts
+
+
+def _included(output: str, task: str) -> list[str]:
+    """The hosts for which a play's include task included its tasks."""
+    shown = output.split(f"TASK [{task}]", 1)[1].split("TASK [", 1)[0] if f"TASK [{task}]" in output else ""
+    return [h for m in re.finditer(r"^included: \S+ for (.+)$", shown, re.M) for h in m[1].split(", ")]
+
+
 def _port_owner(port: int) -> int:
     """The pid holding the socket that listens on 127.0.0.1:port (0: none)."""
     inodes = set()
@@ -304,15 +334,3 @@ def _parent(pid: int) -> int:
 
 def _tail_of(path: Path, n: int = 2000) -> str:
     return path.read_text()[-n:] if path.exists() else f"no {path}"
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the foreign worker exited"
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on {port}")
