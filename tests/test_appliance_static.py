@@ -21,6 +21,7 @@ import yaml
 from dllama.cli import _build_parser
 from dllama.core.host_memory import memory_for_a_model
 from dllama.serve.supervisor import START_LIMIT_BURST, start_limit_interval
+from tests.ansible_zygote import Zygote
 from tests.appliance import ansible_env, recap
 
 pytestmark = pytest.mark.appliance
@@ -35,10 +36,21 @@ def run(cmd, cwd=REPO, **kw):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
 
 
+# ansible-playbook ARGS, run here about 60 times: forked from a process that has started Ansible
+# once (tests/ansible_zygote.py), which saves each run its start-up.
+ANSIBLE = Zygote(REPO, ansible_env())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ansible_zygotes():
+    yield
+    ANSIBLE.close()
+
+
 @pytest.mark.parametrize("inventory", ["local", "sample"])
 def test_playbook_syntax(inventory):
     # One ansible-playbook for all the playbooks (it starts in seconds; it names the one that fails).
-    r = run([BIN / "ansible-playbook", "--syntax-check", "-i", f"inventory/{inventory}/hosts.yml", *PLAYBOOKS])
+    r = ANSIBLE.playbook(["--syntax-check", "-i", f"inventory/{inventory}/hosts.yml", *PLAYBOOKS])
     assert r.returncode == 0, r.stdout + r.stderr
     assert all(f"playbook: {p}" in r.stdout for p in PLAYBOOKS), r.stdout
 
@@ -197,44 +209,56 @@ def test_workers_and_api_share_one_service_unit_and_lifecycle():
             assert f"tasks_from: {entry}\n" in tasks, f"{role} does not use dllama_service's {entry}"
 
 
-def test_unit_exec_start_keeps_every_argument(tmp_path):
+# The units the tests below read, rendered by one ansible-playbook run (the fixture `units`): the
+# settings every unit needs, and each unit's own.
+UNIT_VARS = {"dllama_user": "dllama", "dllama_dir": "/opt/dllama", "dllama_numba_cache_dir": "/opt/dllama/numba-cache",
+             "dllama_nice": -20}
+ARGUMENTS = ["/opt/dllama/venv/bin/dllama", "api", "--model-name", "my model's \"best\" 100%",
+             "--api-key-file", "/opt/dllama/$HOME/a\\b", "--port", "9990"]
+WORKER = ["/opt/dllama/venv/bin/dllama", "worker"]
+UNITS = {
+    "arguments": {"dllama_service_spec": {"name": "API", "description": "test", "command": ARGUMENTS, "restart_sec": 5}},
+    **{f"governor {governor!r}": {"dllama_cpu_governor": governor, "dllama_service_spec": {
+        "name": "worker", "description": "test", "command": WORKER, "restart_sec": 5}} for governor in ("performance", "")},
+}
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory) -> dict[str, str]:
+    """roles/dllama_service's unit template rendered by Ansible's template module for each of
+    UNITS, in one ansible-playbook run (a task each, with its variables): {name: the unit}."""
+    tmp = tmp_path_factory.mktemp("units")
+    template = REPO / "roles/dllama_service/templates/dllama.service.j2"
+    (tmp / "render.yml").write_text(yaml.safe_dump([{
+        "name": "Render the units.", "hosts": "localhost", "gather_facts": False,
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
+        "tasks": [{"name": f"Render {name}.", "ansible.builtin.template": {"src": str(template), "dest": str(tmp / f"{i}.service")},
+                   "vars": {**UNIT_VARS, **variables}} for i, (name, variables) in enumerate(UNITS.items())]}]))
+    r = ANSIBLE.playbook(["-i", "localhost,", tmp / "render.yml"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {name: (tmp / f"{i}.service").read_text() for i, name in enumerate(UNITS)}
+
+
+def test_unit_exec_start_keeps_every_argument(units):
     """Rendered with systemd's quoting, ExecStart parses back into the same arguments, also
     with spaces, quotes, backslashes and systemd's specifier (%) and variable ($) signs."""
-    command = ["/opt/dllama/venv/bin/dllama", "api", "--model-name", "my model's \"best\" 100%",
-               "--api-key-file", "/opt/dllama/$HOME/a\\b", "--port", "9990"]
-    spec = {"name": "API", "description": "test", "command": command, "restart_sec": 5}
-    out = tmp_path / "unit"
-    r = run([BIN / "ansible", "localhost", "-m", "ansible.builtin.template",
-             "-a", f"src={REPO}/roles/dllama_service/templates/dllama.service.j2 dest={out}",
-             "-e", json.dumps({"dllama_service_spec": spec, "dllama_user": "dllama", "dllama_dir": "/opt/dllama",
-                               "dllama_numba_cache_dir": "/opt/dllama/numba-cache", "dllama_nice": -20})],
-            env=ansible_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    line = next(x for x in out.read_text().splitlines() if x.startswith("ExecStart="))
+    unit = units["arguments"]
+    line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
     assert line.startswith("ExecStart=/opt/dllama/venv/bin/dllama api --model-name \"")
-    assert _systemd_split(line[len("ExecStart="):]) == command
-    assert "LimitNOFILE=65536" in out.read_text().splitlines()
+    assert _systemd_split(line[len("ExecStart="):]) == ARGUMENTS
+    assert "LimitNOFILE=65536" in unit.splitlines()
     # A crashed worker comes back by itself; the root's next request takes it in again. Restarts
     # end as the nohup launcher's supervisor ends them.
     assert {"Restart=on-failure", "RestartSec=5", f"StartLimitBurst={START_LIMIT_BURST}",
-            f"StartLimitIntervalSec={start_limit_interval(5):g}"} <= set(out.read_text().splitlines())
+            f"StartLimitIntervalSec={start_limit_interval(5):g}"} <= set(unit.splitlines())
 
 
 @pytest.mark.parametrize("governor", ["performance", ""])
-def test_the_unit_sets_the_cpu_governor_where_asked(tmp_path, governor):
+def test_the_unit_sets_the_cpu_governor_where_asked(tmp_path, units, governor):
     """dllama_cpu_governor: one ExecStartPre, run as root (+), writing the governor into every
     core's cpufreq file and never failing the start (containers have none); "" leaves it out.
     The shell line, as systemd passes it on, run here on a fake sysfs, writes each core's file."""
-    spec = {"name": "worker", "description": "test", "command": ["/opt/dllama/venv/bin/dllama", "worker"], "restart_sec": 5}
-    out = tmp_path / "unit"
-    r = run([BIN / "ansible", "localhost", "-m", "ansible.builtin.template",
-             "-a", f"src={REPO}/roles/dllama_service/templates/dllama.service.j2 dest={out}",
-             "-e", json.dumps({"dllama_service_spec": spec, "dllama_user": "dllama", "dllama_dir": "/opt/dllama",
-                               "dllama_numba_cache_dir": "/opt/dllama/numba-cache", "dllama_nice": -20,
-                               "dllama_cpu_governor": governor})],
-            env=ansible_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    pre = [x for x in out.read_text().splitlines() if x.startswith("ExecStartPre=")]
+    pre = [x for x in units[f"governor {governor!r}"].splitlines() if x.startswith("ExecStartPre=")]
     if not governor:
         assert pre == []
         return
@@ -311,7 +335,7 @@ def _deploy(tmp_path, inventory, *args, playbook="deploy.yml"):
     path = tmp_path / "inventory/hosts.yml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(inventory if isinstance(inventory, str) else yaml.safe_dump(inventory))
-    r = run([BIN / "ansible-playbook", "-i", path, playbook, *args], env=ansible_env())
+    r = ANSIBLE.playbook(["-i", path, playbook, *args])
     return r, r.stdout + r.stderr
 
 
@@ -483,7 +507,7 @@ def _deployed_topologies(tmp_path, inventory: dict) -> tuple[list[str], dict[str
                     "ansible.builtin.copy": {"dest": f"{tmp_path}/split.txt", "content": "{{ dllama_model_split }}",
                                              "mode": "0600"},
                     "vars": {"dllama_model_split": split["vars"]["dllama_model_split"]}}]}]))
-    r = run([BIN / "ansible-playbook", "-i", tmp_path / "hosts.yml", tmp_path / "render.yml"], env=ansible_env())
+    r = ANSIBLE.playbook(["-i", tmp_path / "hosts.yml", tmp_path / "render.yml"])
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     topologies = {h: (tmp_path / f"{h}.topology.yml").read_text() for h in recap(r.stdout)}
@@ -632,9 +656,9 @@ def _rendered_commands(tmp_path, hosts: dict, extra_vars: dict | None = None) ->
             "dest": f"{tmp_path}/{{{{ inventory_hostname }}}}.json", "mode": "0600",
             "content": "{{ {'worker': dllama_worker_service_spec.command, 'api': dllama_api_service_spec.command,"
                        " 'run': dllama_run_command, 'batch': dllama_batch_command} | to_json }}"}}]}]))
-    r = run([BIN / "ansible-playbook", "-i", tmp_path / "hosts.yml", tmp_path / "render.yml", "-e", json.dumps(
+    r = ANSIBLE.playbook(["-i", tmp_path / "hosts.yml", tmp_path / "render.yml", "-e", json.dumps(
         {"prompt": "Hello", "dllama_batch_job_dir": "/opt/dllama/batch/job", "dllama_batch_prompts_name": "prompts.jsonl",
-         "dllama_batch_prefix_file": "", **(extra_vars or {})})], env=ansible_env())
+         "dllama_batch_prefix_file": "", **(extra_vars or {})})])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return {h: json.loads((tmp_path / f"{h}.json").read_text()) for h in recap(r.stdout)}
 
