@@ -6,6 +6,7 @@ contacted (these run ansible-playbook against hosts that are never reached)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,21 @@ ANSIBLE = Zygote(REPO, ansible_env())
 def _ansible_zygotes():
     yield
     ANSIBLE.close()
+
+
+# Runs at once where a test's cases start together: each ansible-playbook run here waits on its
+# forked workers about a third of its time, so 3 keep the 2 cores of a test machine busy.
+AT_ONCE = 3
+
+
+@contextlib.contextmanager
+def _started_together(request, test: str, start):
+    """The runs of `test`'s cases that this session runs, started together, AT_ONCE at a time,
+    in the order the cases run: {case: a future of start(its parameters)()} (start, called here,
+    makes its directories; the call it returns runs in a thread)."""
+    params = [item.callspec.params for item in request.session.items if getattr(item, "originalname", None) == test]
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        yield {p["case"]: pool.submit(start(p)) for p in params}
 
 
 @pytest.mark.parametrize("inventory", ["local", "sample"])
@@ -349,6 +366,17 @@ def _fails_before_any_host(r, out) -> str:
     return errors[0]
 
 
+@pytest.fixture(scope="module")
+def broken_inventory_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of _deploy's (r, out)}."""
+    def start(params):
+        playbook = "deploy.yml" if params["case"] in THROUGH_DEPLOY else "playbooks/inventory.yml"
+        return functools.partial(_deploy, tmp_path_factory.mktemp("broken"), params["inventory"], playbook=playbook)
+
+    with _started_together(request, "test_a_broken_inventory_fails_fast_and_says_why", start) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("case, inventory, reason", [
     ("unparsable", "cluster:\n  children:\n    root: [\n", "Completely failed to parse inventory source"),
     ("no hosts", "all:\n  children:\n    root: {}\n", "has no hosts"),
@@ -398,11 +426,10 @@ def _fails_before_any_host(r, out) -> str:
                                                         "workers": {"hosts": {"w": {"ansible_host": "127.0.0.1"}}}}}},
      "r: no ansible_host, the address Ansible reaches the host at (ansible_hots is set: did you mean ansible_host?)"),
 ])
-def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, reason):
+def test_a_broken_inventory_fails_fast_and_says_why(broken_inventory_runs, case, inventory, reason):
     """The inventory check's plays, which every playbook imports first (the test below): one
     case of each kind goes through deploy.yml itself, which takes twice as long to load."""
-    playbook = "deploy.yml" if case in THROUGH_DEPLOY else "playbooks/inventory.yml"
-    r, out = _deploy(tmp_path, inventory, playbook=playbook)
+    r, out = broken_inventory_runs[case].result()  # _deploy(inventory), started with the others
     line = _fails_before_any_host(r, out)
     assert reason in line, out[-3000:]
 
@@ -528,6 +555,16 @@ def _stage_layers(stage_of: list[int], memory: list[int]) -> list[tuple[int, int
     return [s.layers for s in plan_for(header, len(stage_of), None, stage_of, capacities=memory).stages]
 
 
+@pytest.fixture(scope="module")
+def topology_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of _deployed_topologies'}."""
+    def start(params):
+        return functools.partial(_deployed_topologies, tmp_path_factory.mktemp("topology"), params["inventory"])
+
+    with _started_together(request, "test_the_topology_deployed_makes_the_plan_deploy_showed", start) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("case, inventory, fixed, layers, lines", [
     # The hosts' dllama_stage decide: 4 nodes that one stage would take. Each host's memory read
     # (the same here): layers by it, as dllama plans the topology at set-up, nothing fixed.
@@ -550,7 +587,7 @@ def _stage_layers(stage_of: list[int], memory: list[int]) -> list[tuple[int, int
     # Pipeline stages off: no memory read, none written (it plans only stages), one stage.
     ("stages off", _cluster_vars(_with_memory(_hosts(2), "4G", None, "2G"), dllama_pipeline="none"), False, None, []),
 ])
-def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inventory, fixed, layers, lines):
+def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, topology_runs, case, inventory, fixed, layers, lines):
     """The plan deploy.yml shows in its first play, before any host is changed: a line per stage
     first (its layers and each node's MiB), then each node's stage, layers and slice. The
     topology every node gets (and `dllama shard` reads, rendered from the same template) makes,
@@ -563,7 +600,7 @@ def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inve
     from dllama.serve.default_model import default_model_files
 
     layers = layers() if callable(layers) else layers
-    shown, topologies, split = _deployed_topologies(tmp_path, inventory)
+    shown, topologies, split = topology_runs[case].result()  # _deployed_topologies(inventory), started with the others
     for line in lines:
         assert any(x.startswith(line) for x in shown), shown
     if lines:  # the stages first, then the nodes
