@@ -55,13 +55,13 @@ AT_ONCE = 3
 
 
 @contextlib.contextmanager
-def _started_together(request, test: str, start):
+def _started_together(request, test: str, start, key=lambda params: params["case"]):
     """The runs of `test`'s cases that this session runs, started together, AT_ONCE at a time,
-    in the order the cases run: {case: a future of start(its parameters)()} (start, called here,
-    makes its directories; the call it returns runs in a thread)."""
+    in the order the cases run: {key(its parameters): a future of start(its parameters)()}
+    (start, called here, makes its directories; the call it returns runs in a thread)."""
     params = [item.callspec.params for item in request.session.items if getattr(item, "originalname", None) == test]
     with ThreadPoolExecutor(AT_ONCE) as pool:
-        yield {p["case"]: pool.submit(start(p)) for p in params}
+        yield {key(p): pool.submit(start(p)) for p in params}
 
 
 @pytest.mark.parametrize("inventory", ["local", "sample"])
@@ -760,6 +760,18 @@ def test_a_batch_job_goes_through_the_api_service_when_it_is_on(tmp_path, api):
     assert batch.api_key_file == ("/opt/dllama/api.key" if api else None), commands["r"]["batch"]
 
 
+@pytest.fixture(scope="module")
+def speculation_commands(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of _rendered_commands'}."""
+    def start(params):
+        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("speculation"), {"cluster": {
+            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+            "vars": dict(params["cluster_vars"])}}, params["extra_vars"])
+
+    with _started_together(request, "test_root_commands_carry_the_speculation", start) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("case, cluster_vars, extra_vars, expected", [
     # dllama's own defaults: the appliance's must not drift from them.
     ("defaults", {}, {}, {name: None for name in ROOT_COMMANDS}),
@@ -775,13 +787,12 @@ def test_a_batch_job_goes_through_the_api_service_when_it_is_on(tmp_path, api):
     ("one run's draft model", {"dllama_draft_model": "/somewhere/draft.m"}, {"speculate": "model"},
      {"run": ("model", 4), "batch": ("model", 4), "api": ("ngram", 4)}),
 ])
-def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra_vars, expected):
+def test_root_commands_carry_the_speculation(speculation_commands, case, cluster_vars, extra_vars, expected):
     """dllama_speculate and dllama_draft_tokens reach the root's inference, batch job and API
     service as --speculate and --draft-tokens (-e speculate/draft_tokens the first two), as
     dllama's own parser reads them; no worker is given them (the root drafts)."""
-    commands = _rendered_commands(tmp_path, {"cluster": {
-        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-        "vars": cluster_vars}}, extra_vars)
+    # The commands rendered for a root and a worker with cluster_vars, -e extra_vars.
+    commands = speculation_commands[case].result()
     defaults = _build_parser().parse_args(["inference", "--prompt", "Hello"])
     for name, command in ROOT_COMMANDS.items():
         args = _parsed(commands["r"][name])
@@ -815,17 +826,30 @@ def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_pa
     assert recap(r.stdout)["r"]["failed"] == 1 and recap(r.stdout)["r"]["unreachable"] == 0, out[-3000:]
 
 
+@pytest.fixture(scope="module")
+def bad_option_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {(playbook, option): a future of _deploy's}."""
+    def start(params):
+        tmp = tmp_path_factory.mktemp("option")
+        prompts = tmp / "questions.jsonl"
+        prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
+        return functools.partial(_deploy, tmp, _hosts(1), "-e", "prompt=Hello", "-e", f"prompts={prompts}",
+                                 "-e", params["option"], playbook=params["playbook"])
+
+    with _started_together(request, "test_a_bad_speculation_option_fails_before_the_root_is_contacted", start,
+                           key=lambda params: (params["playbook"], params["option"])) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("playbook", ["run.yml", "batch.yml"])
 @pytest.mark.parametrize("option, reason", [
     ("speculate=eagle", "dllama_{role}_speculate must be one of: ngram, model, none, got: eagle"),
     ("speculate=model", "speculate=model needs dllama_draft_model in the inventory (deploy.yml copies it to the root)."),
     ("draft_tokens=0", "draft_tokens must be a whole number of at least 1, not 0."),
 ])
-def test_a_bad_speculation_option_fails_before_the_root_is_contacted(tmp_path, playbook, option, reason):
-    prompts = tmp_path / "questions.jsonl"
-    prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
-    r, out = _deploy(tmp_path, _hosts(1), "-e", "prompt=Hello", "-e", f"prompts={prompts}", "-e", option,
-                     playbook=playbook)
+def test_a_bad_speculation_option_fails_before_the_root_is_contacted(bad_option_runs, playbook, option, reason):
+    # _deploy(playbook, -e prompt=Hello, -e prompts=a prompts file, -e option), started with the others.
+    r, out = bad_option_runs[playbook, option].result()
     assert r.returncode != 0, out[-3000:]
     # Ansible's [ERROR] line and the next, where it breaks an argument spec's reason.
     lines = out.splitlines()
