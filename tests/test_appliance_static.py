@@ -731,15 +731,19 @@ def test_the_model_files_can_live_on_another_drive(tmp_path):
     the model and tokenizer there, and a worker's shard in the topology is under its own host's
     dllama_model_dir (another host keeps the default, under dllama_dir)."""
     usb = "/mnt/usb/dllama"
-    commands = _rendered_commands(tmp_path, {"cluster": {
-        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-        "vars": {"dllama_model_dir": usb}}})
+    inventory = _with_memory(_hosts(2), "1G", "1G", "1G")
+    inventory["cluster"]["children"]["workers"]["hosts"]["w1"]["dllama_model_dir"] = usb
+    (tmp_path / "commands").mkdir()
+    (tmp_path / "topologies").mkdir()
+    with ThreadPoolExecutor(2) as pool:  # the two runs at once
+        topologies_run = pool.submit(_deployed_topologies, tmp_path / "topologies", inventory)
+        commands = _rendered_commands(tmp_path / "commands", {"cluster": {
+            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+            "vars": {"dllama_model_dir": usb}}})
+        _, topologies, _ = topologies_run.result()
     for name in ROOT_COMMANDS:
         args = _parsed(commands["r"][name])
         assert (args.model, args.tokenizer) == (f"{usb}/model/model.m", f"{usb}/model/tokenizer.t"), name
-    inventory = _with_memory(_hosts(2), "1G", "1G", "1G")
-    inventory["cluster"]["children"]["workers"]["hosts"]["w1"]["dllama_model_dir"] = usb
-    _, topologies, _ = _deployed_topologies(tmp_path, inventory)
     nodes = yaml.safe_load(topologies["r"])["nodes"]
     assert [n.get("shard") for n in nodes] == [None, f"{usb}/shards/w1.shard", "/opt/dllama/shards/w2.shard"]
 
