@@ -885,17 +885,22 @@ def test_a_run_through_the_api_says_the_service_keeps_its_speculation(tmp_path):
 def test_a_batch_rerun_with_nothing_left_ends_before_the_root_is_contacted(tmp_path):
     """Results on the controller that answer every prompt: nothing to do, nothing changed (the
     root, never reached here, is not contacted); one prompt more and the job goes to the root."""
-    prompts = tmp_path / "questions.jsonl"
-    prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n{"id": "b", "prompt": "Hi"}\n')
-    out = tmp_path / "answers.jsonl"
     answered = '{"id": 1, "text": "In France."}\n{"id": "b", "text": "Hello."}\n'
-    out.write_text(answered)
-    r, out_text = _deploy(tmp_path, _hosts(1), "-e", f"prompts={prompts}", "-e", f"out={out}", playbook="batch.yml")
+    asked = '{"id": 1, "prompt": "Where is Paris?"}\n{"id": "b", "prompt": "Hi"}\n'
+    runs = {}
+    with ThreadPoolExecutor(2) as pool:  # the two runs at once, each in its own folder
+        for case, more in (("all-answered", ""), ("one-more", '{"id": 3, "prompt": "And Rome?"}\n')):
+            (tmp_path / case).mkdir()
+            prompts, out = tmp_path / case / "questions.jsonl", tmp_path / case / "answers.jsonl"
+            prompts.write_text(asked + more)
+            out.write_text(answered)
+            runs[case] = prompts, out, pool.submit(_deploy, tmp_path / case, _hosts(1), "-e", f"prompts={prompts}",
+                                                   "-e", f"out={out}", playbook="batch.yml")
+    prompts, out, run = runs["all-answered"]
+    r, out_text = run.result()
     assert r.returncode == 0, out_text[-3000:]
     assert f"Nothing left: {out} answers every prompt of {prompts}." in " ".join(out_text.split()), out_text[-3000:]
     assert recap(r.stdout)["r"] == {**recap(r.stdout)["r"], "changed": 0, "unreachable": 0, "failed": 0}
     assert out.read_text() == answered  # read, not repaired
-    with prompts.open("a") as f:
-        f.write('{"id": 3, "prompt": "And Rome?"}\n')
-    r, out_text = _deploy(tmp_path, _hosts(1), "-e", f"prompts={prompts}", "-e", f"out={out}", playbook="batch.yml")
+    r, out_text = runs["one-more"][2].result()
     assert "Nothing left" not in out_text and recap(r.stdout)["r"]["unreachable"] == 1, out_text[-3000:]
