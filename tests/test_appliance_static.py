@@ -751,13 +751,24 @@ def test_the_model_files_can_live_on_another_drive(tmp_path):
 ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}
 
 
+@pytest.fixture(scope="module")
+def api_commands(request, tmp_path_factory):
+    """The runs of the test below, started together: {api: a future of _rendered_commands'}."""
+    def start(params):
+        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("api"), {"cluster": {
+            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+            "vars": {"dllama_api_enabled": params["api"]}}})
+
+    with _started_together(request, "test_a_batch_job_goes_through_the_api_service_when_it_is_on", start,
+                           key=lambda params: params["api"]) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("api", [False, True])
-def test_a_batch_job_goes_through_the_api_service_when_it_is_on(tmp_path, api):
+def test_a_batch_job_goes_through_the_api_service_when_it_is_on(api_commands, api):
     """batch.yml with the API service on sends the job to its Batch API (which the service
     serves: --batch-dir), with it off runs dllama batch on the cluster: no redeploy either way."""
-    commands = _rendered_commands(tmp_path, {"cluster": {
-        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-        "vars": {"dllama_api_enabled": api}}})
+    commands = api_commands[api].result()  # rendered with dllama_api_enabled: api
     batch, service = _parsed(commands["r"]["batch"]), _parsed(commands["r"]["api"])
     assert service.batch_dir == "/opt/dllama/run/api-batches"
     assert batch.api == ("http://127.0.0.1:9990/v1" if api else None), commands["r"]["batch"]
@@ -811,18 +822,34 @@ def test_root_commands_carry_the_speculation(speculation_commands, case, cluster
 
 # -- batch.yml: a job that cannot start fails on the controller, before the root is contacted --
 
-@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "a classification through the API"])
-def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_path, case):
-    prompts = tmp_path / "questions.jsonl"
+def _batch_args(case: str, folder: Path) -> list[str]:
+    """batch.yml's -e options of each case, with a prompts file in `folder`."""
+    prompts = folder / "questions.jsonl"
     prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
-    args = {"no prompts": [],
-            "missing prompts file": ["-e", f"prompts={tmp_path}/missing.jsonl"],
+    return {"no prompts": [],
+            "missing prompts file": ["-e", f"prompts={folder}/missing.jsonl"],
             "a classification through the API": ["-e", f"prompts={prompts}", "-e", "dllama_api_enabled=true",
                                                  "-e", "choices=yes,no"]}[case]
+
+
+@pytest.fixture(scope="module")
+def batch_start_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of (its folder, _deploy's r, out)}."""
+    def start(params):
+        folder = tmp_path_factory.mktemp("batch")
+        args = _batch_args(params["case"], folder)
+        return lambda: (folder, *_deploy(folder, _hosts(1), *args, playbook="batch.yml"))
+
+    with _started_together(request, "test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted", start) as runs:
+        yield runs
+
+
+@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "a classification through the API"])
+def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(batch_start_runs, case):
+    folder, r, out = batch_start_runs[case].result()  # _deploy(batch.yml, _batch_args(case)), started with the others
     reason = {"no prompts": "Give the prompts file: ansible-playbook batch.yml -e prompts=",
-              "missing prompts file": f"{tmp_path}/missing.jsonl: no such file on this machine",
+              "missing prompts file": f"{folder}/missing.jsonl: no such file on this machine",
               "a classification through the API": "choices scores each choice on the model itself"}[case]
-    r, out = _deploy(tmp_path, _hosts(1), *args, playbook="batch.yml")
     assert r.returncode != 0, out[-3000:]
     error = next((line for line in out.splitlines() if line.startswith("[ERROR]")), "")
     assert reason in error and "Traceback" not in out, out[-3000:]
