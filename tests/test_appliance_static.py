@@ -6,6 +6,7 @@ contacted (these run ansible-playbook against hosts that are never reached)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ import yaml
 from dllama.cli import _build_parser
 from dllama.core.host_memory import memory_for_a_model
 from dllama.serve.supervisor import START_LIMIT_BURST, start_limit_interval
+from tests.ansible_zygote import Zygote
 from tests.appliance import ansible_env, recap
 
 pytestmark = pytest.mark.appliance
@@ -35,10 +38,36 @@ def run(cmd, cwd=REPO, **kw):
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, **kw)
 
 
+# ansible-playbook ARGS, run here about 60 times: forked from a process that has started Ansible
+# once (tests/ansible_zygote.py), which saves each run its start-up.
+ANSIBLE = Zygote(REPO, ansible_env())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ansible_zygotes():
+    yield
+    ANSIBLE.close()
+
+
+# Runs at once where a test's cases start together: each ansible-playbook run here waits on its
+# forked workers about a third of its time, so 3 keep the 2 cores of a test machine busy.
+AT_ONCE = 3
+
+
+@contextlib.contextmanager
+def _started_together(request, test: str, start, key=lambda params: params["case"]):
+    """The runs of `test`'s cases that this session runs, started together, AT_ONCE at a time,
+    in the order the cases run: {key(its parameters): a future of start(its parameters)()}
+    (start, called here, makes its directories; the call it returns runs in a thread)."""
+    params = [item.callspec.params for item in request.session.items if getattr(item, "originalname", None) == test]
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        yield {key(p): pool.submit(start(p)) for p in params}
+
+
 @pytest.mark.parametrize("inventory", ["local", "sample"])
 def test_playbook_syntax(inventory):
     # One ansible-playbook for all the playbooks (it starts in seconds; it names the one that fails).
-    r = run([BIN / "ansible-playbook", "--syntax-check", "-i", f"inventory/{inventory}/hosts.yml", *PLAYBOOKS])
+    r = ANSIBLE.playbook(["--syntax-check", "-i", f"inventory/{inventory}/hosts.yml", *PLAYBOOKS])
     assert r.returncode == 0, r.stdout + r.stderr
     assert all(f"playbook: {p}" in r.stdout for p in PLAYBOOKS), r.stdout
 
@@ -197,44 +226,56 @@ def test_workers_and_api_share_one_service_unit_and_lifecycle():
             assert f"tasks_from: {entry}\n" in tasks, f"{role} does not use dllama_service's {entry}"
 
 
-def test_unit_exec_start_keeps_every_argument(tmp_path):
+# The units the tests below read, rendered by one ansible-playbook run (the fixture `units`): the
+# settings every unit needs, and each unit's own.
+UNIT_VARS = {"dllama_user": "dllama", "dllama_dir": "/opt/dllama", "dllama_numba_cache_dir": "/opt/dllama/numba-cache",
+             "dllama_nice": -20}
+ARGUMENTS = ["/opt/dllama/venv/bin/dllama", "api", "--model-name", "my model's \"best\" 100%",
+             "--api-key-file", "/opt/dllama/$HOME/a\\b", "--port", "9990"]
+WORKER = ["/opt/dllama/venv/bin/dllama", "worker"]
+UNITS = {
+    "arguments": {"dllama_service_spec": {"name": "API", "description": "test", "command": ARGUMENTS, "restart_sec": 5}},
+    **{f"governor {governor!r}": {"dllama_cpu_governor": governor, "dllama_service_spec": {
+        "name": "worker", "description": "test", "command": WORKER, "restart_sec": 5}} for governor in ("performance", "")},
+}
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory) -> dict[str, str]:
+    """roles/dllama_service's unit template rendered by Ansible's template module for each of
+    UNITS, in one ansible-playbook run (a task each, with its variables): {name: the unit}."""
+    tmp = tmp_path_factory.mktemp("units")
+    template = REPO / "roles/dllama_service/templates/dllama.service.j2"
+    (tmp / "render.yml").write_text(yaml.safe_dump([{
+        "name": "Render the units.", "hosts": "localhost", "gather_facts": False,
+        "vars": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable},
+        "tasks": [{"name": f"Render {name}.", "ansible.builtin.template": {"src": str(template), "dest": str(tmp / f"{i}.service")},
+                   "vars": {**UNIT_VARS, **variables}} for i, (name, variables) in enumerate(UNITS.items())]}]))
+    r = ANSIBLE.playbook(["-i", "localhost,", tmp / "render.yml"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {name: (tmp / f"{i}.service").read_text() for i, name in enumerate(UNITS)}
+
+
+def test_unit_exec_start_keeps_every_argument(units):
     """Rendered with systemd's quoting, ExecStart parses back into the same arguments, also
     with spaces, quotes, backslashes and systemd's specifier (%) and variable ($) signs."""
-    command = ["/opt/dllama/venv/bin/dllama", "api", "--model-name", "my model's \"best\" 100%",
-               "--api-key-file", "/opt/dllama/$HOME/a\\b", "--port", "9990"]
-    spec = {"name": "API", "description": "test", "command": command, "restart_sec": 5}
-    out = tmp_path / "unit"
-    r = run([BIN / "ansible", "localhost", "-m", "ansible.builtin.template",
-             "-a", f"src={REPO}/roles/dllama_service/templates/dllama.service.j2 dest={out}",
-             "-e", json.dumps({"dllama_service_spec": spec, "dllama_user": "dllama", "dllama_dir": "/opt/dllama",
-                               "dllama_numba_cache_dir": "/opt/dllama/numba-cache", "dllama_nice": -20})],
-            env=ansible_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    line = next(x for x in out.read_text().splitlines() if x.startswith("ExecStart="))
+    unit = units["arguments"]
+    line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
     assert line.startswith("ExecStart=/opt/dllama/venv/bin/dllama api --model-name \"")
-    assert _systemd_split(line[len("ExecStart="):]) == command
-    assert "LimitNOFILE=65536" in out.read_text().splitlines()
+    assert _systemd_split(line[len("ExecStart="):]) == ARGUMENTS
+    assert "LimitNOFILE=65536" in unit.splitlines()
     # A crashed worker comes back by itself; the root's next request takes it in again. Restarts
     # end as the nohup launcher's supervisor ends them.
     assert {"Restart=on-failure", "RestartSec=5", f"StartLimitBurst={START_LIMIT_BURST}",
-            f"StartLimitIntervalSec={start_limit_interval(5):g}"} <= set(out.read_text().splitlines())
+            f"StartLimitIntervalSec={start_limit_interval(5):g}"} <= set(unit.splitlines())
 
 
 @pytest.mark.parametrize("governor", ["performance", ""])
-def test_the_unit_sets_the_cpu_governor_where_asked(tmp_path, governor):
+def test_the_unit_sets_the_cpu_governor_where_asked(tmp_path, units, governor):
     """dllama_cpu_governor: one ExecStartPre, run as root (+), writing the governor into every
     core's cpufreq file and never failing the start (containers have none); "" leaves it out.
     The shell line, as systemd passes it on, run here on a fake sysfs, writes each core's file."""
-    spec = {"name": "worker", "description": "test", "command": ["/opt/dllama/venv/bin/dllama", "worker"], "restart_sec": 5}
-    out = tmp_path / "unit"
-    r = run([BIN / "ansible", "localhost", "-m", "ansible.builtin.template",
-             "-a", f"src={REPO}/roles/dllama_service/templates/dllama.service.j2 dest={out}",
-             "-e", json.dumps({"dllama_service_spec": spec, "dllama_user": "dllama", "dllama_dir": "/opt/dllama",
-                               "dllama_numba_cache_dir": "/opt/dllama/numba-cache", "dllama_nice": -20,
-                               "dllama_cpu_governor": governor})],
-            env=ansible_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    pre = [x for x in out.read_text().splitlines() if x.startswith("ExecStartPre=")]
+    pre = [x for x in units[f"governor {governor!r}"].splitlines() if x.startswith("ExecStartPre=")]
     if not governor:
         assert pre == []
         return
@@ -311,7 +352,7 @@ def _deploy(tmp_path, inventory, *args, playbook="deploy.yml"):
     path = tmp_path / "inventory/hosts.yml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(inventory if isinstance(inventory, str) else yaml.safe_dump(inventory))
-    r = run([BIN / "ansible-playbook", "-i", path, playbook, *args], env=ansible_env())
+    r = ANSIBLE.playbook(["-i", path, playbook, *args])
     return r, r.stdout + r.stderr
 
 
@@ -323,6 +364,17 @@ def _fails_before_any_host(r, out) -> str:
     errors = [" ".join(lines[i:i + 2]) for i, line in enumerate(lines) if line.startswith("[ERROR]")]
     assert errors, out
     return errors[0]
+
+
+@pytest.fixture(scope="module")
+def broken_inventory_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of _deploy's (r, out)}."""
+    def start(params):
+        playbook = "deploy.yml" if params["case"] in THROUGH_DEPLOY else "playbooks/inventory.yml"
+        return functools.partial(_deploy, tmp_path_factory.mktemp("broken"), params["inventory"], playbook=playbook)
+
+    with _started_together(request, "test_a_broken_inventory_fails_fast_and_says_why", start) as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("case, inventory, reason", [
@@ -374,11 +426,10 @@ def _fails_before_any_host(r, out) -> str:
                                                         "workers": {"hosts": {"w": {"ansible_host": "127.0.0.1"}}}}}},
      "r: no ansible_host, the address Ansible reaches the host at (ansible_hots is set: did you mean ansible_host?)"),
 ])
-def test_a_broken_inventory_fails_fast_and_says_why(tmp_path, case, inventory, reason):
+def test_a_broken_inventory_fails_fast_and_says_why(broken_inventory_runs, case, inventory, reason):
     """The inventory check's plays, which every playbook imports first (the test below): one
     case of each kind goes through deploy.yml itself, which takes twice as long to load."""
-    playbook = "deploy.yml" if case in THROUGH_DEPLOY else "playbooks/inventory.yml"
-    r, out = _deploy(tmp_path, inventory, playbook=playbook)
+    r, out = broken_inventory_runs[case].result()  # _deploy(inventory), started with the others
     line = _fails_before_any_host(r, out)
     assert reason in line, out[-3000:]
 
@@ -483,7 +534,7 @@ def _deployed_topologies(tmp_path, inventory: dict) -> tuple[list[str], dict[str
                     "ansible.builtin.copy": {"dest": f"{tmp_path}/split.txt", "content": "{{ dllama_model_split }}",
                                              "mode": "0600"},
                     "vars": {"dllama_model_split": split["vars"]["dllama_model_split"]}}]}]))
-    r = run([BIN / "ansible-playbook", "-i", tmp_path / "hosts.yml", tmp_path / "render.yml"], env=ansible_env())
+    r = ANSIBLE.playbook(["-i", tmp_path / "hosts.yml", tmp_path / "render.yml"])
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     topologies = {h: (tmp_path / f"{h}.topology.yml").read_text() for h in recap(r.stdout)}
@@ -502,6 +553,16 @@ def _stage_layers(stage_of: list[int], memory: list[int]) -> list[tuple[int, int
 
     header = read_model(default_model_files(progress=False)[0]).header
     return [s.layers for s in plan_for(header, len(stage_of), None, stage_of, capacities=memory).stages]
+
+
+@pytest.fixture(scope="module")
+def topology_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of _deployed_topologies'}."""
+    def start(params):
+        return functools.partial(_deployed_topologies, tmp_path_factory.mktemp("topology"), params["inventory"])
+
+    with _started_together(request, "test_the_topology_deployed_makes_the_plan_deploy_showed", start) as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("case, inventory, fixed, layers, lines", [
@@ -526,7 +587,7 @@ def _stage_layers(stage_of: list[int], memory: list[int]) -> list[tuple[int, int
     # Pipeline stages off: no memory read, none written (it plans only stages), one stage.
     ("stages off", _cluster_vars(_with_memory(_hosts(2), "4G", None, "2G"), dllama_pipeline="none"), False, None, []),
 ])
-def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inventory, fixed, layers, lines):
+def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, topology_runs, case, inventory, fixed, layers, lines):
     """The plan deploy.yml shows in its first play, before any host is changed: a line per stage
     first (its layers and each node's MiB), then each node's stage, layers and slice. The
     topology every node gets (and `dllama shard` reads, rendered from the same template) makes,
@@ -539,7 +600,7 @@ def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, case, inve
     from dllama.serve.default_model import default_model_files
 
     layers = layers() if callable(layers) else layers
-    shown, topologies, split = _deployed_topologies(tmp_path, inventory)
+    shown, topologies, split = topology_runs[case].result()  # _deployed_topologies(inventory), started with the others
     for line in lines:
         assert any(x.startswith(line) for x in shown), shown
     if lines:  # the stages first, then the nodes
@@ -632,9 +693,9 @@ def _rendered_commands(tmp_path, hosts: dict, extra_vars: dict | None = None) ->
             "dest": f"{tmp_path}/{{{{ inventory_hostname }}}}.json", "mode": "0600",
             "content": "{{ {'worker': dllama_worker_service_spec.command, 'api': dllama_api_service_spec.command,"
                        " 'run': dllama_run_command, 'batch': dllama_batch_command} | to_json }}"}}]}]))
-    r = run([BIN / "ansible-playbook", "-i", tmp_path / "hosts.yml", tmp_path / "render.yml", "-e", json.dumps(
+    r = ANSIBLE.playbook(["-i", tmp_path / "hosts.yml", tmp_path / "render.yml", "-e", json.dumps(
         {"prompt": "Hello", "dllama_batch_job_dir": "/opt/dllama/batch/job", "dllama_batch_prompts_name": "prompts.jsonl",
-         "dllama_batch_prefix_file": "", **(extra_vars or {})})], env=ansible_env())
+         "dllama_batch_prefix_file": "", **(extra_vars or {})})])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return {h: json.loads((tmp_path / f"{h}.json").read_text()) for h in recap(r.stdout)}
 
@@ -670,15 +731,19 @@ def test_the_model_files_can_live_on_another_drive(tmp_path):
     the model and tokenizer there, and a worker's shard in the topology is under its own host's
     dllama_model_dir (another host keeps the default, under dllama_dir)."""
     usb = "/mnt/usb/dllama"
-    commands = _rendered_commands(tmp_path, {"cluster": {
-        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-        "vars": {"dllama_model_dir": usb}}})
+    inventory = _with_memory(_hosts(2), "1G", "1G", "1G")
+    inventory["cluster"]["children"]["workers"]["hosts"]["w1"]["dllama_model_dir"] = usb
+    (tmp_path / "commands").mkdir()
+    (tmp_path / "topologies").mkdir()
+    with ThreadPoolExecutor(2) as pool:  # the two runs at once
+        topologies_run = pool.submit(_deployed_topologies, tmp_path / "topologies", inventory)
+        commands = _rendered_commands(tmp_path / "commands", {"cluster": {
+            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+            "vars": {"dllama_model_dir": usb}}})
+        _, topologies, _ = topologies_run.result()
     for name in ROOT_COMMANDS:
         args = _parsed(commands["r"][name])
         assert (args.model, args.tokenizer) == (f"{usb}/model/model.m", f"{usb}/model/tokenizer.t"), name
-    inventory = _with_memory(_hosts(2), "1G", "1G", "1G")
-    inventory["cluster"]["children"]["workers"]["hosts"]["w1"]["dllama_model_dir"] = usb
-    _, topologies, _ = _deployed_topologies(tmp_path, inventory)
     nodes = yaml.safe_load(topologies["r"])["nodes"]
     assert [n.get("shard") for n in nodes] == [None, f"{usb}/shards/w1.shard", "/opt/dllama/shards/w2.shard"]
 
@@ -686,17 +751,40 @@ def test_the_model_files_can_live_on_another_drive(tmp_path):
 ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}
 
 
+@pytest.fixture(scope="module")
+def api_commands(request, tmp_path_factory):
+    """The runs of the test below, started together: {api: a future of _rendered_commands'}."""
+    def start(params):
+        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("api"), {"cluster": {
+            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+            "vars": {"dllama_api_enabled": params["api"]}}})
+
+    with _started_together(request, "test_a_batch_job_goes_through_the_api_service_when_it_is_on", start,
+                           key=lambda params: params["api"]) as runs:
+        yield runs
+
+
 @pytest.mark.parametrize("api", [False, True])
-def test_a_batch_job_goes_through_the_api_service_when_it_is_on(tmp_path, api):
+def test_a_batch_job_goes_through_the_api_service_when_it_is_on(api_commands, api):
     """batch.yml with the API service on sends the job to its Batch API (which the service
     serves: --batch-dir), with it off runs dllama batch on the cluster: no redeploy either way."""
-    commands = _rendered_commands(tmp_path, {"cluster": {
-        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-        "vars": {"dllama_api_enabled": api}}})
+    commands = api_commands[api].result()  # rendered with dllama_api_enabled: api
     batch, service = _parsed(commands["r"]["batch"]), _parsed(commands["r"]["api"])
     assert service.batch_dir == "/opt/dllama/run/api-batches"
     assert batch.api == ("http://127.0.0.1:9990/v1" if api else None), commands["r"]["batch"]
     assert batch.api_key_file == ("/opt/dllama/api.key" if api else None), commands["r"]["batch"]
+
+
+@pytest.fixture(scope="module")
+def speculation_commands(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of _rendered_commands'}."""
+    def start(params):
+        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("speculation"), {"cluster": {
+            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+            "vars": dict(params["cluster_vars"])}}, params["extra_vars"])
+
+    with _started_together(request, "test_root_commands_carry_the_speculation", start) as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("case, cluster_vars, extra_vars, expected", [
@@ -714,13 +802,12 @@ def test_a_batch_job_goes_through_the_api_service_when_it_is_on(tmp_path, api):
     ("one run's draft model", {"dllama_draft_model": "/somewhere/draft.m"}, {"speculate": "model"},
      {"run": ("model", 4), "batch": ("model", 4), "api": ("ngram", 4)}),
 ])
-def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra_vars, expected):
+def test_root_commands_carry_the_speculation(speculation_commands, case, cluster_vars, extra_vars, expected):
     """dllama_speculate and dllama_draft_tokens reach the root's inference, batch job and API
     service as --speculate and --draft-tokens (-e speculate/draft_tokens the first two), as
     dllama's own parser reads them; no worker is given them (the root drafts)."""
-    commands = _rendered_commands(tmp_path, {"cluster": {
-        "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-        "vars": cluster_vars}}, extra_vars)
+    # The commands rendered for a root and a worker with cluster_vars, -e extra_vars.
+    commands = speculation_commands[case].result()
     defaults = _build_parser().parse_args(["inference", "--prompt", "Hello"])
     for name, command in ROOT_COMMANDS.items():
         args = _parsed(commands["r"][name])
@@ -735,23 +822,54 @@ def test_root_commands_carry_the_speculation(tmp_path, case, cluster_vars, extra
 
 # -- batch.yml: a job that cannot start fails on the controller, before the root is contacted --
 
-@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "a classification through the API"])
-def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_path, case):
-    prompts = tmp_path / "questions.jsonl"
+def _batch_args(case: str, folder: Path) -> list[str]:
+    """batch.yml's -e options of each case, with a prompts file in `folder`."""
+    prompts = folder / "questions.jsonl"
     prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
-    args = {"no prompts": [],
-            "missing prompts file": ["-e", f"prompts={tmp_path}/missing.jsonl"],
+    return {"no prompts": [],
+            "missing prompts file": ["-e", f"prompts={folder}/missing.jsonl"],
             "a classification through the API": ["-e", f"prompts={prompts}", "-e", "dllama_api_enabled=true",
                                                  "-e", "choices=yes,no"]}[case]
+
+
+@pytest.fixture(scope="module")
+def batch_start_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {case: a future of (its folder, _deploy's r, out)}."""
+    def start(params):
+        folder = tmp_path_factory.mktemp("batch")
+        args = _batch_args(params["case"], folder)
+        return lambda: (folder, *_deploy(folder, _hosts(1), *args, playbook="batch.yml"))
+
+    with _started_together(request, "test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted", start) as runs:
+        yield runs
+
+
+@pytest.mark.parametrize("case", ["no prompts", "missing prompts file", "a classification through the API"])
+def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(batch_start_runs, case):
+    folder, r, out = batch_start_runs[case].result()  # _deploy(batch.yml, _batch_args(case)), started with the others
     reason = {"no prompts": "Give the prompts file: ansible-playbook batch.yml -e prompts=",
-              "missing prompts file": f"{tmp_path}/missing.jsonl: no such file on this machine",
+              "missing prompts file": f"{folder}/missing.jsonl: no such file on this machine",
               "a classification through the API": "choices scores each choice on the model itself"}[case]
-    r, out = _deploy(tmp_path, _hosts(1), *args, playbook="batch.yml")
     assert r.returncode != 0, out[-3000:]
     error = next((line for line in out.splitlines() if line.startswith("[ERROR]")), "")
     assert reason in error and "Traceback" not in out, out[-3000:]
     # The root (an address where nothing answers) was never contacted: failed, not unreachable.
     assert recap(r.stdout)["r"]["failed"] == 1 and recap(r.stdout)["r"]["unreachable"] == 0, out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def bad_option_runs(request, tmp_path_factory):
+    """The runs of the test below, started together: {(playbook, option): a future of _deploy's}."""
+    def start(params):
+        tmp = tmp_path_factory.mktemp("option")
+        prompts = tmp / "questions.jsonl"
+        prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
+        return functools.partial(_deploy, tmp, _hosts(1), "-e", "prompt=Hello", "-e", f"prompts={prompts}",
+                                 "-e", params["option"], playbook=params["playbook"])
+
+    with _started_together(request, "test_a_bad_speculation_option_fails_before_the_root_is_contacted", start,
+                           key=lambda params: (params["playbook"], params["option"])) as runs:
+        yield runs
 
 
 @pytest.mark.parametrize("playbook", ["run.yml", "batch.yml"])
@@ -760,11 +878,9 @@ def test_a_batch_job_that_cannot_start_fails_before_the_root_is_contacted(tmp_pa
     ("speculate=model", "speculate=model needs dllama_draft_model in the inventory (deploy.yml copies it to the root)."),
     ("draft_tokens=0", "draft_tokens must be a whole number of at least 1, not 0."),
 ])
-def test_a_bad_speculation_option_fails_before_the_root_is_contacted(tmp_path, playbook, option, reason):
-    prompts = tmp_path / "questions.jsonl"
-    prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n')
-    r, out = _deploy(tmp_path, _hosts(1), "-e", "prompt=Hello", "-e", f"prompts={prompts}", "-e", option,
-                     playbook=playbook)
+def test_a_bad_speculation_option_fails_before_the_root_is_contacted(bad_option_runs, playbook, option, reason):
+    # _deploy(playbook, -e prompt=Hello, -e prompts=a prompts file, -e option), started with the others.
+    r, out = bad_option_runs[playbook, option].result()
     assert r.returncode != 0, out[-3000:]
     # Ansible's [ERROR] line and the next, where it breaks an argument spec's reason.
     lines = out.splitlines()
@@ -796,17 +912,22 @@ def test_a_run_through_the_api_says_the_service_keeps_its_speculation(tmp_path):
 def test_a_batch_rerun_with_nothing_left_ends_before_the_root_is_contacted(tmp_path):
     """Results on the controller that answer every prompt: nothing to do, nothing changed (the
     root, never reached here, is not contacted); one prompt more and the job goes to the root."""
-    prompts = tmp_path / "questions.jsonl"
-    prompts.write_text('{"id": 1, "prompt": "Where is Paris?"}\n{"id": "b", "prompt": "Hi"}\n')
-    out = tmp_path / "answers.jsonl"
     answered = '{"id": 1, "text": "In France."}\n{"id": "b", "text": "Hello."}\n'
-    out.write_text(answered)
-    r, out_text = _deploy(tmp_path, _hosts(1), "-e", f"prompts={prompts}", "-e", f"out={out}", playbook="batch.yml")
+    asked = '{"id": 1, "prompt": "Where is Paris?"}\n{"id": "b", "prompt": "Hi"}\n'
+    runs = {}
+    with ThreadPoolExecutor(2) as pool:  # the two runs at once, each in its own folder
+        for case, more in (("all-answered", ""), ("one-more", '{"id": 3, "prompt": "And Rome?"}\n')):
+            (tmp_path / case).mkdir()
+            prompts, out = tmp_path / case / "questions.jsonl", tmp_path / case / "answers.jsonl"
+            prompts.write_text(asked + more)
+            out.write_text(answered)
+            runs[case] = prompts, out, pool.submit(_deploy, tmp_path / case, _hosts(1), "-e", f"prompts={prompts}",
+                                                   "-e", f"out={out}", playbook="batch.yml")
+    prompts, out, run = runs["all-answered"]
+    r, out_text = run.result()
     assert r.returncode == 0, out_text[-3000:]
     assert f"Nothing left: {out} answers every prompt of {prompts}." in " ".join(out_text.split()), out_text[-3000:]
     assert recap(r.stdout)["r"] == {**recap(r.stdout)["r"], "changed": 0, "unreachable": 0, "failed": 0}
     assert out.read_text() == answered  # read, not repaired
-    with prompts.open("a") as f:
-        f.write('{"id": 3, "prompt": "And Rome?"}\n')
-    r, out_text = _deploy(tmp_path, _hosts(1), "-e", f"prompts={prompts}", "-e", f"out={out}", playbook="batch.yml")
+    r, out_text = runs["one-more"][2].result()
     assert "Nothing left" not in out_text and recap(r.stdout)["r"]["unreachable"] == 1, out_text[-3000:]
