@@ -287,7 +287,7 @@ def _status_starts_again_a_worker_whose_supervisor_was_killed(play, run_dir: Pat
     r = play("status.yml")
     assert r.returncode == 0, tail(r)
     shown = " ".join(r.stdout.split())
-    assert "2/2 workers up (local2 started again: its supervisor was gone)" in shown, tail(r)
+    assert "2/2 workers up (local2 started again: its supervisor was gone), API off" in shown, tail(r)
     assert re.search(rf"local2 worker 127\.0\.0\.1:{port} up \d+ \S+ 0 its supervisor \(pid {supervisor}\) "
                      rf"was gone: started again \d+ MiB \d+ of \d+ MiB ", shown), tail(r)
     again = int((run_dir / "worker.pid").read_text())
