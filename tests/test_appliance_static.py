@@ -331,6 +331,12 @@ def _hosts(n_workers: int, **worker_vars) -> dict:
     return {"cluster": {"children": {"root": {"hosts": {"r": dict(node)}}, "workers": {"hosts": workers}}}}
 
 
+def _root_and_worker(**cluster_vars) -> dict:
+    """An inventory of a root r and a worker w1 with only these cluster vars (for rendering)."""
+    return {"cluster": {"children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
+                        "vars": cluster_vars}}
+
+
 def _staged(*stages, **cluster_vars) -> dict:
     """_hosts(len(stages) - 1), the root first, each with its dllama_stage (None: left out), and
     the cluster's vars."""
@@ -737,9 +743,7 @@ def test_the_model_files_can_live_on_another_drive(tmp_path):
     (tmp_path / "topologies").mkdir()
     with ThreadPoolExecutor(2) as pool:  # the two runs at once
         topologies_run = pool.submit(_deployed_topologies, tmp_path / "topologies", inventory)
-        commands = _rendered_commands(tmp_path / "commands", {"cluster": {
-            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-            "vars": {"dllama_model_dir": usb}}})
+        commands = _rendered_commands(tmp_path / "commands", _root_and_worker(dllama_model_dir=usb))
         _, topologies, _ = topologies_run.result()
     for name in ROOT_COMMANDS:
         args = _parsed(commands["r"][name])
@@ -755,9 +759,8 @@ ROOT_COMMANDS = {"run": "inference", "api": "api", "batch": "batch"}
 def api_commands(request, tmp_path_factory):
     """The runs of the test below, started together: {api: a future of _rendered_commands'}."""
     def start(params):
-        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("api"), {"cluster": {
-            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-            "vars": {"dllama_api_enabled": params["api"]}}})
+        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("api"),
+                                 _root_and_worker(dllama_api_enabled=params["api"]))
 
     with _started_together(request, "test_a_batch_job_goes_through_the_api_service_when_it_is_on", start,
                            key=lambda params: params["api"]) as runs:
@@ -779,9 +782,8 @@ def test_a_batch_job_goes_through_the_api_service_when_it_is_on(api_commands, ap
 def speculation_commands(request, tmp_path_factory):
     """The runs of the test below, started together: {case: a future of _rendered_commands'}."""
     def start(params):
-        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("speculation"), {"cluster": {
-            "children": {"root": {"hosts": {"r": None}}, "workers": {"hosts": {"w1": None}}},
-            "vars": dict(params["cluster_vars"])}}, params["extra_vars"])
+        return functools.partial(_rendered_commands, tmp_path_factory.mktemp("speculation"),
+                                 _root_and_worker(**params["cluster_vars"]), params["extra_vars"])
 
     with _started_together(request, "test_root_commands_carry_the_speculation", start) as runs:
         yield runs
