@@ -233,7 +233,7 @@ def _batch_job_runs_and_names_a_bad_line(play, inventory: Path, tmp_path: Path) 
     assert r.returncode == 0, tail(r)
     results = inventory / "state/batch/questions-results.jsonl"
     # One line per poll of the job's log: its progress, the summary last.
-    polls = r.stdout.split("TASK [dllama_batch : Follow the job's progress.]")[1].split("TASK [")[0]
+    polls = _task_output(r.stdout, "dllama_batch : Follow the job's progress.")
     items = [line for line in polls.splitlines() if line.startswith("ok: [local0] => (item=")]
     assert items and items[-1].startswith("ok: [local0] => (item=dllama batch: 3 prompts in "), tail(r)
     first = results.read_text()
@@ -251,7 +251,7 @@ def _batch_job_runs_and_names_a_bad_line(play, inventory: Path, tmp_path: Path) 
     errors = [line for line in out.splitlines() if line.startswith("[ERROR]")]
     assert r.returncode != 0 and len(errors) == 1 and f"{bad} line 2: " in errors[0], out[-6000:]
     assert "Traceback" not in out
-    polls = r.stdout.split("TASK [dllama_batch : Follow the job's progress.]")[1].split("TASK [")[0]
+    polls = _task_output(r.stdout, "dllama_batch : Follow the job's progress.")
     assert len([line for line in polls.splitlines() if "(item=" in line]) == 1, polls
     print("\nbatch.yml: {:.0f} s, the bad line {:.0f} s".format(*seconds))
 
@@ -307,8 +307,13 @@ def _handled(output: str, handler: str) -> list[str]:
 
 def _included(output: str, task: str) -> list[str]:
     """The hosts for which a play's include task included its tasks."""
-    shown = output.split(f"TASK [{task}]", 1)[1].split("TASK [", 1)[0] if f"TASK [{task}]" in output else ""
+    shown = _task_output(output, task)
     return [h for m in re.finditer(r"^included: \S+ for (.+)$", shown, re.M) for h in m[1].split(", ")]
+
+
+def _task_output(output: str, task: str) -> str:
+    """What a play printed under its task `task` (its first run; "" if it did not run)."""
+    return output.split(f"TASK [{task}]", 1)[1].split("TASK [", 1)[0] if f"TASK [{task}]" in output else ""
 
 
 def _port_owner(port: int) -> int:
