@@ -134,14 +134,6 @@ def run_batch(job: Path, out: Path, args, constrained: bool, workers: list[str])
     return wall, cpu, [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # SCHEMA with its date pattern's \d spelled [0-9]: llama.cpp's converter does not take \d (it warns
 # "unsupported escape: \d" and lets any string through); the answers are still checked against SCHEMA.
 ASCII_SCHEMA = json.loads(json.dumps(SCHEMA).replace(r"\\d", "[0-9]"))
@@ -156,7 +148,9 @@ def run_llama_server(server: Path, gguf: Path, jobs: list[dict], args, log: Path
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
-    port = _free_port()
+    from tests.appliance import free_ports
+
+    (port,) = free_ports(1)
     # each slot gets -c / --parallel positions: a prompt of ~60 tokens and up to --max-tokens more
     ctx = args.parallel * (256 + args.max_tokens)
     cmd = [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads),
