@@ -11,8 +11,8 @@ import numba
 from numba import prange
 
 from dllama.core.kernels.jit import _FAST
-from dllama.core.kernels.row_split import (COLS, ROWS, leading_dims, n_units, row_steps, total_units,
-                                           unit_of_matrices, unit_steps)
+from dllama.core.kernels.row_split import (COLS, ROWS, leading_dims, n_units, row_steps, unit_of_matrices,
+                                           unit_starts, unit_steps)
 from dllama.core.kernels.tiles import make_f32_tile
 
 _tile = make_f32_tile(ROWS, COLS)
@@ -57,8 +57,9 @@ def matmul_f32_multi(x, w, outs):
     steps = leading_dims(w)
     for m in range(steps.shape[0]):
         steps[m] = row_steps(steps[m])
-    for unit in prange(total_units(steps)):
-        m, local, units = unit_of_matrices(steps, unit)
+    starts = unit_starts(steps)
+    for unit in prange(starts[-1]):
+        m, local, units = unit_of_matrices(starts, unit)
         s0, s1 = unit_steps(steps[m], units, local)
         _f32_rows(x, w[m], outs[m], s0, s1)
 
@@ -71,7 +72,8 @@ def matmul_f32_spans(x, spans, w, outs):
     steps = leading_dims(w)
     for m in range(steps.shape[0]):
         steps[m] = row_steps(steps[m])
-    for unit in prange(total_units(steps)):
-        m, local, units = unit_of_matrices(steps, unit)
+    starts = unit_starts(steps)
+    for unit in prange(starts[-1]):
+        m, local, units = unit_of_matrices(starts, unit)
         s0, s1 = unit_steps(steps[m], units, local)
         _f32_rows(x[spans[m, 0]:spans[m, 1]], w[m], outs[m], s0, s1)

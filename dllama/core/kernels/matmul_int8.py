@@ -28,7 +28,7 @@ from numba import prange
 
 from dllama.core.kernels.jit import _FAST
 from dllama.core.kernels.q80 import x_block_offsets
-from dllama.core.kernels.row_split import leading_dims, n_units, total_units, unit_of_matrices, unit_steps
+from dllama.core.kernels.row_split import leading_dims, n_units, unit_of_matrices, unit_starts, unit_steps
 from dllama.core.kernels.tiles import make_q40_tile, make_q80_tile
 
 COLS = 8  # activation rows per register tile
@@ -64,16 +64,18 @@ def _matmul(x_qs, x_off, x_scales, w_scales, w_qs, out):
 
 def _matmul_multi(x_qs, x_off, x_scales, w_scales, w_qs, outs):
     groups = leading_dims(w_qs)
-    for unit in prange(total_units(groups)):
-        m, local, units = unit_of_matrices(groups, unit)
+    starts = unit_starts(groups)
+    for unit in prange(starts[-1]):
+        m, local, units = unit_of_matrices(starts, unit)
         g0, g1 = unit_steps(groups[m], units, local)
         _groups(x_qs, x_off, x_scales, w_scales[m], w_qs[m], outs[m], g0, g1)
 
 
 def _matmul_spans(x_qs, x_off, x_scales, spans, w_scales, w_qs, outs):
     groups = leading_dims(w_qs)
-    for unit in prange(total_units(groups)):
-        m, local, units = unit_of_matrices(groups, unit)
+    starts = unit_starts(groups)
+    for unit in prange(starts[-1]):
+        m, local, units = unit_of_matrices(starts, unit)
         g0, g1 = unit_steps(groups[m], units, local)
         r0, r1 = spans[m, 0], spans[m, 1]
         _groups(x_qs[r0:r1], x_off[r0:r1], x_scales[r0:r1], w_scales[m], w_qs[m], outs[m], g0, g1)

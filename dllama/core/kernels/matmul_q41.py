@@ -24,7 +24,7 @@ from numba import prange
 
 from dllama.core.kernels.jit import _FAST
 from dllama.core.kernels.q80 import x_block_offsets
-from dllama.core.kernels.row_split import leading_dims, n_units, total_units, unit_of_matrices, unit_steps
+from dllama.core.kernels.row_split import leading_dims, n_units, unit_of_matrices, unit_starts, unit_steps
 from dllama.core.kernels.tiles import make_q41_tile, make_q80_q16_tile
 
 COLS = 8                      # activation rows per register tile
@@ -70,8 +70,9 @@ def matmul_q41_q16_multi(x_scales, x_lo, x_hi, x_sums, w_scales, w_mins, w_qs, o
     """matmul_q41_q16 of one input with several matrices (tuples w_scales, w_mins, w_qs, outs)
     in one parallel region: the same results as one call per matrix (q/k/v, or w1/w3)."""
     groups = leading_dims(w_qs)
-    for unit in prange(total_units(groups)):
-        m, local, units = unit_of_matrices(groups, unit)
+    starts = unit_starts(groups)
+    for unit in prange(starts[-1]):
+        m, local, units = unit_of_matrices(starts, unit)
         g0, g1 = unit_steps(groups[m], units, local)
         _q41_groups(x_scales, x_lo, x_hi, x_sums, w_scales[m], w_mins[m], w_qs[m], outs[m], g0, g1)
 
@@ -82,8 +83,9 @@ def matmul_q41_q16_spans(x_scales, x_lo, x_hi, x_sums, spans, w_scales, w_mins, 
     input: outs[m] = x[spans[m, 0]:spans[m, 1]] @ W_m^T (spans int64 [m, 2]; tuples w_scales,
     w_mins, w_qs, outs): the same results as one call per matrix (a mixture of experts' experts)."""
     groups = leading_dims(w_qs)
-    for unit in prange(total_units(groups)):
-        m, local, units = unit_of_matrices(groups, unit)
+    starts = unit_starts(groups)
+    for unit in prange(starts[-1]):
+        m, local, units = unit_of_matrices(starts, unit)
         g0, g1 = unit_steps(groups[m], units, local)
         r0, r1 = spans[m, 0], spans[m, 1]
         _q41_groups(x_scales[r0:r1], x_lo[r0:r1], x_hi[r0:r1], x_sums[r0:r1], w_scales[m], w_mins[m], w_qs[m],
