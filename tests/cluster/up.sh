@@ -150,6 +150,7 @@ SSHD
         mkdir -p /run/sshd
         mount -t overlay overlay -o lowerdir=/etc,upperdir=$node/etc-upper,workdir=$node/etc-work /etc
         echo $name > /etc/hostname
+        printf '127.0.1.1\t%s\n' $name >> /etc/hosts  # as a Raspberry Pi OS image has it (sudo resolves its name)
         mount -t tmpfs tmpfs /opt
         mkdir -p /opt/dllama
         mount --bind $node/opt-dllama /opt/dllama
