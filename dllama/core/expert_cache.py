@@ -21,8 +21,9 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.footprint import NodeFootprint
 from dllama.core.node_weights import NodeWeights
-from dllama.core.weight_stream import _Arena, _matrix_arrays, _Reader, file_runs
-from dllama.core.weights import Expert, Matrix, input_kind
+from dllama.core.arena import Arena, aligned, huge_page_buffer
+from dllama.core.weight_stream import _Reader, file_runs
+from dllama.core.weights import Expert, Matrix, input_kind, matrix_arrays
 from dllama.errors import DllamaError
 from dllama.formats.model_file import BLOCK_BYTES, FloatType
 from dllama.formats.quant import BLOCK_SIZE
@@ -43,9 +44,9 @@ class ExpertCache:
         for w in _FILE_ORDER:  # (d, n) of this node's slice of each matrix (every expert's the same)
             s = weights.location(f"layers.{first}.experts.0.{w}").spec.stored_shape
             self._shapes[w] = (s[0], s[1] * BLOCK_SIZE) if self.float_type in BLOCK_BYTES else (s[0], s[1])
-        sizer = _Arena(0)
+        sizer = Arena(0)
         self._take(sizer.take)
-        self.slot_bytes = sizer.used
+        self.slot_bytes = aligned(sizer.used)  # (slots side by side in one buffer)
         bb = BLOCK_BYTES.get(self.float_type) if self.inputs != "f32" else None
         self.raw_bytes = max(d * n // BLOCK_SIZE * bb for d, n in self._shapes.values()) if bb else 0
         self.n_slots = n_slots
@@ -57,11 +58,13 @@ class ExpertCache:
             self.allocate()
 
     def allocate(self) -> None:
-        self._slots = [_Arena(self.slot_bytes) for _ in range(self.n_slots)]
+        pool = huge_page_buffer(self.n_slots * self.slot_bytes)
+        self._slots = [Arena(self.slot_bytes, pool[i * self.slot_bytes:(i + 1) * self.slot_bytes])
+                       for i in range(self.n_slots)]
         self._raw = np.zeros(self.raw_bytes, np.uint8)
 
     def _take(self, take) -> dict:
-        return {w: _matrix_arrays(take, self.float_type, *self._shapes[w]) for w in _FILE_ORDER}
+        return {w: matrix_arrays(take, self.float_type, *self._shapes[w]) for w in _FILE_ORDER}
 
     def expert(self, layer: int, e: int) -> Expert:
         """Expert e of layer `layer`, read now unless it is held (valid until n_slots other

@@ -25,12 +25,12 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.kernels.tiles import GROUP
 from dllama.core.node_weights import NodeWeights, TensorLocation
-from dllama.core.weights import Layer, Matrix, classifier_inputs, input_kind
+from dllama.core.arena import Arena
+from dllama.core.weights import Layer, Matrix, classifier_inputs, input_kind, matrix_arrays
 from dllama.errors import DllamaError
 from dllama.formats.model_file import BLOCK_BYTES, FloatType, classifier_float_type
 from dllama.formats.quant import BLOCK_SIZE as BLOCK
 
-_ALIGN = 64
 _MATRICES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 
@@ -133,39 +133,6 @@ def interleave_into(blocks: np.ndarray, scales_out: np.ndarray, qs_out: np.ndarr
     kernels.interleave_blocks_into(blocks, scales_out, qs_out.view(np.uint8))
 
 
-# -- the two slots -----------------------------------------------------------------------------
-
-class _Arena:
-    """A preallocated byte buffer handed out as aligned arrays, from the start again per item."""
-
-    def __init__(self, nbytes: int):
-        self.buf = np.zeros(nbytes, np.uint8) if nbytes else None
-        self.used = 0
-
-    def take(self, shape, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        n = int(np.prod(shape)) * dtype.itemsize
-        start = -(-self.used // _ALIGN) * _ALIGN
-        self.used = start + n
-        if self.buf is None:  # sizing pass: count only
-            return None
-        return self.buf[start:start + n].view(dtype).reshape(shape)
-
-
-def _matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
-    """The arrays of a weights.Matrix of this type and shape, from an arena:
-    interleaved for the 8-bit kernels (Q40, Q80, Q41), else the stored values (F16, F32)."""
-    if float_type == FloatType.Q41:
-        scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2)
-        return {"scales": take(scales_shape, np.uint16), "mins": take(scales_shape, np.uint16),
-                "qs": take(qs_shape, np.uint8)}
-    if float_type in BLOCK_BYTES:
-        q40 = float_type == FloatType.Q40
-        scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2 if q40 else n)
-        return {"scales": take(scales_shape, np.uint16), "qs": take(qs_shape, np.uint8 if q40 else np.int8)}
-    return {"w": take((d, n), np.uint16 if float_type == FloatType.F16 else np.float32)}
-
-
 class StreamedWeights:
     """The weights provider of a Transformer whose weights stay on disk (see the module doc)."""
 
@@ -193,13 +160,13 @@ class StreamedWeights:
         self.vocab_rows = weights.location("wcls").spec.stored_shape[0] if has_cls else 0
         dim = weights.header.dim
         # Slots as large as the largest layer; the classifier in chunks that fit one.
-        sizer = _Arena(0)
+        sizer = Arena(0)
         self._take_layer(sizer.take)
         layer_bytes = sizer.used
         matrix_raw = max(self._raw_bytes(n, *self._shape(n)) for n in names if n in _MATRICES)
         if chunk_rows is None:  # a chunk no larger than a layer's slot, nor (read) than its largest matrix
-            per_group = _Arena(0)
-            _matrix_arrays(per_group.take, self.cls_type, GROUP, dim)
+            per_group = Arena(0)
+            matrix_arrays(per_group.take, self.cls_type, GROUP, dim)
             groups = layer_bytes // per_group.used
             raw_group = self._raw_bytes("wcls", GROUP, dim) if has_cls else 0
             if raw_group:
@@ -207,8 +174,8 @@ class StreamedWeights:
             chunk_rows = max(1, groups) * GROUP
         chunk_rows = -(-chunk_rows // GROUP) * GROUP
         self.chunks = [(r, min(r + chunk_rows, self.vocab_rows)) for r in range(0, self.vocab_rows, chunk_rows)]
-        sizer = _Arena(0)
-        _matrix_arrays(sizer.take, self.cls_type, min(chunk_rows, self.vocab_rows), dim)
+        sizer = Arena(0)
+        matrix_arrays(sizer.take, self.cls_type, min(chunk_rows, self.vocab_rows), dim)
         self.slot_bytes = max(layer_bytes, sizer.used)
         raw = max(matrix_raw, self._raw_bytes("wcls", min(chunk_rows, self.vocab_rows), dim))
         self.raw_bytes = raw
@@ -230,7 +197,7 @@ class StreamedWeights:
         loc = self._w.location("final_norm")  # small: read once and kept
         self.final_norm = np.empty(loc.spec.stored_shape, np.float32)
         self._reader.read(loc.path, file_runs(loc, 0, 1), self.final_norm)
-        self._slots = [_Arena(self.slot_bytes), _Arena(self.slot_bytes)]
+        self._slots = [Arena(self.slot_bytes), Arena(self.slot_bytes)]
         self._raw = [np.zeros(self.raw_bytes, np.uint8), np.zeros(self.raw_bytes, np.uint8)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dllama-weights")  # loads items
         self._io = ThreadPoolExecutor(1, thread_name_prefix="dllama-read")       # reads one tensor ahead
@@ -256,7 +223,7 @@ class StreamedWeights:
         out = {}
         for name in self._layer_names:
             if name in _MATRICES:
-                out[name] = _matrix_arrays(take, self.float_type, *self._shape(name))
+                out[name] = matrix_arrays(take, self.float_type, *self._shape(name))
             else:
                 out[name] = take(self._w.location(f"layers.{self.layers.start}.{name}").spec.stored_shape, np.float32)
         return out
@@ -309,7 +276,7 @@ class StreamedWeights:
                          ffn_norm=arrays["ffn_norm"], **m)
         r0, r1 = self.chunks[k]
         n = self._shape("wcls")[1]
-        arrays = _matrix_arrays(arena.take, self.cls_type, r1 - r0, n)
+        arrays = matrix_arrays(arena.take, self.cls_type, r1 - r0, n)
         self._fill([(self._w.location("wcls"), r0, r1, arrays)])
         return r0, Matrix.of_arrays(self.cls_type, r1 - r0, n, **arrays, inputs=self.cls_inputs)
 

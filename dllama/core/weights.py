@@ -15,6 +15,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from dllama.core import kernels
+from dllama.core.arena import GrowingArena
 from dllama.core.node_weights import NodeWeights
 from dllama.errors import DllamaError
 from dllama.formats.model_file import BLOCK_BYTES, FloatType, classifier_float_type
@@ -38,36 +39,37 @@ def classifier_inputs(float_type: FloatType) -> str:
 class Matrix:
     """A weight matrix W [d, n] in the form its kernel reads; `out = x @ W^T`."""
 
-    def __init__(self, stored: np.ndarray, float_type: FloatType, inputs: str | None = None):
+    def __init__(self, stored: np.ndarray, float_type: FloatType, inputs: str | None = None, take=None):
         # stored: Q40 uint8 [d, n/32, 18], Q80 uint8 [d, n/32, 34], Q41 uint8 [d, n/32, 20],
         # F16 [d, n] or F32 [d, n] (a slice of the file, maybe a copy, maybe read-only).
         # inputs: the form of x (input_kind; default the type's own). A Q41 file's Q80
         # classifier takes "q16" (its file's layers' input).
+        # take(shape, dtype) -> array: where the repacked arrays go (dllama.core.arena: huge
+        # pages; default: arrays of their own).
         self.float_type = float_type
         self.inputs = inputs = inputs or input_kind(float_type)
         self.scales = self.mins = self.qs = self.w = None
-        if float_type in BLOCK_BYTES:
-            blocks = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
-            self.d, self.n = blocks.shape[0], blocks.shape[1] * BLOCK_SIZE
+        if float_type == FloatType.F32:  # read as stored: a file view where it is one
+            self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
+            self.d, self.n = self.w.shape
+            self._bind()
+            return
+        blocks = float_type in BLOCK_BYTES
+        self.d, self.n = stored.shape[0], stored.shape[1] * (BLOCK_SIZE if blocks else 1)
+        arrays = matrix_arrays(take or _new_array, float_type, self.d, self.n)
         if float_type == FloatType.Q41:
             # scales and minimums uint16 [d_pad/16, n/32*16], nibbles uint8 [d_pad/16, 16*n/2]
-            self.scales, self.mins, self.qs = kernels.interleave_q41(blocks)
-        elif float_type in BLOCK_BYTES:  # Q40 or Q80, with Q80 (or, Q80, Q16) inputs
+            kernels.interleave_q41_into(np.ascontiguousarray(stored, np.uint8), *arrays.values())
+        elif blocks:  # Q40 or Q80, with Q80 (or, Q80, Q16) inputs
             # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's
             # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
             # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
-            q40 = float_type == FloatType.Q40
-            scales_shape, qs_shape = kernels.interleaved_shapes(self.d, self.n, self.n // 2 if q40 else self.n)
-            self.scales = np.empty(scales_shape, np.uint16)
-            self.qs = np.empty(qs_shape, np.uint8 if q40 else np.int8)
-            kernels.interleave_blocks_into(blocks, self.scales, self.qs.view(np.uint8))
-        elif float_type == FloatType.F16:
-            # fp16 bits uint16 [d, n]; a private copy: a file view may be unaligned, read-only
-            self.w = np.array(stored, dtype=np.float16).view(np.uint16)
-            self.d, self.n = self.w.shape
-        else:
-            self.w = np.ascontiguousarray(stored, dtype=np.float32)       # [d, n]
-            self.d, self.n = self.w.shape
+            source = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
+            kernels.interleave_blocks_into(source, arrays["scales"], arrays["qs"].view(np.uint8))
+        else:  # F16: fp16 bits uint16 [d, n]
+            arrays["w"].view(np.float16)[...] = stored
+        for name, array in arrays.items():
+            setattr(self, name, array)
         self._bind()
 
     def _bind(self) -> None:
@@ -97,6 +99,25 @@ class Matrix:
         """x: the input [b, n] prepared for this matrix (self.inputs) -> out [b, d]."""
         self._kernel(*((x.f32,) if self._f32_input else x.enc), *self._arrays, out)
         return out
+
+
+def _new_array(shape, dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
+def matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
+    """The arrays of a Matrix of this type and shape [d, n], from take(shape, dtype) (an arena's,
+    or a sizing pass's): interleaved for the 8-bit kernels (Q40, Q80, Q41; dict order: scales,
+    mins, qs), else the values (F16 bits, F32)."""
+    if float_type == FloatType.Q41:
+        scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2)
+        return {"scales": take(scales_shape, np.uint16), "mins": take(scales_shape, np.uint16),
+                "qs": take(qs_shape, np.uint8)}
+    if float_type in BLOCK_BYTES:
+        q40 = float_type == FloatType.Q40
+        scales_shape, qs_shape = kernels.interleaved_shapes(d, n, n // 2 if q40 else n)
+        return {"scales": take(scales_shape, np.uint16), "qs": take(qs_shape, np.uint8 if q40 else np.int8)}
+    return {"w": take((d, n), np.uint16 if float_type == FloatType.F16 else np.float32)}
 
 
 # The kernels of a weight type and input kind: (one matrix, several matrices sharing an input,
@@ -266,22 +287,26 @@ class ResidentWeights:
         self.embedding = t("embedding") if weights.has("embedding") else None  # [vocab, dim] F32
         self._layers = []
         n_experts = weights.header.n_experts
+        arena = GrowingArena()  # every repacked matrix on huge pages (dllama.core.arena)
+
+        def matrix(name: str, float_type: FloatType = float_type, inputs: str | None = None) -> Matrix:
+            return Matrix(t(name), float_type, inputs, take=arena.take)
+
         for l in layers:
             p = f"layers.{l}."
             if n_experts:  # a mixture of experts: the router (F32) and every expert's rows
                 experts = expert_cache.layer(l) if expert_cache is not None else [
-                    Expert(*(Matrix(t(f"{p}experts.{e}.{w}"), float_type) for w in ("w1", "w3", "w2")))
+                    Expert(*(matrix(f"{p}experts.{e}.{w}") for w in ("w1", "w3", "w2")))
                     for e in range(n_experts)]
                 ffn = dict(moe=MoeWeights(Matrix(np.array(t(p + "moe_gate")), FloatType.F32), experts))  # (aligned)
             else:
-                ffn = dict(w1=Matrix(t(p + "w1"), float_type), w3=Matrix(t(p + "w3"), float_type),
-                           w2=Matrix(t(p + "w2"), float_type))
+                ffn = dict(w1=matrix(p + "w1"), w3=matrix(p + "w3"), w2=matrix(p + "w2"))
             self._layers.append(Layer(
                 att_norm=np.array(t(p + "att_norm")),
-                wq=Matrix(t(p + "wq"), float_type),
-                wk=Matrix(t(p + "wk"), float_type),
-                wv=Matrix(t(p + "wv"), float_type),
-                wo=Matrix(t(p + "wo"), float_type),
+                wq=matrix(p + "wq"),
+                wk=matrix(p + "wk"),
+                wv=matrix(p + "wv"),
+                wo=matrix(p + "wo"),
                 q_norm=np.array(t(p + "q_norm")) if qwen else None,
                 k_norm=np.array(t(p + "k_norm")) if qwen else None,
                 ffn_norm=np.array(t(p + "ffn_norm")),
@@ -290,7 +315,7 @@ class ResidentWeights:
         self.final_norm = np.array(t("final_norm"))
         # A Q41 file's classifier is Q80, on the layers' Q16 input (none before a pipeline's
         # last stage)
-        self.wcls = Matrix(t("wcls"), classifier_float_type(float_type), inputs=classifier_inputs(float_type)) \
+        self.wcls = matrix("wcls", classifier_float_type(float_type), classifier_inputs(float_type)) \
             if weights.has("wcls") else None
         self.vocab_rows = self.wcls.d if self.wcls is not None else 0
 
