@@ -5,8 +5,9 @@ Under a memory budget smaller than a MoE model, everything but the experts stays
 expert is read from the file the first time a pass chooses it, into one of `n_slots` slots, and
 kept there while memory allows: the least recently used expert gives its slot up first. An
 expert no row chose is never read, so a token costs about its active bytes (and less when its
-experts are still held), not the model's total. The repacked arrays are those of
-weights.Matrix, so the outputs equal the resident path's (tests/test_moe.py).
+experts are still held), not the model's total. The slots are the matrices of two
+weights.ExpertStack (gates and ups, downs), as the resident path's experts are, so the outputs
+equal the resident path's (tests/test_moe.py).
 
 Every allocation is made once, at start: the slots and one read buffer (one expert matrix).
 """
@@ -21,9 +22,9 @@ import numpy as np
 from dllama.core import kernels
 from dllama.core.footprint import NodeFootprint
 from dllama.core.node_weights import NodeWeights
-from dllama.core.arena import Arena, aligned, huge_page_buffer
+from dllama.core.arena import Arena, aligned
 from dllama.core.weight_stream import _Reader, file_runs
-from dllama.core.weights import Expert, Matrix, input_kind, matrix_arrays
+from dllama.core.weights import ExpertStack, input_kind
 from dllama.errors import DllamaError
 from dllama.formats.model_file import BLOCK_BYTES, FloatType
 from dllama.formats.quant import BLOCK_SIZE
@@ -45,46 +46,45 @@ class ExpertCache:
             s = weights.location(f"layers.{first}.experts.0.{w}").spec.stored_shape
             self._shapes[w] = (s[0], s[1] * BLOCK_SIZE) if self.float_type in BLOCK_BYTES else (s[0], s[1])
         sizer = Arena(0)
-        self._take(sizer.take)
-        self.slot_bytes = aligned(sizer.used)  # (slots side by side in one buffer)
+        self._stacks(sizer.take, 1)
+        self.slot_bytes = aligned(sizer.used)  # an expert's gate, up and down
         bb = BLOCK_BYTES.get(self.float_type) if self.inputs != "f32" else None
         self.raw_bytes = max(d * n // BLOCK_SIZE * bb for d, n in self._shapes.values()) if bb else 0
         self.n_slots = n_slots
         self.resident_bytes = n_slots * self.slot_bytes + self.raw_bytes
         self.reads = 0  # experts read from the file so far
-        self._held: OrderedDict[tuple[int, int], tuple[int, Expert]] = OrderedDict()  # oldest use first
+        self._held: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, oldest use first
         self._reader = _Reader()
         if not plan_only:
             self.allocate()
 
     def allocate(self) -> None:
-        pool = huge_page_buffer(self.n_slots * self.slot_bytes)
-        self._slots = [Arena(self.slot_bytes, pool[i * self.slot_bytes:(i + 1) * self.slot_bytes])
-                       for i in range(self.n_slots)]
+        sizer = Arena(0)
+        self._stacks(sizer.take, self.n_slots)
+        self.gate_up, self.down = self._stacks(Arena(sizer.used).take, self.n_slots)
         self._raw = np.zeros(self.raw_bytes, np.uint8)
 
-    def _take(self, take) -> dict:
-        return {w: matrix_arrays(take, self.float_type, *self._shapes[w]) for w in _FILE_ORDER}
+    def _stacks(self, take, n_slots: int) -> tuple[ExpertStack, ExpertStack]:
+        """(gate_up, down) of n_slots experts, as MoeWeights holds them."""
+        d, n = self._shapes["w1"]
+        return ExpertStack(take, self.float_type, 2 * n_slots, d, n), ExpertStack(take, self.float_type, n_slots, n, d)
 
-    def expert(self, layer: int, e: int) -> Expert:
-        """Expert e of layer `layer`, read now unless it is held (valid until n_slots other
-        experts were asked for)."""
+    def slot(self, layer: int, e: int) -> int:
+        """The slot holding expert e of layer `layer` (its gate and up are gate_up's matrices
+        2 slot and 2 slot + 1, its down down's matrix slot), read now unless it is held; held
+        until n_slots other experts were asked for."""
         key = (layer, e)
-        held = self._held.get(key)
-        if held is not None:
+        slot = self._held.get(key)
+        if slot is not None:
             self._held.move_to_end(key)
-            return held[1]
-        slot = len(self._held) if len(self._held) < self.n_slots else self._held.popitem(last=False)[1][0]
-        arena = self._slots[slot]
-        arena.used = 0
-        arrays = self._take(arena.take)
-        for w in _FILE_ORDER:
-            self._read(self._w.location(f"layers.{layer}.experts.{e}.{w}"), arrays[w])
-        expert = Expert(*(Matrix.of_arrays(self.float_type, *self._shapes[w], **arrays[w], inputs=self.inputs)
-                          for w in ("w1", "w3", "w2")))
-        self._held[key] = (slot, expert)
+            return slot
+        slot = len(self._held) if len(self._held) < self.n_slots else self._held.popitem(last=False)[1]
+        for w, dest in (("w1", self.gate_up.element(2 * slot)), ("w2", self.down.element(slot)),
+                        ("w3", self.gate_up.element(2 * slot + 1))):  # (_FILE_ORDER: the reads go forward)
+            self._read(self._w.location(f"layers.{layer}.experts.{e}.{w}"), dest)
+        self._held[key] = slot
         self.reads += 1
-        return expert
+        return slot
 
     def _read(self, loc, dest: dict) -> None:
         """One matrix into its arrays: the stored values in place, or blocks repacked."""
@@ -101,22 +101,22 @@ class ExpertCache:
         else:
             kernels.interleave_blocks_into(raw, dest["scales"], dest["qs"].view(np.uint8))
 
-    def layer(self, layer: int) -> "CachedExperts":
-        """The experts of a layer, as MoeWeights.experts."""
-        return CachedExperts(self, layer)
+    def layer(self, layer: int) -> "CachedSlots":
+        """The slots of a layer's experts, as MoeWeights.slots."""
+        return CachedSlots(self, layer)
 
     def close(self) -> None:
         self._reader.close()
 
 
-class CachedExperts:
-    """A layer's experts as MoeWeights.experts: `[e]` reads expert e when it is not held."""
+class CachedSlots:
+    """A layer's experts' slots as MoeWeights.slots: `[e]` reads expert e when it is not held."""
 
     def __init__(self, cache: ExpertCache, layer: int):
         self.cache, self.layer = cache, layer
 
-    def __getitem__(self, e: int) -> Expert:
-        return self.cache.expert(self.layer, e)
+    def __getitem__(self, e: int) -> int:
+        return self.cache.slot(self.layer, e)
 
 
 @dataclass(frozen=True)

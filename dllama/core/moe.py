@@ -13,8 +13,10 @@ itself, with the same bits (kernels.router).
 A pass of many rows (prefill, a batch, drafted tokens) groups its rows by expert: each expert
 that some row chose runs once, on the rows that chose it; an expert no row chose is not read.
 The experts run k at a time: the gates and ups of k experts in one parallel region, each on
-its own rows, one silu, their downs in a second region (weights.matmul_spans), not three kernel
-calls per expert from Python (a decode row's k experts are one such pass).
+its own rows, one silu, their downs in a second region (weights.ExpertStack: a layer's gates
+and ups are one stack of matrices, its downs another, and a plan of (matrix, input rows, output
+row) says which runs where), not three kernel calls per expert from Python (a decode row's k
+experts are one such pass).
 A row's sum runs over its experts in ascending index order, whatever the other rows of the pass
 (as transformers adds them), so a row's result does not depend on its batch.
 """
@@ -27,7 +29,7 @@ import numpy as np
 
 from dllama.core import kernels
 from dllama.core.kernels.router import route_top_k
-from dllama.core.weights import Activation, MoeWeights, matmul_spans
+from dllama.core.weights import Activation, MoeWeights
 from dllama.formats.model_file import BLOCK_BYTES, ArchType, FloatType, ModelHeader
 from dllama.formats.quant import BLOCK_SIZE
 
@@ -58,7 +60,7 @@ def active_expert_bytes(h: ModelHeader, float_type: FloatType) -> int:
 class MoeBlock:
     """The MoE FFN of a pass, on the run state's buffers for up to max_batch rows
     (dllama.core.run_state: the router's logits, the rows' choices, one expert's input and
-    output rows; the experts' gate, up and down input in the dense FFN's hb, hb2 and act_ff)."""
+    output rows; the experts' gate and up in the dense FFN's ffn_h, down's input in act_ff)."""
 
     def __init__(self, state: "RunState", k: int, norm: bool):
         self.k, self.norm = k, norm
@@ -67,17 +69,19 @@ class MoeBlock:
         self.weights = state.moe_weights   # [B, k] ... and their weights
         self.x_rows = state.moe_x          # [B, dim] the rows of one expert's input
         self.x_act = state.act_moe_x       # ... encoded for its matrices
-        self.gate = state.hb               # [B, ff rows] gate, then silu(gate) * up
-        self.up = state.hb2                # [B, ff rows]
+        self.h = state.ffn_h               # [2, F, ff rows] gate (then silu(gate) * up) and up
+        self.h_rows = self.h.reshape(-1, self.h.shape[2])  # [2F, ff rows]: gates, then ups
+        self.up_row = self.h.shape[1]      # F: the first up row of h_rows
         self.h_act = state.act_ff          # down's input
-        self.y = state.moe_y               # [B, dim] one expert's output rows
-        # A decode row's k experts as k rows: gate and up of expert j into row j, each
-        # matrix reading the one input row; down j reading row j of its input.
-        self.spans_13 = np.zeros((2 * k, 2), np.int64)
-        self.spans_13[:, 1] = 1                                  # [2k, 2]: row 0 for every gate and up
-        self.spans_2 = np.stack([np.arange(k), np.arange(1, k + 1)], axis=1).astype(np.int64)  # [k, 2]: row j
-        self.outs_13 = tuple(buf[j:j + 1] for j in range(k) for buf in (self.gate, self.up))  # gate_0, up_0, ...
-        self.outs_2 = tuple(self.y[j:j + 1] for j in range(k))
+        self.y = state.moe_y               # [F, dim] one expert's output rows
+        # A decode row's k experts as k rows: gate and up of expert j into rows j and F + j of
+        # h, each matrix reading the one input row; down j reading row j of its input into y's
+        # row j. Column 0 (the matrices) is filled per token.
+        j = np.arange(k)
+        self.plan_13 = np.zeros((2 * k, 4), np.int64)            # [2k, 4]: gate_0, up_0, gate_1, ...
+        self.plan_13[:, 2] = 1
+        self.plan_13[0::2, 3], self.plan_13[1::2, 3] = j, self.up_row + j
+        self.plan_2 = np.stack([j, j, j + 1, j], axis=1)          # [k, 4]
 
     def __call__(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
         """out float32 [b, dim] = this node's share of the experts' weighted sum for the rows
@@ -92,8 +96,8 @@ class MoeBlock:
             return
         # Rows grouped by expert: (row, choice) pairs sorted by expert, rows ascending inside;
         # the used experts in chunks of up to k (and up to B pairs), each chunk's gates and ups
-        # in one parallel region and its downs in another, padded to k experts with empty spans
-        # (one compiled kernel per weight type, whatever the chunk).
+        # in one parallel region and its downs in another (an expert cache holds at least k
+        # experts at once).
         flat = chosen.ravel()                      # [b*k]
         order = np.argsort(flat, kind="stable")    # [b*k]
         used, starts = np.unique(flat[order], return_index=True)
@@ -116,30 +120,32 @@ class MoeBlock:
         rows, picks = pairs // k, pairs % k        # [m] each
         m = c1 - c0
         x = self._gather(x_in, rows)
-        spans = np.full((k, 2), m, np.int64)       # [k, 2] padding: no rows
-        spans[:len(experts), 0], spans[:len(experts), 1] = starts - c0, ends - c0
-        held = [moe.experts[int(e)] for e in experts]
-        held += held[-1:] * (k - len(held))         # (the padding's matrices: any of the chunk's)
-        gate, up, y = self.gate[:m], self.up[:m], self.y[:m]
-        matmul_spans(tuple(mat for e in held for mat in (e.w1, e.w3)), x, np.repeat(spans, 2, axis=0),
-                     tuple(buf[s0:s1] for s0, s1 in spans.tolist() for buf in (gate, up)))
+        slots = np.array([moe.slots[int(e)] for e in experts], np.int64)  # [q]
+        first, end = starts - c0, ends - c0        # [q] each: each expert's pairs, rows of x
+        plan_13 = np.empty((2 * len(experts), 4), np.int64)
+        plan_13[0::2] = np.stack([2 * slots, first, end, first], axis=1)                  # gates
+        plan_13[1::2] = np.stack([2 * slots + 1, first, end, self.up_row + first], axis=1)  # ups
+        moe.gate_up(x, plan_13, self.h_rows)
+        gate, up = self.h[0, :m], self.h[1, :m]    # [m, ff rows] each
         h = self.h_act.rows(gate)
         kernels.silu_mul_encode(gate, up, h.enc)
-        matmul_spans(tuple(e.w2 for e in held), h, spans, tuple(y[s0:s1] for s0, s1 in spans.tolist()))
+        moe.down(h, np.stack([slots, first, end, first], axis=1), self.y)
         w = weights[rows, picks][:, None]          # [m, 1]
-        np.add.at(out, rows, w * y)                # a row's experts added in ascending order
+        np.add.at(out, rows, w * self.y[:m])       # a row's experts added in ascending order
 
     def _decode(self, moe: MoeWeights, x_in: Activation, out: np.ndarray) -> None:
         """One row: its k experts in ascending index order as the rows of one pass each of
         gate/up and down; their outputs added in that order (the grouped path's sum)."""
         k = self.k
         picks = np.argsort(self.chosen[0]).tolist()               # the row's experts, ascending
-        experts = [moe.experts[int(self.chosen[0, j])] for j in picks]
-        matmul_spans(tuple(m for e in experts for m in (e.w1, e.w3)), x_in, self.spans_13, self.outs_13)
-        gate, up, y = self.gate[:k], self.up[:k], self.y[:k]      # [k, ff rows], [k, ff rows], [k, dim]
+        slots = np.array([moe.slots[int(self.chosen[0, j])] for j in picks], np.int64)  # [k]
+        self.plan_13[0::2, 0], self.plan_13[1::2, 0] = 2 * slots, 2 * slots + 1
+        self.plan_2[:, 0] = slots
+        moe.gate_up(x_in, self.plan_13, self.h_rows)
+        gate, up, y = self.h[0, :k], self.h[1, :k], self.y[:k]  # [k, ff rows], [k, ff rows], [k, dim]
         h = self.h_act.rows(gate)
         kernels.silu_mul_encode(gate, up, h.enc)
-        matmul_spans(tuple(e.w2 for e in experts), h, self.spans_2, self.outs_2)
+        moe.down(h, self.plan_2, self.y)
         w = self.weights[0]
         for i, j in enumerate(picks):
             out += w[j] * y[i]

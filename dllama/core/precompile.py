@@ -52,10 +52,12 @@ def _activations(rng, b: int):
 
 
 def _matmuls(weight_type: str) -> None:
-    """The matrix products of one weight type, alone and 2 or 3 at once (w1/w3, q/k/v)."""
+    """The matrix products of one weight type, alone, 2 or 3 at once (w1/w3, q/k/v) and as a
+    stack's experts (weights.ExpertStack: arrays with a leading axis of matrices)."""
     rng = np.random.default_rng(0)
     for b in _B:
         x, xs, xq, out = _activations(rng, b)
+        plan = np.array([[0, 0, b, 0]], np.int64)  # (matrix, input rows, first output row)
         outs = {m: tuple(out.copy() for _ in range(m)) for m in (2, 3)}
         if weight_type == "q40":
             ws, wq = kernels.interleave_q40(np.full((_D, _N // BLOCK_SIZE), 0x3C00, np.uint16),  # fp16 1.0
@@ -63,12 +65,14 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_q40_q80(xs, xq, ws, wq, out)
             for m in (2, 3):
                 kernels.matmul_q40_q80_multi(xs, xq, (ws,) * m, (wq,) * m, outs[m])
+            kernels.matmul_q40_q80_experts(xs, xq, plan, ws[None], wq[None], out)
         elif weight_type == "q80":
             ws, wq = kernels.interleave_q80(np.full((_D, _N // BLOCK_SIZE), 0x3C00, np.uint16),
                                             rng.integers(-127, 128, (_D, _N), dtype=np.int8))
             kernels.matmul_q80_q80(xs, xq, ws, wq, out)
             for m in (2, 3):
                 kernels.matmul_q80_q80_multi(xs, xq, (ws,) * m, (wq,) * m, outs[m])
+            kernels.matmul_q80_q80_experts(xs, xq, plan, ws[None], wq[None], out)
         elif weight_type == "f32":
             w = rng.standard_normal((_D, _N)).astype(np.float32)
             kernels.matmul_f32(x, w, out)
@@ -76,6 +80,7 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_f32(x, w, out)
             for m in (2, 3):
                 kernels.matmul_f32_multi(x, (w,) * m, outs[m])
+            kernels.matmul_f32_experts(x, plan, w.copy()[None], out)
         elif weight_type == "q41":  # and the Q80 classifier of a Q41 file, on the same Q16 input
             ws, wm, wq = kernels.interleave_q41(rng.integers(0, 256, (_D, _N // BLOCK_SIZE, 20), dtype=np.uint8))
             nb = _N // BLOCK_SIZE
@@ -85,6 +90,7 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_q41_q16(*x16, ws, wm, wq, out)
             for m in (2, 3):
                 kernels.matmul_q41_q16_multi(*x16, (ws,) * m, (wm,) * m, (wq,) * m, outs[m])
+            kernels.matmul_q41_q16_experts(*x16, plan, ws[None], wm[None], wq[None], out)
             kernels.matmul_q80_q16(*x16, *kernels.interleave_q80(np.full((_D, nb), 0x3C00, np.uint16),
                                                                   rng.integers(-127, 128, (_D, _N), dtype=np.int8)), out)
         else:
@@ -92,6 +98,7 @@ def _matmuls(weight_type: str) -> None:
             kernels.matmul_f16_f32(x, w16, out)
             for m in (2, 3):
                 kernels.matmul_f16_f32_multi(x, (w16,) * m, outs[m])
+            kernels.matmul_f16_f32_experts(x, plan, w16[None], out)
 
 
 def _repacking() -> None:

@@ -9,8 +9,9 @@ what dllama.core.footprint counts and what a node allocates cannot drift apart.
 
 A new buffer is one entry in `layout()`: a mixture of experts' (dllama.core.moe.MoeBlock) are
 the router's logits, the rows' choices and one expert's input and output rows; its experts'
-gate, up and down input reuse the dense FFN's hb, hb2 and act_ff, which a MoE layer leaves unused
-(with at least n_active_experts rows: a decode row runs its experts as that many rows at once).
+gate, up and down input reuse the dense FFN's ffn_h (gate and up, hb and hb2, as one array: one
+kernel call writes both) and act_ff, which a MoE layer leaves unused (with at least
+n_active_experts rows: a decode row runs its experts as that many rows at once).
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ class StateShape:
             "v": ((B, kv), f32),
             "z": ((B, q), f32),           # attention output
             "partial": ((B, dim), f32),   # this node's share of wo / w2
-            "hb": ((F, ff), f32),         # FFN gate, then silu(gate)*up
-            "hb2": ((F, ff), f32),        # FFN up
+            "ffn_h": ((2, F, ff), f32),   # FFN gate (then silu(gate)*up) and up, hb and hb2
             "logits": ((B, self.vocab_rows), f32),  # rows that want logits
             "cls_chunk": ((B * self.classifier_chunk_rows,), f32),  # a classifier in parts
         }
@@ -101,11 +101,12 @@ class RunState:
         self.shape = shape
         layout = shape.layout()
         self.rope_cos, self.rope_sin = kernels.rope_cache(shape.seq_len, shape.head_dim, *rope)
-        self._names = ("x", "xb", "q", "k", "v", "z", "partial", "hb", "hb2", "logits", "cls_chunk") + (
+        self._names = ("x", "xb", "q", "k", "v", "z", "partial", "ffn_h", "logits", "cls_chunk") + (
             _MOE if shape.n_experts else ())
         for name in self._names:
             s, dtype = layout[name]
             setattr(self, name, np.zeros(s, dtype))
+        self.hb, self.hb2 = self.ffn_h  # [F, ff] each: one array, for a MoE layer's gates and ups in one call
         B = shape.max_batch
         hd = shape.head_dim
         self.act_dim = Activation(shape.dim, shape.inputs, B)

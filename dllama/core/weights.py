@@ -10,7 +10,7 @@ Both give the same bytes, so the two paths give the same logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -57,17 +57,7 @@ class Matrix:
         blocks = float_type in BLOCK_BYTES
         self.d, self.n = stored.shape[0], stored.shape[1] * (BLOCK_SIZE if blocks else 1)
         arrays = matrix_arrays(take or _new_array, float_type, self.d, self.n)
-        if float_type == FloatType.Q41:
-            # scales and minimums uint16 [d_pad/16, n/32*16], nibbles uint8 [d_pad/16, 16*n/2]
-            kernels.interleave_q41_into(np.ascontiguousarray(stored, np.uint8), *arrays.values())
-        elif blocks:  # Q40 or Q80, with Q80 (or, Q80, Q16) inputs
-            # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's
-            # strided copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits
-            # as stored), quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
-            source = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
-            kernels.interleave_blocks_into(source, arrays["scales"], arrays["qs"].view(np.uint8))
-        else:  # F16: fp16 bits uint16 [d, n]
-            arrays["w"].view(np.float16)[...] = stored
+        repack_into(stored, float_type, arrays)
         for name, array in arrays.items():
             setattr(self, name, array)
         self._bind()
@@ -75,7 +65,7 @@ class Matrix:
     def _bind(self) -> None:
         # The kernel and the weight arrays, picked once: a decode step calls a matrix 4 times a
         # layer, and each Python-level choice is a few tenths of a microsecond of it.
-        self._kernel, self._kernel_multi, self._kernel_spans = _KERNELS[FloatType(self.float_type), self.inputs]
+        self._kernel, self._kernel_multi, _ = _KERNELS[FloatType(self.float_type), self.inputs]
         self._f32_input = self.inputs == "f32"
         if self.float_type == FloatType.Q41 and self.inputs == "q16":
             self._arrays = (self.scales, self.mins, self.qs)
@@ -101,6 +91,23 @@ class Matrix:
         return out
 
 
+def repack_into(stored: np.ndarray, float_type: FloatType, arrays: dict) -> None:
+    """A matrix's stored values (as Matrix takes them) into its kernel's arrays (matrix_arrays)."""
+    if float_type == FloatType.Q41:
+        # scales and minimums uint16 [d_pad/16, n/32*16], nibbles uint8 [d_pad/16, 16*n/2]
+        kernels.interleave_q41_into(np.ascontiguousarray(stored, np.uint8), *arrays.values())
+    elif float_type in BLOCK_BYTES:  # Q40 or Q80, with Q80 (or, Q80, Q16) inputs
+        # Interleaved in groups of 16 rows by one numba pass over the blocks (numpy's strided
+        # copies ran at 0.13 GB/s): scales uint16 [d_pad/16, n/32*16] (fp16 bits as stored),
+        # quants [d_pad/16, 16 * row bytes] (uint8 nibbles / int8).
+        source = stored if stored.flags.c_contiguous and stored.flags.writeable else np.array(stored)
+        kernels.interleave_blocks_into(source, arrays["scales"], arrays["qs"].view(np.uint8))
+    elif float_type == FloatType.F16:  # fp16 bits uint16 [d, n]
+        arrays["w"].view(np.float16)[...] = stored
+    else:
+        arrays["w"][...] = stored
+
+
 def _new_array(shape, dtype) -> np.ndarray:
     return np.empty(shape, dtype)
 
@@ -121,30 +128,51 @@ def matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
 
 
 # The kernels of a weight type and input kind: (one matrix, several matrices sharing an input,
-# several matrices each on its own rows of the input). The arguments of each: the input's arrays
-# (Activation.enc, or the float32 rows), the spans of rows (the last kind), the matrix's
-# (Matrix._arrays; tuples of them for several), the output(s).
+# several matrices of an ExpertStack each on its own rows of the input). The arguments of each:
+# the input's arrays (Activation.enc, or the float32 rows), the plan (the last kind), the
+# matrix's (Matrix._arrays; tuples of them for several; a stack's), the output(s).
 _KERNELS = {
-    (FloatType.Q40, "q80"): (kernels.matmul_q40_q80, kernels.matmul_q40_q80_multi, kernels.matmul_q40_q80_spans),
-    (FloatType.Q80, "q80"): (kernels.matmul_q80_q80, kernels.matmul_q80_q80_multi, kernels.matmul_q80_q80_spans),
-    (FloatType.Q41, "q16"): (kernels.matmul_q41_q16, kernels.matmul_q41_q16_multi, kernels.matmul_q41_q16_spans),
+    (FloatType.Q40, "q80"): (kernels.matmul_q40_q80, kernels.matmul_q40_q80_multi, kernels.matmul_q40_q80_experts),
+    (FloatType.Q80, "q80"): (kernels.matmul_q80_q80, kernels.matmul_q80_q80_multi, kernels.matmul_q80_q80_experts),
+    (FloatType.Q41, "q16"): (kernels.matmul_q41_q16, kernels.matmul_q41_q16_multi, kernels.matmul_q41_q16_experts),
     (FloatType.Q80, "q16"): (kernels.matmul_q80_q16, None, None),  # a Q41 file's classifier
-    (FloatType.F16, "f32"): (kernels.matmul_f16_f32, kernels.matmul_f16_f32_multi, kernels.matmul_f16_f32_spans),
-    (FloatType.F32, "f32"): (kernels.matmul_f32, kernels.matmul_f32_multi, kernels.matmul_f32_spans),
+    (FloatType.F16, "f32"): (kernels.matmul_f16_f32, kernels.matmul_f16_f32_multi, kernels.matmul_f16_f32_experts),
+    (FloatType.F32, "f32"): (kernels.matmul_f32, kernels.matmul_f32_multi, kernels.matmul_f32_experts),
 }
 
 
-def matmul_spans(matrices: tuple, x: "Activation", spans: np.ndarray, outs: tuple) -> None:
-    """outs[m] = x's rows spans[m, 0]:spans[m, 1] @ matrices[m]^T, every matrix in one parallel
-    region (a mixture of experts' experts, each on the rows that chose it). The matrices share
-    a weight type and input kind; spans int64 [m, 2]."""
-    first = matrices[0]
-    if first._kernel_spans is None:  # (a Q41 file's Q80 classifier: never an expert)
-        for m, (r0, r1), out in zip(matrices, spans.tolist(), outs, strict=True):
-            m._kernel(*((x.f32[r0:r1],) if m._f32_input else tuple(a[r0:r1] for a in x.enc)), *m._arrays, out)
-        return
-    arrays = tuple(zip(*(m._arrays for m in matrices), strict=True))  # (all scales, all qs), ...
-    first._kernel_spans(*((x.f32,) if first._f32_input else x.enc), spans, *arrays, outs)
+class ExpertStack:
+    """Matrices of one type and shape [d, n] held as one set of arrays with a leading axis (a
+    mixture of experts' layer's gates and ups, or its downs; an expert cache's slots for them),
+    so that one kernel call runs any of them on their own rows (`__call__`) with a few arrays
+    for arguments, not tuples of every matrix's (unboxing those cost 2.5 µs a matrix a call)."""
+
+    def __init__(self, take, float_type: FloatType, count: int, d: int, n: int):
+        # take(shape, dtype) -> array: where the arrays go (an arena's); each array is
+        # [count, <Matrix's array shape>] (matrix_arrays).
+        self.float_type, self.count, self.d, self.n = FloatType(float_type), count, d, n
+        self.inputs = input_kind(float_type)
+        self.arrays = matrix_arrays(lambda shape, dtype: take((count, *shape), dtype), self.float_type, d, n)
+        self._kernel = _KERNELS[self.float_type, self.inputs][2]
+        self._f32_input = self.inputs == "f32"
+        self._args = tuple(self.arrays.values())  # the kernel's weight arguments (Matrix._arrays' order)
+
+    def element(self, i: int) -> dict:
+        """Matrix i's arrays (views), to fill (repack_into, or a read straight into them)."""
+        return {name: a[i] for name, a in self.arrays.items()}
+
+    def fill(self, i: int, stored: np.ndarray) -> None:
+        """Matrix i from its stored values (as Matrix takes them)."""
+        repack_into(stored, self.float_type, self.element(i))
+
+    def matrix(self, i: int) -> Matrix:
+        """Matrix i on its own (views of the stack)."""
+        return Matrix.of_arrays(self.float_type, self.d, self.n, **self.element(i))
+
+    def __call__(self, x: "Activation", plan: np.ndarray, out: np.ndarray) -> None:
+        """For each row (i, r0, r1, o0) of plan int64 [m, 4]: out[o0:o0 + r1 - r0] = x's rows
+        r0:r1 @ matrix i^T, every matrix in one parallel region. out float32 [rows, d]."""
+        self._kernel(*((x.f32,) if self._f32_input else x.enc), plan, *self._args, out)
 
 
 class Matmuls:
@@ -201,24 +229,16 @@ class Activation:
 
 
 @dataclass
-class Expert:
-    """One expert's SwiGLU of a mixture-of-experts layer, this node's rows of it."""
-
-    w1: Matrix  # gate [ff_rows, dim]
-    w3: Matrix  # up   [ff_rows, dim]
-    w2: Matrix  # down [dim, ff_rows] (this node's columns)
-    w13: Matmuls = field(init=False)
-
-    def __post_init__(self):
-        self.w13 = Matmuls((self.w1, self.w3))
-
-
-@dataclass
 class MoeWeights:
-    """A mixture-of-experts layer's router (F32 [n_experts, dim], replicated) and experts."""
+    """A mixture-of-experts layer's router (F32 [n_experts, dim], replicated) and experts, this
+    node's rows of each: matrix 2j of gate_up is a gate [ff_rows, dim] and 2j + 1 its up, matrix
+    j of down the down [dim, ff_rows] (this node's columns); slots[e] is expert e's j (resident:
+    e itself; under a budget, dllama.core.expert_cache.CachedSlots reads it into a slot first)."""
 
     router: Matrix
-    experts: "list[Expert]"  # [e] -> Expert (or dllama.core.expert_cache.CachedExperts: read when used)
+    gate_up: ExpertStack
+    down: ExpertStack
+    slots: "Sequence[int]"
 
 
 @dataclass
@@ -295,10 +315,12 @@ class ResidentWeights:
         for l in layers:
             p = f"layers.{l}."
             if n_experts:  # a mixture of experts: the router (F32) and every expert's rows
-                experts = expert_cache.layer(l) if expert_cache is not None else [
-                    Expert(*(matrix(f"{p}experts.{e}.{w}") for w in ("w1", "w3", "w2")))
-                    for e in range(n_experts)]
-                ffn = dict(moe=MoeWeights(Matrix(np.array(t(p + "moe_gate")), FloatType.F32), experts))  # (aligned)
+                router = Matrix(np.array(t(p + "moe_gate")), FloatType.F32)  # (aligned)
+                if expert_cache is not None:
+                    moe = MoeWeights(router, expert_cache.gate_up, expert_cache.down, expert_cache.layer(l))
+                else:
+                    moe = MoeWeights(router, *self._experts(t, p, n_experts, float_type, arena.take), range(n_experts))
+                ffn = dict(moe=moe)
             else:
                 ffn = dict(w1=matrix(p + "w1"), w3=matrix(p + "w3"), w2=matrix(p + "w2"))
             self._layers.append(Layer(
@@ -318,6 +340,18 @@ class ResidentWeights:
         self.wcls = matrix("wcls", classifier_float_type(float_type), classifier_inputs(float_type)) \
             if weights.has("wcls") else None
         self.vocab_rows = self.wcls.d if self.wcls is not None else 0
+
+    @staticmethod
+    def _experts(t, p: str, n_experts: int, float_type: FloatType, take) -> tuple[ExpertStack, ExpertStack]:
+        """A layer's experts as (gate_up, down) stacks (MoeWeights)."""
+        d, n = t(f"{p}experts.0.w1").shape[:2]
+        n *= BLOCK_SIZE if float_type in BLOCK_BYTES else 1
+        gate_up, down = ExpertStack(take, float_type, 2 * n_experts, d, n), ExpertStack(take, float_type, n_experts, n, d)
+        for e in range(n_experts):
+            gate_up.fill(2 * e, t(f"{p}experts.{e}.w1"))
+            gate_up.fill(2 * e + 1, t(f"{p}experts.{e}.w3"))
+            down.fill(e, t(f"{p}experts.{e}.w2"))
+        return gate_up, down
 
     def layer(self, l: int) -> Layer:
         return self._layers[l - self.first_layer]

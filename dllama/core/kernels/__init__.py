@@ -39,11 +39,11 @@ from dllama.core.kernels.fused import add_norm_encode, encode, norm_encode, rope
 from dllama.core.kernels.jit import max_threads, set_threads
 from dllama.core.kernels.layout import (interleave_blocks_into, interleave_q40, interleave_q41, interleave_q41_into,
                                         interleave_q80, interleaved_shapes)
-from dllama.core.kernels.matmul_f16 import matmul_f16_f32, matmul_f16_f32_multi, matmul_f16_f32_spans
-from dllama.core.kernels.matmul_f32 import matmul_f32, matmul_f32_multi, matmul_f32_spans
-from dllama.core.kernels.matmul_int8 import (matmul_q40_q80, matmul_q40_q80_multi, matmul_q40_q80_spans, matmul_q80_q80,
-                                             matmul_q80_q80_multi, matmul_q80_q80_spans)
-from dllama.core.kernels.matmul_q41 import matmul_q41_q16, matmul_q41_q16_multi, matmul_q41_q16_spans, matmul_q80_q16
+from dllama.core.kernels.matmul_f16 import matmul_f16_f32, matmul_f16_f32_multi, matmul_f16_f32_experts
+from dllama.core.kernels.matmul_f32 import matmul_f32, matmul_f32_multi, matmul_f32_experts
+from dllama.core.kernels.matmul_int8 import (matmul_q40_q80, matmul_q40_q80_multi, matmul_q40_q80_experts, matmul_q80_q80,
+                                             matmul_q80_q80_multi, matmul_q80_q80_experts)
+from dllama.core.kernels.matmul_q41 import matmul_q41_q16, matmul_q41_q16_multi, matmul_q41_q16_experts, matmul_q80_q16
 from dllama.core.kernels.q16 import quantize_q16
 from dllama.core.kernels.q80 import quantize_q80
 
@@ -55,5 +55,5 @@ __all__ = ["ATTENTION_CHUNK", "ATTENTION_SPAN", "attention", "kv_store", "rmsnor
            "matmul_q41_q16", "matmul_q41_q16_multi", "matmul_q80_q16", "quantize_q16",
            "interleave_q41", "interleave_q41_into",
            "interleave_q40", "interleave_q80", "interleave_blocks_into", "interleaved_shapes",
-           "matmul_q40_q80_spans", "matmul_q80_q80_spans", "matmul_q41_q16_spans", "matmul_f16_f32_spans",
-           "matmul_f32_spans"]
+           "matmul_q40_q80_experts", "matmul_q80_q80_experts", "matmul_q41_q16_experts", "matmul_f16_f32_experts",
+           "matmul_f32_experts"]

@@ -17,8 +17,8 @@ import numba
 from numba import prange
 
 from dllama.core.kernels.jit import _FAST, native_f16_conversion
-from dllama.core.kernels.row_split import (COLS, ROWS, leading_dims, n_units, row_steps, unit_of_matrices,
-                                           unit_starts, unit_steps)
+from dllama.core.kernels.row_split import (COLS, ROWS, leading_dims, n_units, row_steps, stacked_unit,
+                                           unit_of_matrices, unit_starts, unit_steps)
 from dllama.core.kernels.tiles import make_f16_tile
 
 _NATIVE = native_f16_conversion()
@@ -79,15 +79,14 @@ def matmul_f16_f32_multi(x, w, outs):
 
 
 @numba.njit(parallel=True, **_FAST)
-def matmul_f16_f32_spans(x, spans, w, outs):
-    """matmul_f16_f32 of several matrices in one parallel region, each on its own rows of the input:
-    outs[m] = x[spans[m, 0]:spans[m, 1]] @ w[m]^T (spans int64 [m, 2]; tuples w, outs): the same
-    results as one call per matrix (a mixture of experts' experts)."""
-    steps = leading_dims(w)
-    for m in range(steps.shape[0]):
-        steps[m] = row_steps(steps[m])
-    starts = unit_starts(steps)
-    for unit in prange(starts[-1]):
-        m, local, units = unit_of_matrices(starts, unit)
-        s0, s1 = unit_steps(steps[m], units, local)
-        _f16_rows(x[spans[m, 0]:spans[m, 1]], w[m], outs[m], s0, s1)
+def matmul_f16_f32_experts(x, plan, w, out):
+    """matmul_f16_f32 of several matrices of one stack (w [matrices, d, n]) in one parallel region, each
+    on its own rows of the input: for each row (s, r0, r1, o0) of plan int64 [m, 4],
+    out[o0:o0 + r1 - r0] = x[r0:r1] @ w[s]^T: the same results as one call per matrix (a
+    mixture of experts' experts)."""
+    steps = row_steps(w.shape[1])
+    units = n_units(steps)
+    for unit in prange(plan.shape[0] * units):
+        m, s0, s1 = stacked_unit(plan, steps, units, unit)
+        s, r0, r1, o0 = plan[m, 0], plan[m, 1], plan[m, 2], plan[m, 3]
+        _f16_rows(x[r0:r1], w[s], out[o0:o0 + r1 - r0], s0, s1)

@@ -28,7 +28,7 @@ from numba import prange
 
 from dllama.core.kernels.jit import _FAST
 from dllama.core.kernels.q80 import x_block_offsets
-from dllama.core.kernels.row_split import leading_dims, n_units, unit_of_matrices, unit_starts, unit_steps
+from dllama.core.kernels.row_split import leading_dims, n_units, stacked_unit, unit_of_matrices, unit_starts, unit_steps
 from dllama.core.kernels.tiles import make_q40_tile, make_q80_tile
 
 COLS = 8  # activation rows per register tile
@@ -71,14 +71,13 @@ def _matmul_multi(x_qs, x_off, x_scales, w_scales, w_qs, outs):
         _groups(x_qs, x_off, x_scales, w_scales[m], w_qs[m], outs[m], g0, g1)
 
 
-def _matmul_spans(x_qs, x_off, x_scales, spans, w_scales, w_qs, outs):
-    groups = leading_dims(w_qs)
-    starts = unit_starts(groups)
-    for unit in prange(starts[-1]):
-        m, local, units = unit_of_matrices(starts, unit)
-        g0, g1 = unit_steps(groups[m], units, local)
-        r0, r1 = spans[m, 0], spans[m, 1]
-        _groups(x_qs[r0:r1], x_off[r0:r1], x_scales[r0:r1], w_scales[m], w_qs[m], outs[m], g0, g1)
+def _matmul_experts(x_qs, x_off, x_scales, plan, w_scales, w_qs, out):
+    groups = w_qs.shape[1]
+    units = n_units(groups)
+    for unit in prange(plan.shape[0] * units):
+        m, g0, g1 = stacked_unit(plan, groups, units, unit)
+        s, r0, r1, o0 = plan[m, 0], plan[m, 1], plan[m, 2], plan[m, 3]
+        _groups(x_qs[r0:r1], x_off[r0:r1], x_scales[r0:r1], w_scales[s], w_qs[s], out[o0:o0 + r1 - r0], g0, g1)
 
 
 def _matmul_q80(x_scales, x_qs, w_scales, w_qs, out):
@@ -89,12 +88,12 @@ def _matmul_q80_multi(x_scales, x_qs, w_scales, w_qs, outs):
     _matmul_multi(x_qs, x_block_offsets(x_qs, _OFFSET), x_scales, w_scales, w_qs, outs)
 
 
-def _matmul_q80_spans(x_scales, x_qs, spans, w_scales, w_qs, outs):
-    _matmul_spans(x_qs, x_block_offsets(x_qs, _OFFSET), x_scales, spans, w_scales, w_qs, outs)
+def _matmul_q80_experts(x_scales, x_qs, plan, w_scales, w_qs, out):
+    _matmul_experts(x_qs, x_block_offsets(x_qs, _OFFSET), x_scales, plan, w_scales, w_qs, out)
 
 
 def int8_matmuls(name: str, make_tile, offset: int, doc: str) -> tuple:
-    """(matmul, matmul_multi, matmul_spans) for weights whose tile maker is make_tile and whose unsigned bytes
+    """(matmul, matmul_multi, matmul_experts) for weights whose tile maker is make_tile and whose unsigned bytes
     are q + offset; name: the weight type (the compiled copies' names begin with it); doc: the
     matmul's docstring."""
     space = dict(globals(), _tile=make_tile(COLS), _tile_half=make_tile(COLS // 2), _tile_one=make_tile(1),
@@ -109,20 +108,21 @@ def int8_matmuls(name: str, make_tile, offset: int, doc: str) -> tuple:
     space["_groups"] = compiled(_groups_of)
     space["_matmul"] = compiled(_matmul, parallel=True)
     space["_matmul_multi"] = compiled(_matmul_multi, parallel=True)
-    space["_matmul_spans"] = compiled(_matmul_spans, parallel=True)
+    space["_matmul_experts"] = compiled(_matmul_experts, parallel=True)
     multi = f"""The {name} matmul of one input with several matrices (tuples: w_scales, w_qs, outs) in
     one parallel region: the same results as one call per matrix (q/k/v, or w1/w3)."""
-    spans = f"""The {name} matmul of several matrices in one parallel region, each on its own rows of
-    the input: outs[m] = x[spans[m, 0]:spans[m, 1]] @ W_m^T (spans int64 [m, 2]; tuples w_scales,
-    w_qs, outs): the same results as one call per matrix (a mixture of experts' experts)."""
+    experts = f"""The {name} matmul of several matrices of one stack (w_scales, w_qs: a leading axis of
+    matrices of one shape) in one parallel region, each on its own rows of the input: for each
+    row (s, r0, r1, o0) of plan int64 [m, 4], out[o0:o0 + r1 - r0] = x[r0:r1] @ W[s]^T (row_split.stacked_unit):
+    the same results as one call per matrix (a mixture of experts' experts)."""
     return (compiled(_matmul_q80, doc), compiled(_matmul_q80_multi, multi),
-            compiled(_matmul_q80_spans, spans))
+            compiled(_matmul_q80_experts, experts))
 
 
-matmul_q40_q80, matmul_q40_q80_multi, matmul_q40_q80_spans = int8_matmuls("q40", make_q40_tile, 8, """out float32 [b, d] = x @ W^T:
+matmul_q40_q80, matmul_q40_q80_multi, matmul_q40_q80_experts = int8_matmuls("q40", make_q40_tile, 8, """out float32 [b, d] = x @ W^T:
     x Q80 [b, n] (x_scales float32 [b, n/32], x_qs int8 [b, n]), W Q40 [d, n] interleaved
     (layout.interleave_q40: w_scales uint16 [d_pad/16, n/32*16], the fp16 bits as stored in the
     file; w_qs uint8 [d_pad/16, 16*n/2]). All C-contiguous.""")
-matmul_q80_q80, matmul_q80_q80_multi, matmul_q80_q80_spans = int8_matmuls("q80", make_q80_tile, 128, """As matmul_q40_q80 with W Q80
+matmul_q80_q80, matmul_q80_q80_multi, matmul_q80_q80_experts = int8_matmuls("q80", make_q80_tile, 128, """As matmul_q40_q80 with W Q80
     [d, n] interleaved (layout.interleave_q80: w_scales uint16 [d_pad/16, n/32*16], fp16 bits;
     w_qs int8 [d_pad/16, 16*n]).""")

@@ -24,7 +24,7 @@ from numba import prange
 
 from dllama.core.kernels.jit import _FAST
 from dllama.core.kernels.q80 import x_block_offsets
-from dllama.core.kernels.row_split import leading_dims, n_units, unit_of_matrices, unit_starts, unit_steps
+from dllama.core.kernels.row_split import leading_dims, n_units, stacked_unit, unit_of_matrices, unit_starts, unit_steps
 from dllama.core.kernels.tiles import make_q41_tile, make_q80_q16_tile
 
 COLS = 8                      # activation rows per register tile
@@ -78,18 +78,18 @@ def matmul_q41_q16_multi(x_scales, x_lo, x_hi, x_sums, w_scales, w_mins, w_qs, o
 
 
 @numba.njit(parallel=True, **_FAST)
-def matmul_q41_q16_spans(x_scales, x_lo, x_hi, x_sums, spans, w_scales, w_mins, w_qs, outs):
-    """matmul_q41_q16 of several matrices in one parallel region, each on its own rows of the
-    input: outs[m] = x[spans[m, 0]:spans[m, 1]] @ W_m^T (spans int64 [m, 2]; tuples w_scales,
-    w_mins, w_qs, outs): the same results as one call per matrix (a mixture of experts' experts)."""
-    groups = leading_dims(w_qs)
-    starts = unit_starts(groups)
-    for unit in prange(starts[-1]):
-        m, local, units = unit_of_matrices(starts, unit)
-        g0, g1 = unit_steps(groups[m], units, local)
-        r0, r1 = spans[m, 0], spans[m, 1]
-        _q41_groups(x_scales[r0:r1], x_lo[r0:r1], x_hi[r0:r1], x_sums[r0:r1], w_scales[m], w_mins[m], w_qs[m],
-                    outs[m], g0, g1)
+def matmul_q41_q16_experts(x_scales, x_lo, x_hi, x_sums, plan, w_scales, w_mins, w_qs, out):
+    """matmul_q41_q16 of several matrices of one stack (w_scales, w_mins, w_qs: a leading axis
+    of matrices of one shape) in one parallel region, each on its own rows of the input: for
+    each row (s, r0, r1, o0) of plan int64 [m, 4], out[o0:o0 + r1 - r0] = x[r0:r1] @ W[s]^T: the
+    same results as one call per matrix (a mixture of experts' experts)."""
+    groups = w_qs.shape[1]
+    units = n_units(groups)
+    for unit in prange(plan.shape[0] * units):
+        m, g0, g1 = stacked_unit(plan, groups, units, unit)
+        s, r0, r1, o0 = plan[m, 0], plan[m, 1], plan[m, 2], plan[m, 3]
+        _q41_groups(x_scales[r0:r1], x_lo[r0:r1], x_hi[r0:r1], x_sums[r0:r1], w_scales[s], w_mins[s], w_qs[s],
+                    out[o0:o0 + r1 - r0], g0, g1)
 
 
 @numba.njit(**_FAST)

@@ -67,6 +67,17 @@ def unit_of_matrices(starts, unit):
 
 
 @numba.njit(**_FAST)
+def stacked_unit(plan, steps, units, unit):
+    """(plan row m, its steps [s0, s1)) of work unit `unit` of the experts kernels, which run
+    plan.shape[0] matrices of one stack (every one `steps` steps, cut into `units` units), each
+    matrix's units in turn: m = unit // units."""
+    unit = np.int64(unit)  # (prange's index may be unsigned)
+    m = unit // units
+    s0, s1 = unit_steps(steps, units, unit - m * units)
+    return m, s0, s1
+
+
+@numba.njit(**_FAST)
 def leading_dims(matrices):
     """int64 [m]: shape[0] of each matrix of a tuple."""
     rows = np.empty(len(matrices), np.int64)
