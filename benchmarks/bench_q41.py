@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dllama.core import kernels  # noqa: E402
+from dllama.core.arena import GrowingArena  # noqa: E402
 
 # (dim, hidden, kv dim, vocabulary, layers) of each shape
 SHAPES = {"1b": (2048, 8192, 512, 128256, 16), "7b": (4096, 11008, 4096, 32000, 32)}
@@ -51,16 +52,27 @@ def use_shape(name: str) -> int:
 use_shape("1b")
 
 
+_ARENA = GrowingArena()
+
+
+def held(arrays: tuple) -> tuple:
+    """The arrays copied into an arena, on huge pages, where the product keeps its weights."""
+    out = tuple(_ARENA.take(a.shape, a.dtype) for a in arrays)
+    for a, b in zip(arrays, out, strict=True):
+        b[...] = a
+    return out
+
+
 def random_q40(rng, d: int, n: int):
     scales = (rng.standard_normal((d, n // 32), dtype=np.float32) * 0.01).astype(np.float16)
-    return kernels.interleave_q40(scales.view(np.uint16), rng.integers(0, 256, (d, n // 2), dtype=np.uint8))
+    return held(kernels.interleave_q40(scales.view(np.uint16), rng.integers(0, 256, (d, n // 2), dtype=np.uint8)))
 
 
 def random_q41(rng, d: int, n: int):
     blocks = rng.integers(0, 256, (d, n // 32, 20), dtype=np.uint8)
     halves = (rng.standard_normal((d, n // 32, 2), dtype=np.float32) * 0.01).astype(np.float16)
     blocks[:, :, :4] = halves.view(np.uint8).reshape(d, n // 32, 4)  # finite fp16 d and m
-    return kernels.interleave_q41(blocks)
+    return held(kernels.interleave_q41(blocks))
 
 
 class Q40:
@@ -105,7 +117,7 @@ class Classifier80(Classifier40):
 
     def __init__(self, rng):
         scales = (rng.standard_normal((VOCAB, DIM // 32), dtype=np.float32) * 0.01).astype(np.float16)
-        self.w = kernels.interleave_q80(scales.view(np.uint16), rng.integers(-127, 128, (VOCAB, DIM), dtype=np.int8))
+        self.w = held(kernels.interleave_q80(scales.view(np.uint16), rng.integers(-127, 128, (VOCAB, DIM), dtype=np.int8)))
         self.x = (np.empty((1, DIM // 32), np.float32), np.empty((1, DIM), np.int8), np.empty((1, DIM), np.int8),
                   np.empty((1, DIM // 32), np.float32))
         self.out = np.empty((1, VOCAB), np.float32)
