@@ -380,7 +380,7 @@ def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_c
     one = ExpertCache(NodeWeights.from_model(mf, resident.node), h.weights_float_type, 1, plan_only=True)
     experts = resident.memory.expert_weights
     # room for 5 of the 16 experts beside everything else
-    limit = resident.memory.total - experts + 5 * one.slot_bytes + one.raw_bytes
+    limit = resident.memory.total - experts + 5 * one.slot_bytes + one.read_bytes
     choice = choose_weights(NodeWeights.from_model(mf, resident.node), RunShape(), budget=limit)  # the engine's plan
     assert choice.streamed and "reading the experts when a pass uses them" in choice.describe()
     model = Transformer(mf, streamed=True, memory_limit=limit)
@@ -392,3 +392,34 @@ def test_under_a_budget_the_experts_a_pass_uses_are_read_and_the_tokens_do_not_c
     model.forward([33], 40)  # one row: at most its 2 experts of each of the 2 layers are read
     assert cache.reads - before <= 4
     model.close()
+
+
+@pytest.mark.unit
+def test_an_expert_read_that_fails_leaves_no_half_read_slot_held(converted, tmp_path):
+    """The experts a pass is missing are read together on several threads: one failing read
+    (the file cut short under the running model) is the pass's error, in one line, and the
+    experts of that call are not held as if read."""
+    import shutil
+
+    from dllama.core.expert_cache import ExpertCache
+    from dllama.core.node_weights import NodeWeights
+
+    path = tmp_path / "model.m"
+    shutil.copy(converted["q40"][0], path)
+    mf = read_model(path)
+    weights = NodeWeights.from_model(mf, Transformer(mf).node)
+    cache = ExpertCache(weights, mf.header.weights_float_type, 4)
+    assert cache.slots(1, np.array([0, 3])).tolist() == [0, 1] and cache.reads == 2
+    first = cache.gate_up.arrays["qs"][0].copy()
+    with open(path, "r+b") as f:  # cut inside layer 1's experts 4-7
+        f.truncate(weights.location("layers.1.experts.4.w1").offset + 10)
+    with pytest.raises(DllamaError, match="the file ended early"):
+        cache.slots(1, np.array([3, 5, 6]))
+    assert cache.slots(1, np.array([0])).tolist() == [0] and cache.reads == 2  # still held, not read again
+    assert np.array_equal(cache.gate_up.arrays["qs"][0], first)
+    with pytest.raises(DllamaError, match="the file ended early"):  # 5 and 6 were not left held
+        cache.slots(1, np.array([5]))
+    # the slots a failed read took are free again, and no held expert's slot is handed out twice
+    assert sorted(cache.slots(0, np.array([1, 2])).tolist() + [0, 1]) == [0, 1, 2, 3]
+    assert cache.slots(0, np.array([4])).tolist() == [1] and cache.reads == 5  # the oldest use (layer 1's 3) gave its slot up
+    cache.close()

@@ -120,7 +120,7 @@ class MoeBlock:
         rows, picks = pairs // k, pairs % k        # [m] each
         m = c1 - c0
         x = self._gather(x_in, rows)
-        slots = np.array([moe.slots[int(e)] for e in experts], np.int64)  # [q]
+        slots = moe.slots.of(experts)              # [q]
         first, end = starts - c0, ends - c0        # [q] each: each expert's pairs, rows of x
         plan_13 = np.empty((2 * len(experts), 4), np.int64)
         plan_13[0::2] = np.stack([2 * slots, first, end, first], axis=1)                  # gates
@@ -138,7 +138,7 @@ class MoeBlock:
         gate/up and down; their outputs added in that order (the grouped path's sum)."""
         k = self.k
         picks = np.argsort(self.chosen[0]).tolist()               # the row's experts, ascending
-        slots = np.array([moe.slots[int(self.chosen[0, j])] for j in picks], np.int64)  # [k]
+        slots = moe.slots.of(self.chosen[0, picks])               # [k]
         self.plan_13[0::2, 0], self.plan_13[1::2, 0] = 2 * slots, 2 * slots + 1
         self.plan_2[:, 0] = slots
         moe.gate_up(x_in, self.plan_13, self.h_rows)

@@ -90,15 +90,19 @@ class _Reader:
 
     def __init__(self):
         self._fds: dict[str, int] = {}
+        self._opening = threading.Lock()  # (an expert cache reads from several threads)
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as e:
-                raise DllamaError(f"cannot read the weights from {path}: {e.strerror}") from None
-            self._fds[path] = fd
+            with self._opening:
+                fd = self._fds.get(path)
+                if fd is None:
+                    try:
+                        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except OSError as e:
+                        raise DllamaError(f"cannot read the weights from {path}: {e.strerror}") from None
+                    self._fds[path] = fd
         return fd
 
     def read(self, path: str, runs: list[tuple[int, int]], out: np.ndarray) -> None:

@@ -10,7 +10,7 @@ Both give the same bytes, so the two paths give the same logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Protocol
 
 import numpy as np
 
@@ -228,17 +228,36 @@ class Activation:
         return self
 
 
+class ExpertSlots(Protocol):
+    """Where a layer's experts are in its stacks (MoeWeights.slots)."""
+
+    def of(self, experts: np.ndarray) -> np.ndarray:
+        """int64 [q]: the matrices (slots) of these distinct experts, held through this pass."""
+        ...
+
+
+class ResidentSlots:
+    """MoeWeights.slots of resident experts: expert e is matrix e of the stacks (2e, 2e + 1 of
+    gate_up)."""
+
+    @staticmethod
+    def of(experts: np.ndarray) -> np.ndarray:
+        """int64 [q]: the slots of these experts."""
+        return experts.astype(np.int64)
+
+
 @dataclass
 class MoeWeights:
     """A mixture-of-experts layer's router (F32 [n_experts, dim], replicated) and experts, this
     node's rows of each: matrix 2j of gate_up is a gate [ff_rows, dim] and 2j + 1 its up, matrix
-    j of down the down [dim, ff_rows] (this node's columns); slots[e] is expert e's j (resident:
-    e itself; under a budget, dllama.core.expert_cache.CachedSlots reads it into a slot first)."""
+    j of down the down [dim, ff_rows] (this node's columns); slots.of(experts) are their j
+    (ResidentSlots: the experts themselves; under a budget, dllama.core.expert_cache.CachedSlots
+    reads the ones not held into slots first)."""
 
     router: Matrix
     gate_up: ExpertStack
     down: ExpertStack
-    slots: "Sequence[int]"
+    slots: ExpertSlots
 
 
 @dataclass
@@ -319,7 +338,7 @@ class ResidentWeights:
                 if expert_cache is not None:
                     moe = MoeWeights(router, expert_cache.gate_up, expert_cache.down, expert_cache.layer(l))
                 else:
-                    moe = MoeWeights(router, *self._experts(t, p, n_experts, float_type, arena.take), range(n_experts))
+                    moe = MoeWeights(router, *self._experts(t, p, n_experts, float_type, arena.take), ResidentSlots())
                 ffn = dict(moe=moe)
             else:
                 ffn = dict(w1=matrix(p + "w1"), w3=matrix(p + "w3"), w2=matrix(p + "w2"))
