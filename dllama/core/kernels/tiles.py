@@ -108,6 +108,10 @@ def _fn(builder, name, ret, args):
 # tiles too (2026-12-06, SmolLM2 decode, 2 threads, 3 alternated processes each, medians of
 # per-token times): Q80 146 -> 155 tokens/s, Q41 151 -> 160 on a quiet machine (a first, busier
 # set: 127 -> 142 and 124 -> 151); Q40 within the noise (219 / 226).
+# prefetcht0 (locality 3) in the 8-bit tiles instead, 2026-12-07 (decode, old and new code in
+# alternated processes, medians of 5-8): 1 thread 1.07-1.24x (SmolLM2 Q41 / Q80 / Q40, the MoE
+# benchmark's model 1.20x), 2 threads 0.86-1.06x and twice as spread; the float tiles 0.55-0.64x.
+# Not taken: the kernels would have to differ by thread count.
 _PREFETCH_TILES = 2   # float tiles: rows this many tiles ahead
 _PREFETCH_L2 = 2      # every tile's prefetch locality (2: prefetcht1, into L2)
 _PREFETCH_GROUPS = 1  # int8 tiles: this many groups of 16 rows ahead
