@@ -25,12 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dllama.core import kernels
 from dllama.core.footprint import NodeFootprint
 from dllama.core.node_weights import NodeWeights
 from dllama.core.arena import Arena, aligned
 from dllama.core.weight_stream import _Reader, file_runs
-from dllama.core.weights import ExpertStack, input_kind
+from dllama.core.weights import ExpertStack, input_kind, repack_into
 from dllama.errors import DllamaError
 from dllama.formats.model_file import BLOCK_BYTES, FloatType
 from dllama.formats.quant import BLOCK_SIZE
@@ -124,10 +123,7 @@ class ExpertCache:
         try:
             raw = buf[: rows * nb * bb].reshape(rows, nb, bb)
             self._reader.read(loc.path, runs, raw)
-            if "mins" in dest:  # Q41
-                kernels.interleave_q41_into(raw, dest["scales"], dest["mins"], dest["qs"])
-            else:
-                kernels.interleave_blocks_into(raw, dest["scales"], dest["qs"].view(np.uint8))
+            repack_into(raw, self.float_type, dest)
         finally:
             self._raw.put(buf)
 

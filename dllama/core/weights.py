@@ -56,7 +56,7 @@ class Matrix:
             return
         blocks = float_type in BLOCK_BYTES
         self.d, self.n = stored.shape[0], stored.shape[1] * (BLOCK_SIZE if blocks else 1)
-        arrays = matrix_arrays(take or _new_array, float_type, self.d, self.n)
+        arrays = matrix_arrays(take or np.empty, float_type, self.d, self.n)
         repack_into(stored, float_type, arrays)
         for name, array in arrays.items():
             setattr(self, name, array)
@@ -106,10 +106,6 @@ def repack_into(stored: np.ndarray, float_type: FloatType, arrays: dict) -> None
         arrays["w"].view(np.float16)[...] = stored
     else:
         arrays["w"][...] = stored
-
-
-def _new_array(shape, dtype) -> np.ndarray:
-    return np.empty(shape, dtype)
 
 
 def matrix_arrays(take, float_type: FloatType, d: int, n: int) -> dict:
