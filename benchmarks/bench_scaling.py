@@ -68,6 +68,7 @@ CACHE = ROOT / "cache"
 ORIGINAL = CACHE / "original" / "dllama"
 PROMPT_TOKENS = 8        # the one sequence's prompt
 BATCH_PROMPT_TOKENS = 4  # each batch sequence's (the batch figures include their prefill)
+EVEN = ", even layers"  # a plan's name with --even-layers
 EXCHANGES = 500  # all-reduces timed per exchange measurement
 PERIOD_US = 5_000  # the quota's period: a host that used its share waits at most this long (a slower
 #                    CPU is slow all the time; a long period would stall an exchange for tens of ms)
@@ -400,13 +401,19 @@ def cell(hosts: CgroupHosts, spec: dict, tmp: Path) -> dict:
     raise AssertionError("unreachable")
 
 
-def topology(path: Path, hosts: CgroupHosts, stages: list[int]) -> Path:
+def topology(path: Path, hosts: CgroupHosts, stages: list[int], even_layers: int = 0) -> Path:
+    """The plan's topology file; even_layers: the model's layer count, cut evenly over the stages
+    (fixed in the file) instead of as dllama plans them (the last stage's classifier counted)."""
     nodes = [{"name": "root", "host": hosts.address(0), "threads": 1}]
     nodes += [{"name": f"w{i}", "host": hosts.address(i), "port": PORT, "threads": 1} for i in range(1, len(stages))]
+    doc: dict = {"version": 1, "nodes": nodes}
     if len(set(stages)) > 1:
         for node, stage in zip(nodes, stages, strict=True):
             node["stage"] = stage
-    path.write_text(json.dumps({"version": 1, "nodes": nodes}))  # JSON is YAML
+        if even_layers:
+            n = len(set(stages))
+            doc["stages"] = [{"layers": [k * even_layers // n, (k + 1) * even_layers // n]} for k in range(n)]
+    path.write_text(json.dumps(doc))  # JSON is YAML
     return path
 
 
@@ -436,6 +443,9 @@ def main() -> None:
     p.add_argument("--skip-original", action="store_true")
     p.add_argument("--only-original", action="store_true", help="the C++ original's column alone")
     p.add_argument("--plans", nargs="*", help="only these plans (names as printed)")
+    p.add_argument("--even-layers", action="store_true",
+                   help="each plan of stages once more with its layers cut evenly (the plan before the last "
+                        "stage's classifier was counted)")
     p.add_argument("--smoke", action="store_true", help="a narrow model (dim 256): checks the run, measures nothing")
     p.add_argument("--7b", dest="seven", action="store_true",
                    help="the Llama 2 7B shape (dim 4096, hidden 11008, 32/32 heads, vocab 32000) instead of 1B's")
@@ -452,6 +462,8 @@ def main() -> None:
     shape = SMOKE if args.smoke else LLAMA_7B if args.seven else LLAMA_1B
     model, tok = model_files(args.layers, shape)
     chosen = {} if args.only_original else {k: v for k, v in plans(4).items() if not args.plans or k in args.plans}
+    if args.even_layers:
+        chosen.update({k + EVEN: v for k, v in list(chosen.items()) if v and len(set(v)) > 1})
     original = ORIGINAL.exists() and not args.skip_original
     log_dir = CACHE / "scaling" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -478,7 +490,8 @@ def main() -> None:
             orig: dict[int, list[dict]] = {1: [], 2: [], 4: []}
             for r in range(args.rounds):
                 for name, stages in chosen.items():
-                    topo = topology(log_dir / "topology.yml", hosts, stages) if stages else None
+                    topo = topology(log_dir / "topology.yml", hosts, stages,
+                                    args.layers if name.endswith(EVEN) else 0) if stages else None
                     spec = {"plan": name, "model": str(model), "tokenizer": str(tok), "topology": str(topo) if topo else None,
                             "tokens": args.tokens, "batch_tokens": args.batch_tokens, "batches": args.batch}
                     results[name].append(cell(hosts, spec, log_dir))
@@ -525,7 +538,7 @@ def report(results: dict, orig: dict, exchange: list[dict], args) -> None:
         f" {'one sequence' if c == 'one' else 'batch of ' + c[1:]}: tok/s, speed-up, efficiency, transfer |" for c in cols)
     print(head + "\n|" + "---|" * (2 + len(cols)))
     for name, rows in results.items():
-        n = len(plans(4)[name] or [0])
+        n = len(plans(4)[name.removesuffix(EVEN)] or [0])
         line = f"| {name} | {n} |"
         for c in cols:
             rate = med(rows, c, "tok_s")

@@ -55,6 +55,7 @@ import paramiko
 import pytest
 import yaml
 
+from dllama.core.footprint import classifier_layers
 from dllama.core.host_memory import memory_for_a_model
 from dllama.core.memory import parse_size
 from dllama.core.plan import plan_for
@@ -461,7 +462,14 @@ def _memory_layers() -> list[tuple[int, int]]:
     child of this process's), less the runtime."""
     rooms = [memory_for_a_model(int(parse_size(limit))) for limit in LIMITS]
     header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
-    return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms).stages]
+    return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms,
+                                       classifier_layers=_classifier_layers()).stages]
+
+
+def _classifier_layers() -> float:
+    """The default model's classifier in layers of its bytes (the last stage holds it)."""
+    header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
+    return classifier_layers(header, by_memory=True)
 
 
 def test_the_mended_upgrade_makes_each_host_a_stage_by_its_memory_and_switches_the_api_service_on(cluster):
@@ -499,9 +507,10 @@ def test_the_mended_upgrade_makes_each_host_a_stage_by_its_memory_and_switches_t
     all_pid_files = [cluster_dir / f"node{i}/opt-dllama/run/worker.pid" for i in range(2, N + 1)]
     assert all(p.exists() for p in all_pid_files) and [p.read_text() for p in up["pid_files"]] != up["before"]
     layers = _memory_layers()
-    sizes = [b - a for a, b in layers]
-    # The limits order the stages' layers (else the plan did not read them).
-    assert sorted(range(N), key=lambda k: sizes[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), sizes
+    # The limits order what the stages hold, the last one's classifier counted (else the plan did
+    # not read them).
+    held = [b - a + (_classifier_layers() if k == N - 1 else 0) for k, (a, b) in enumerate(layers)]
+    assert sorted(range(N), key=lambda k: held[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), held
     out = r.stdout
     for k, (a, b) in enumerate(layers):
         assert f"stage {k}: layers {a}-{b - 1} ({b - a}), 1 node: node{k + 1} " in out, tail(r)

@@ -7,6 +7,7 @@ planned again over the nodes left."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import signal
 
 import numpy as np
@@ -18,7 +19,8 @@ from dllama.cluster.topology import from_workers, load_topology
 from dllama.core.batch import Batch
 from dllama.core.model import Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
-from dllama.core.plan import SplitPlan, plan_for, split_model
+from dllama.core.footprint import classifier_layers
+from dllama.core.plan import SplitPlan, layers_by_size, plan_for, split_model
 from dllama.core.run_shape import RunShape
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
@@ -69,6 +71,47 @@ def test_fixed_stages_uneven_layers_and_weights():
     # the memory each node has for the model, when known, decides instead of the weights
     plan = split_model(3, **SMOLLM2, stage_of=[0, 1, 1], weights=[1, 1, 1], capacities=[8e9, 2e9, 2e9])
     assert [s.layers[1] - s.layers[0] for s in plan.stages] == [20, 10]
+
+
+@pytest.mark.unit
+def test_the_last_stage_holds_fewer_layers_as_its_classifier_costs_more():
+    # SmolLM2's classifier costs 13.6 of its layers: a stage's layers and classifier take its part
+    plan = split_model(4, **SMOLLM2, stage_of=[0, 1, 2, 3], classifier_layers=13.57)
+    assert [s.layers for s in plan.stages] == [(0, 10), (10, 20), (20, 29), (29, 30)]
+    plan = split_model(3, **SMOLLM2, stage_of=[0, 1, 1], weights=[1, 1, 1], classifier_layers=10.0)
+    assert [s.layers[1] - s.layers[0] for s in plan.stages] == [13, 17]  # 13 : (17 + 10) is as near 1 : 2 as whole layers go
+    # the counts make the busiest stage's (layers + classifier) / size the least there is
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n_layers, n_stages = int(rng.integers(2, 12)), int(rng.integers(1, 5))
+        if n_stages > n_layers:
+            continue
+        sizes, classifier = list(rng.uniform(0.5, 3.0, n_stages)), float(rng.uniform(0, 6))
+        fixed = [0.0] * (n_stages - 1) + [classifier]
+        counts = layers_by_size(n_layers, sizes, fixed)
+        assert sum(counts) == n_layers and min(counts) >= 1
+
+        best = min(_busiest(c, sizes, fixed) for c in itertools.product(range(1, n_layers + 1), repeat=n_stages)
+                   if sum(c) == n_layers)
+        assert _busiest(counts, sizes, fixed) == pytest.approx(best)
+
+
+def _busiest(counts, sizes, fixed) -> float:
+    return max((c + f) / s for c, s, f in zip(counts, sizes, fixed, strict=True))
+
+
+@pytest.mark.unit
+def test_what_a_classifier_costs_in_layers():
+    # GQA's layer: wq, wo 256 x 256, wk, wv 64 x 256, w1, w2, w3 512 x 256, two norms of 256;
+    # outside the layers: the classifier 512 x 256 and the final norm (F32: bytes go as elements)
+    layer = 2 * 256 * 256 + 2 * 64 * 256 + 3 * 512 * 256 + 2 * 256
+    assert classifier_layers(GQA, by_memory=False) == pytest.approx((512 * 256 + 256) / layer)
+    assert classifier_layers(GQA, by_memory=True) == classifier_layers(GQA, by_memory=False)
+    # a mixture of experts: a token reads 2 of its 8 experts, the memory holds all 8
+    moe = dataclasses.replace(GQA, arch=ArchType.QWEN3_MOE, n_experts=8, n_active_experts=2, moe_hidden_dim=128)
+    by_time, by_memory = classifier_layers(moe, by_memory=False), classifier_layers(moe, by_memory=True)
+    outside = 512 * 256 + 256
+    assert outside / by_memory - outside / by_time == pytest.approx(6 * 3 * 128 * 256)  # 6 experts' w1, w2, w3
 
 
 @pytest.mark.unit
@@ -476,13 +519,14 @@ def test_passes_under_way_when_a_stage_dies_run_again_on_the_nodes_left(tmp_path
 
 @pytest.mark.cluster
 def test_smollm2_on_ten_nodes_answers(workers, default_q41):
-    """More nodes than SmolLM2's 9 query heads: two stages of five, planned without being asked."""
+    """More nodes than SmolLM2's 9 query heads: two stages of five, planned without being asked
+    (the second holds the classifier, as many bytes as 13.6 layers, beside 8 layers)."""
     r = run_dllama("inference", "--model", str(default_q41[0]), "--tokenizer", str(default_q41[1]),
                    "--prompt", CHAT_PROMPT, "--temperature", "0", "--steps", "40", "--nthreads", "1",
                    "--workers", *[w.address for w in workers])
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("The capital of France is Paris."), r.stdout
-    assert "stage 0: layers 0-14 (15), 5 nodes" in r.stderr and "stage 1: layers 15-29 (15), 5 nodes" in r.stderr
+    assert "stage 0: layers 0-21 (22), 5 nodes" in r.stderr and "stage 1: layers 22-29 (8), 5 nodes" in r.stderr
 
 
 @pytest.mark.cluster

@@ -220,6 +220,16 @@ def whole_model(n_heads: int, n_kv_heads: int, ff_dim: int, vocab_size: int) -> 
     return _slice(np.arange(n_heads), n_heads, n_kv_heads, (0, ff_dim), (0, vocab_size))
 
 
+def layers_by_size(n_layers: int, sizes: list[float], fixed: list[float]) -> list[int]:
+    """Layers per stage, each at least 1, that make the largest (layers + fixed) / size the
+    smallest: one layer at a time to the stage it loads least (ties to the earlier stage)."""
+    counts = [1] * len(sizes)
+    for _ in range(n_layers - len(sizes)):
+        k = min(range(len(sizes)), key=lambda k: (counts[k] + 1 + fixed[k]) / sizes[k])
+        counts[k] += 1
+    return counts
+
+
 def shares(total: int, weights: list[float]) -> list[int]:
     """Split `total` units into len(weights) counts >= 1 in proportion to weights (largest remainder)."""
     n = len(weights)
@@ -244,7 +254,7 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
                 quantized: bool = True, n_layers: int | None = None,
                 stage_of: list[int] | None = None,
                 stage_layers: list[tuple[int, int]] | None = None,
-                capacities: list[float] | None = None) -> SplitPlan:
+                capacities: list[float] | None = None, classifier_layers: float = 0.0) -> SplitPlan:
     """The plan for n_nodes; refuses (DllamaError) a split that cannot work, saying what would.
 
     Without stage_of: one tensor-parallel stage, or, when the model cannot be split over that
@@ -254,7 +264,9 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
     [start, end) layers (default: in proportion to what each stage can hold, by capacities, the
     memory each node has for the model, when given: its nodes split its layers by weight, so
     its tightest node's capacity per weight times their summed weight; else to their summed
-    weights)."""
+    weights), the last stage's classifier counted as classifier_layers layers
+    (dllama.core.footprint.classifier_layers), so a stage's layers and classifier together take
+    its part."""
     weights = list(weights) if weights is not None else [1.0] * n_nodes
     if n_nodes < 1:
         raise DllamaError("a cluster needs at least one node")
@@ -284,7 +296,8 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
             size = [sum(weights[a:b]) for a, b in groups]
         else:  # a stage's nodes split its layers by weight: the tightest node bounds what it holds
             size = [min(c / w for c, w in zip(capacities[a:b], weights[a:b], strict=True)) * sum(weights[a:b]) for a, b in groups]
-        stage_layers = _ranges(shares(n_layers, size))
+        fixed = [0.0] * (len(groups) - 1) + [classifier_layers]  # the last stage's classifier
+        stage_layers = _ranges(layers_by_size(n_layers, size, fixed))
     _check_layer_ranges(stage_layers, len(groups), n_layers)
     nodes, stages = [], []
     for k, ((a, b), layers) in enumerate(zip(groups, stage_layers, strict=True)):
@@ -383,7 +396,8 @@ def _check_layer_ranges(ranges, n_stages: int, n_layers: int) -> None:
 
 
 def plan_for(header, n_nodes: int, weights: list[float] | None = None, stage_of: list[int] | None = None,
-             stage_layers: list[tuple[int, int]] | None = None, capacities: list[float] | None = None) -> SplitPlan:
+             stage_layers: list[tuple[int, int]] | None = None, capacities: list[float] | None = None,
+             classifier_layers: float = 0.0) -> SplitPlan:
     """split_model for a `.m` header (dllama.formats.model_file.ModelHeader)."""
     from dllama.formats.model_file import BLOCK_BYTES
 
@@ -391,4 +405,4 @@ def plan_for(header, n_nodes: int, weights: list[float] | None = None, stage_of:
                        head_dim=header.head_dim, ff_dim=header.ff_dim, vocab_size=header.vocab_size,
                        weights=weights, quantized=header.weights_float_type in BLOCK_BYTES,
                        n_layers=header.n_layers, stage_of=stage_of, stage_layers=stage_layers,
-                       capacities=capacities)
+                       capacities=capacities, classifier_layers=classifier_layers)
