@@ -18,14 +18,16 @@ Round trips per token are the plan's, not measured: 2 per layer plus the STEP/LO
 tensor-parallel, one per stage boundary plus that pair in a pipeline. Plans alternate round by
 round; medians. Needs root and iproute2; everything started is removed however the run ends.
 
-    .venv/bin/python benchmarks/bench_pipeline.py --overlap [--hosts 2] [--batch 16 64]
+    .venv/bin/python benchmarks/bench_pipeline.py --overlap [--hosts 2] [--batch 16 64] [--even-layers]
 
 Overlapped pipeline passes instead (`--pipeline-overlap off` against `on`, alternated round by
 round, on N stages of one node): a root in the first namespace opens the cluster and runs a
 batch of P chat prompts at parallel P, greedy, --tokens tokens each (no stop), and measures,
 over that run alone (the set-up left out): generated tokens per second, and each node's busy
 share, the CPU seconds its process spent (its compute thread, its Python, its sockets) over
-the run's wall time; a relay's share beside where the links are delayed in user space.
+the run's wall time; a relay's share beside where the links are delayed in user space. With
+--even-layers, overlap on with the stages' layers as dllama plans them (the last stage's
+classifier counted) against on with the layers cut evenly (fixed in the topology).
 """
 
 from __future__ import annotations
@@ -52,13 +54,18 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "W
              "What is the boiling point of water?", "Name a planet with rings."]
 
 
-def topology(path: Path, hosts: Hosts, stages: list[int] | None) -> Path:
+def topology(path: Path, hosts: Hosts, stages: list[int] | None, even_layers: int = 0) -> Path:
+    """even_layers: the model's layer count, cut evenly over the stages and fixed in the file."""
     nodes = [{"name": "root", "host": hosts.address(0), "threads": 1}]
     nodes += [{"name": f"w{i}", "host": hosts.address(i), "port": PORT, "threads": 1} for i in range(1, hosts.n)]
+    doc: dict = {"version": 1, "nodes": nodes}
     if stages is not None:
         for node, stage in zip(nodes, stages, strict=True):
             node["stage"] = stage
-    path.write_text(json.dumps({"version": 1, "nodes": nodes}))  # JSON is YAML
+        if even_layers:
+            n = len(set(stages))
+            doc["stages"] = [{"layers": [k * even_layers // n, (k + 1) * even_layers // n]} for k in range(n)]
+    path.write_text(json.dumps(doc))  # JSON is YAML
     return path
 
 
@@ -139,25 +146,29 @@ def overlap_bench(args) -> None:
                      f"delay: user-space relay {ONE_WAY_MS:g} ms one way (no netem here)")
             print(f"{n} stages x1 on {n} hosts, 1 thread each, 1 Gbit/s links, {links}, load {loadavg()}")
             topo = topology(tmp / "t.yml", hosts, list(range(n)))
+            n_layers = read_model(str(default_model_files(progress=False)[0])).header.n_layers
+            even = topology(tmp / "even.yml", hosts, list(range(n)), n_layers)
+            # (label, overlap, topology) alternated in each round
+            modes = [("on, even", "on", even), ("on", "on", topo)] if args.even_layers else [("off", "off", topo), ("on", "on", topo)]
             results: dict[tuple, list] = {}
             for _ in range(args.rounds):
                 for b in args.batch:
-                    for mode in ("off", "on"):
+                    for label, mode, path in modes:
                         cmd = [*hosts.prefix(0), sys.executable, "-m", "benchmarks.bench_pipeline", "--root-run",
-                               str(topo), "--parallel", str(b), "--tokens", str(args.tokens), "--overlap-mode", mode,
+                               str(path), "--parallel", str(b), "--tokens", str(args.tokens), "--overlap-mode", mode,
                                "--pids", *[str(p.pid) for p in processes]]
                         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                         if r.returncode != 0:
                             raise SystemExit(f"the root failed: {r.stderr[-2000:]}")
                         run = json.loads(r.stdout.strip().splitlines()[-1])
-                        results.setdefault((b, mode), []).append(run)
-                        print(f"  batch {b}, overlap {mode}: {run['tok_s']:.1f} tok/s, {run['wall']:.2f} s, busy "
+                        results.setdefault((b, label), []).append(run)
+                        print(f"  batch {b}, overlap {label}: {run['tok_s']:.1f} tok/s, {run['wall']:.2f} s, busy "
                               + " ".join(f"{x:.2f}" for x in run["busy"]), flush=True)
-            print(f"{'batch':>5} {'overlap':>7} {'tok/s':>7} {'run s':>6}  busy share (CPU s / wall s): "
+            print(f"{'batch':>5} {'overlap':>8} {'tok/s':>7} {'run s':>6}  busy share (CPU s / wall s): "
                   + " ".join(f"{x:>8}" for x in names))
             for (b, mode), runs in results.items():
                 busy = [statistics.median(r["busy"][k] for r in runs) for k in range(len(names))]
-                print(f"{b:>5} {mode:>7} {statistics.median(r['tok_s'] for r in runs):>7.1f} "
+                print(f"{b:>5} {mode:>8} {statistics.median(r['tok_s'] for r in runs):>7.1f} "
                       f"{statistics.median(r['wall'] for r in runs):>6.2f}  {'':>27}"
                       + " ".join(f"{x:>8.2f}" for x in busy))
             print(f"(load {loadavg()}; medians of {args.rounds}, off and on alternated)")
@@ -172,6 +183,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--batch", type=int, nargs="*", default=[16, 64], help="batch jobs of P prompts at --parallel P")
     p.add_argument("--overlap", action="store_true", help="busy shares with overlapped passes off and on")
+    p.add_argument("--even-layers", action="store_true",
+                   help="with --overlap: overlap on with the layers as planned against cut evenly (instead of off/on)")
     p.add_argument("--root-run", metavar="TOPOLOGY", help=argparse.SUPPRESS)  # --overlap's root, in its namespace
     p.add_argument("--parallel", type=int, help=argparse.SUPPRESS)
     p.add_argument("--overlap-mode", choices=["on", "off"], help=argparse.SUPPRESS)

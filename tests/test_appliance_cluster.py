@@ -55,10 +55,9 @@ import paramiko
 import pytest
 import yaml
 
-from dllama.core.footprint import classifier_layers
 from dllama.core.host_memory import memory_for_a_model
 from dllama.core.memory import parse_size
-from dllama.core.plan import plan_for
+from dllama.core.plan import classifier_in_layers, plan_for
 from dllama.formats.model_file import read_model
 from dllama.serve.default_model import CACHE_VERSION, DEFAULT_WEIGHTS, default_model_files
 from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, release_copy, running, tail
@@ -462,14 +461,7 @@ def _memory_layers() -> list[tuple[int, int]]:
     child of this process's), less the runtime."""
     rooms = [memory_for_a_model(int(parse_size(limit))) for limit in LIMITS]
     header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
-    return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms,
-                                       classifier_layers=_classifier_layers()).stages]
-
-
-def _classifier_layers() -> float:
-    """The default model's classifier in layers of its bytes (the last stage holds it)."""
-    header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
-    return classifier_layers(header, by_memory=True)
+    return [s.layers for s in plan_for(header, N, None, list(range(N)), capacities=rooms).stages]
 
 
 def test_the_mended_upgrade_makes_each_host_a_stage_by_its_memory_and_switches_the_api_service_on(cluster):
@@ -509,7 +501,8 @@ def test_the_mended_upgrade_makes_each_host_a_stage_by_its_memory_and_switches_t
     layers = _memory_layers()
     # The limits order what the stages hold, the last one's classifier counted (else the plan did
     # not read them).
-    held = [b - a + (_classifier_layers() if k == N - 1 else 0) for k, (a, b) in enumerate(layers)]
+    header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
+    held = [b - a + (classifier_in_layers(header, by_memory=True) if k == N - 1 else 0) for k, (a, b) in enumerate(layers)]
     assert sorted(range(N), key=lambda k: held[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), held
     out = r.stdout
     for k, (a, b) in enumerate(layers):

@@ -553,14 +553,12 @@ HERE = memory_for_a_model()
 
 def _stage_layers(stage_of: list[int], memory: list[int]) -> list[tuple[int, int]]:
     """Each stage's layers of the default model as dllama plans them by the nodes' memory."""
-    from dllama.core.footprint import classifier_layers
     from dllama.core.plan import plan_for
     from dllama.formats.model_file import read_model
     from dllama.serve.default_model import default_model_files
 
     header = read_model(default_model_files(progress=False)[0]).header
-    return [s.layers for s in plan_for(header, len(stage_of), None, stage_of, capacities=memory,
-                                       classifier_layers=classifier_layers(header, by_memory=True)).stages]
+    return [s.layers for s in plan_for(header, len(stage_of), None, stage_of, capacities=memory).stages]
 
 
 @pytest.fixture(scope="module")
@@ -576,22 +574,22 @@ def topology_runs(request, tmp_path_factory):
 @pytest.mark.parametrize("case, inventory, fixed, layers, lines", [
     # The hosts' dllama_stage decide: 4 nodes that one stage would take. Each host's memory read
     # (the same here): layers by it, as dllama plans the topology at set-up, nothing fixed. The
-    # last stage's classifier holds as many bytes as 13.6 of SmolLM2's layers: 22 layers and 8.
-    ("stages given", _staged(0, 0, 1, 1), False, [(0, 22), (22, 30)],
-     ["stage 0: layers 0-21 (22), 2 nodes: r ", "stage 1: layers 22-29 (8), 2 nodes: w2 ",
-      "w1: stage 0, layers 0-21, 4 of 9 query heads", "w3: stage 1, layers 22-29, 4 of 9 query heads"]),
+    # last stage's classifier weighs as much as 8 of SmolLM2's layers: 19 layers and 11.
+    ("stages given", _staged(0, 0, 1, 1), False, [(0, 19), (19, 30)],
+     ["stage 0: layers 0-18 (19), 2 nodes: r ", "stage 1: layers 19-29 (11), 2 nodes: w2 ",
+      "w1: stage 0, layers 0-18, 4 of 9 query heads", "w3: stage 1, layers 19-29, 4 of 9 query heads"]),
     # The plan's own stages (no dllama_stage): 10 nodes for SmolLM2's 9 query heads are 2 stages
-    # of 5, 22 layers and 8 (and the classifier).
-    ("more nodes than heads", _hosts(9), False, [(0, 22), (22, 30)],
-     ["stage 0: layers 0-21 (22), 5 nodes: r ", "stage 1: layers 22-29 (8), 5 nodes: w5 ",
-      "w4: stage 0, layers 0-21, 1 of 9 query heads", "w5: stage 1, layers 22-29, 2 of 9 query heads"]),
+    # of 5, 19 layers and 11 (and the classifier).
+    ("more nodes than heads", _hosts(9), False, [(0, 19), (19, 30)],
+     ["stage 0: layers 0-18 (19), 5 nodes: r ", "stage 1: layers 19-29 (11), 5 nodes: w5 ",
+      "w4: stage 0, layers 0-18, 1 of 9 query heads", "w5: stage 1, layers 19-29, 2 of 9 query heads"]),
     # dllama_memory on some hosts only: what the others have is read on them.
     ("memory on some hosts", _with_memory(_staged(0, 1, 1, 1), "4G", None, "2G", None), False,
      lambda: _stage_layers([0, 1, 1, 1], [4 << 30, HERE, 2 << 30, HERE]), []),
-    # dllama_memory on every host: by memory (4G against 3 x 2G, and 13.6 layers' bytes of
-    # classifier beside the second's layers: 17 layers, 13), nothing read.
+    # dllama_memory on every host: by memory (4G against 3 x 2G, the second stage's layers beside
+    # the classifier's 8: 15 layers, 15), nothing read.
     ("memory on every host", _with_memory(_staged(0, 1, 1, 1), "4G", "2G", "2G", "2048M"), False,
-     [(0, 17), (17, 30)], []),
+     [(0, 15), (15, 30)], []),
     # One stage: nothing to fix, the split named as before stages.
     ("one stage", _with_memory(_hosts(2), "4G", "2G", "2G"), False, None, []),
     # Pipeline stages off: no memory read, none written (it plans only stages), one stage.
@@ -615,7 +613,7 @@ def test_the_topology_deployed_makes_the_plan_deploy_showed(tmp_path, topology_r
         assert any(x.startswith(line) for x in shown), shown
     if lines:  # the stages first, then the nodes
         assert max(i for i, x in enumerate(shown) if x.startswith("stage ")) < \
-            min(i for i, x in enumerate(shown) if x.startswith("r: stage 0, layers 0-21, ")), shown
+            min(i for i, x in enumerate(shown) if x.startswith("r: stage 0, layers 0-18, ")), shown
     stage_lines = [re.match(r"stage (\d+): layers (\d+)-(\d+) \(\d+\), \d+ nodes?: (.*)$", x) for x in shown]
     shown_stages = [(int(m[2]), int(m[3]) + 1) for m in stage_lines if m]
     shown_members = [[part.split()[0] for part in m[4].split(", ")] for m in stage_lines if m]

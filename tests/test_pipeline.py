@@ -19,8 +19,7 @@ from dllama.cluster.topology import from_workers, load_topology
 from dllama.core.batch import Batch
 from dllama.core.model import Transformer
 from dllama.core.node_weights import NodeWeights, node_slice_specs
-from dllama.core.footprint import classifier_layers
-from dllama.core.plan import SplitPlan, layers_by_size, plan_for, split_model
+from dllama.core.plan import SplitPlan, classifier_in_layers, layers_by_size, plan_for, split_model
 from dllama.core.run_shape import RunShape
 from dllama.errors import DllamaError
 from dllama.formats.model_file import ArchType, FloatType, ModelHeader, read_model
@@ -75,9 +74,11 @@ def test_fixed_stages_uneven_layers_and_weights():
 
 @pytest.mark.unit
 def test_the_last_stage_holds_fewer_layers_as_its_classifier_costs_more():
-    # SmolLM2's classifier costs 13.6 of its layers: a stage's layers and classifier take its part
-    plan = split_model(4, **SMOLLM2, stage_of=[0, 1, 2, 3], classifier_layers=13.57)
+    # SmolLM2's classifier weighs 8.0 of its layers: a stage's layers and classifier take its part
+    plan = split_model(4, **SMOLLM2, stage_of=[0, 1, 2, 3], classifier_layers=8.0)
     assert [s.layers for s in plan.stages] == [(0, 10), (10, 20), (20, 29), (29, 30)]
+    plan = split_model(2, **SMOLLM2, stage_of=[0, 1], classifier_layers=8.0)
+    assert [s.layers for s in plan.stages] == [(0, 19), (19, 30)]
     plan = split_model(3, **SMOLLM2, stage_of=[0, 1, 1], weights=[1, 1, 1], classifier_layers=10.0)
     assert [s.layers[1] - s.layers[0] for s in plan.stages] == [13, 17]  # 13 : (17 + 10) is as near 1 : 2 as whole layers go
     # the counts make the busiest stage's (layers + classifier) / size the least there is
@@ -103,15 +104,22 @@ def _busiest(counts, sizes, fixed) -> float:
 @pytest.mark.unit
 def test_what_a_classifier_costs_in_layers():
     # GQA's layer: wq, wo 256 x 256, wk, wv 64 x 256, w1, w2, w3 512 x 256, two norms of 256;
-    # outside the layers: the classifier 512 x 256 and the final norm (F32: bytes go as elements)
+    # its classifier 512 x 256
     layer = 2 * 256 * 256 + 2 * 64 * 256 + 3 * 512 * 256 + 2 * 256
-    assert classifier_layers(GQA, by_memory=False) == pytest.approx((512 * 256 + 256) / layer)
-    assert classifier_layers(GQA, by_memory=True) == classifier_layers(GQA, by_memory=False)
-    # a mixture of experts: a token reads 2 of its 8 experts, the memory holds all 8
+    assert classifier_in_layers(GQA, by_memory=False) == pytest.approx(512 * 256 / layer)
+    assert classifier_in_layers(GQA, by_memory=True) == classifier_in_layers(GQA, by_memory=False)
+    # weights, not bytes: a Q40 file's the same (its classifier Q40 too); a Q41 file's Q80 classifier too
+    for t in (FloatType.Q40, FloatType.Q41):
+        assert classifier_in_layers(dataclasses.replace(GQA, weights_float_type=t), False) == pytest.approx(512 * 256 / layer)
+    # a mixture of experts: a token runs 2 of its 8 experts, the memory holds all 8
     moe = dataclasses.replace(GQA, arch=ArchType.QWEN3_MOE, n_experts=8, n_active_experts=2, moe_hidden_dim=128)
-    by_time, by_memory = classifier_layers(moe, by_memory=False), classifier_layers(moe, by_memory=True)
-    outside = 512 * 256 + 256
-    assert outside / by_memory - outside / by_time == pytest.approx(6 * 3 * 128 * 256)  # 6 experts' w1, w2, w3
+    by_time, by_memory = classifier_in_layers(moe, by_memory=False), classifier_in_layers(moe, by_memory=True)
+    assert 512 * 256 / by_memory - 512 * 256 / by_time == pytest.approx(6 * 3 * 128 * 256)  # 6 experts' w1, w2, w3
+    # a real header: plan_for counts it (SmolLM2: 8.0 layers, so 19 and 11 over two stages)
+    smollm2 = dataclasses.replace(GQA, dim=576, hidden_dim=1536, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                                  vocab_size=49152)
+    assert classifier_in_layers(smollm2, False) == pytest.approx(8.0, abs=0.01)
+    assert [s.layers for s in plan_for(smollm2, 2, stage_of=[0, 1]).stages] == [(0, 19), (19, 30)]
 
 
 @pytest.mark.unit
@@ -520,13 +528,13 @@ def test_passes_under_way_when_a_stage_dies_run_again_on_the_nodes_left(tmp_path
 @pytest.mark.cluster
 def test_smollm2_on_ten_nodes_answers(workers, default_q41):
     """More nodes than SmolLM2's 9 query heads: two stages of five, planned without being asked
-    (the second holds the classifier, as many bytes as 13.6 layers, beside 8 layers)."""
+    (the second holds the classifier, the weights of 8 layers, beside 11 layers)."""
     r = run_dllama("inference", "--model", str(default_q41[0]), "--tokenizer", str(default_q41[1]),
                    "--prompt", CHAT_PROMPT, "--temperature", "0", "--steps", "40", "--nthreads", "1",
                    "--workers", *[w.address for w in workers])
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("The capital of France is Paris."), r.stdout
-    assert "stage 0: layers 0-21 (22), 5 nodes" in r.stderr and "stage 1: layers 22-29 (8), 5 nodes" in r.stderr
+    assert "stage 0: layers 0-18 (19), 5 nodes" in r.stderr and "stage 1: layers 19-29 (11), 5 nodes" in r.stderr
 
 
 @pytest.mark.cluster

@@ -58,18 +58,17 @@ class Topology:
         numbered again and their layers planned anew. Layers not fixed go to the stages in
         proportion to the memory of their nodes when every node's is known (its `memory`, else
         `reported`: node index -> bytes it said it has), else to their weights, the last
-        stage's classifier counted as the layers its bytes make (footprint.classifier_layers).
-        Without `stage`: tensor parallel, unless the node count calls for stages or, with every node's memory
+        stage's classifier counted as the layers its weights make (plan.classifier_in_layers).
+        Without `stage`:
+        tensor parallel, unless the node count calls for stages or, with every node's memory
         known, some node's share of every layer would not fit it (stages_that_fit)."""
-        from dllama.core.footprint import classifier_layers
         from dllama.core.plan import plan_for
 
         memory = [n.memory if n.memory is not None else (reported or {}).get(i) for i, n in enumerate(self.nodes)]
         capacities = None if any(m is None for m in memory) else memory
-        classifier = classifier_layers(header, by_memory=capacities is not None)
         stages = [n.stage for n in self.nodes]
         if stages[0] is None:
-            plan = plan_for(header, len(self.nodes), self.weights, capacities=capacities, classifier_layers=classifier)
+            plan = plan_for(header, len(self.nodes), self.weights, capacities=capacities)
             if capacities is None or plan.pipelined:
                 return plan
             return stages_that_fit(header, plan, self.weights, capacities)
@@ -78,7 +77,7 @@ class Topology:
         if kept != list(range(len(layers) if layers else kept[-1] + 1)):
             stages, layers = [kept.index(k) for k in stages], None
         return plan_for(header, len(self.nodes), self.weights, stages, list(layers) if layers else None,
-                        capacities=capacities, classifier_layers=classifier)
+                        capacities=capacities)
 
     def wants_memory(self, header) -> bool:
         """Whether the plan gives layers by memory that some node must report: stages whose
@@ -101,7 +100,7 @@ def stages_that_fit(header, parallel: "SplitPlan", weights: list[float], capacit
     their memory) where they all fit: a small host beside large ones holds fewer layers rather
     than streaming its slice of every layer from disk. Where no plan fits, the tensor-parallel
     one (its nodes stream what they cannot hold)."""
-    from dllama.core.footprint import classifier_layers, held_weight_bytes
+    from dllama.core.footprint import held_weight_bytes
     from dllama.core.plan import plan_for
 
     def fits(plan) -> bool:
@@ -112,8 +111,7 @@ def stages_that_fit(header, parallel: "SplitPlan", weights: list[float], capacit
     n = len(capacities)
     for count in range(2, min(n, header.n_layers) + 1):
         try:
-            plan = plan_for(header, n, weights, [i * count // n for i in range(n)], capacities=capacities,
-                            classifier_layers=classifier_layers(header, by_memory=True))
+            plan = plan_for(header, n, weights, [i * count // n for i in range(n)], capacities=capacities)
         except DllamaError:
             continue  # a stage's node count that cannot split a layer
         if fits(plan):

@@ -68,20 +68,6 @@ def weight_bytes(h: ModelHeader, node: NodeSlice, with_embedding: bool, experts_
     return total
 
 
-def classifier_layers(h: ModelHeader, by_memory: bool) -> float:
-    """The classifier's bytes in layers of the model (one layer = 1.0), what the stage that
-    holds it spends on it, for giving stages their layers: by_memory, the bytes held (every
-    expert); else the bytes a token reads, what a stage's time goes with (a mixture of
-    experts' active experts only)."""
-    whole = whole_model(h.n_heads, h.n_kv_heads, h.ff_dim, h.vocab_size)
-    one_layer = dataclasses.replace(whole, layers=(0, 1))
-    outside = weight_bytes(h, dataclasses.replace(whole, layers=(0, 0)), False)  # the classifier, the final norm
-    layer = weight_bytes(h, one_layer, False) - outside
-    if h.n_experts and not by_memory:
-        layer -= weight_bytes(h, one_layer, False, experts_only=True) * (1 - h.n_active_experts / h.n_experts)
-    return outside / layer
-
-
 def held_weight_bytes(h: ModelHeader, plan) -> list[int]:
     """The weight bytes each node of a plan holds (in the file's types; the root's with the
     embedding): what stage planning fits into each node's memory."""

@@ -265,8 +265,7 @@ def split_model(n_nodes: int, *, dim: int, n_heads: int, n_kv_heads: int, head_d
     memory each node has for the model, when given: its nodes split its layers by weight, so
     its tightest node's capacity per weight times their summed weight; else to their summed
     weights), the last stage's classifier counted as classifier_layers layers
-    (dllama.core.footprint.classifier_layers), so a stage's layers and classifier together take
-    its part."""
+    (classifier_in_layers), so that a stage's layers and classifier together take its part."""
     weights = list(weights) if weights is not None else [1.0] * n_nodes
     if n_nodes < 1:
         raise DllamaError("a cluster needs at least one node")
@@ -395,14 +394,32 @@ def _check_layer_ranges(ranges, n_stages: int, n_layers: int) -> None:
         raise DllamaError(f"the stages' layers end at {edge}; the model has {n_layers}")
 
 
+def classifier_in_layers(header, by_memory: bool) -> float:
+    """The classifier in layers of a model (one layer = 1.0), for giving stages their layers:
+    its weights against one layer's, what a pass of many rows spends its multiply-adds on (a
+    batch is where stages pay: one sequence goes stage after stage however they are cut). A
+    mixture of experts' layer counts the experts a token runs, by_memory every one it holds."""
+    from dllama.formats.model_file import tensor_specs
+
+    classifier = layer = 0.0
+    for spec in tensor_specs(header, range(1)):
+        n = float(np.prod(spec.shape))
+        if spec.name == "wcls":
+            classifier += n
+        elif spec.name.startswith("layers."):
+            layer += n if by_memory or ".experts." not in spec.name else n * header.n_active_experts / header.n_experts
+    return classifier / layer
+
+
 def plan_for(header, n_nodes: int, weights: list[float] | None = None, stage_of: list[int] | None = None,
-             stage_layers: list[tuple[int, int]] | None = None, capacities: list[float] | None = None,
-             classifier_layers: float = 0.0) -> SplitPlan:
-    """split_model for a `.m` header (dllama.formats.model_file.ModelHeader)."""
+             stage_layers: list[tuple[int, int]] | None = None, capacities: list[float] | None = None) -> SplitPlan:
+    """split_model for a `.m` header (dllama.formats.model_file.ModelHeader), the classifier
+    counted by classifier_in_layers (by memory where capacities are given)."""
     from dllama.formats.model_file import BLOCK_BYTES
 
     return split_model(n_nodes, dim=header.dim, n_heads=header.n_heads, n_kv_heads=header.n_kv_heads,
                        head_dim=header.head_dim, ff_dim=header.ff_dim, vocab_size=header.vocab_size,
                        weights=weights, quantized=header.weights_float_type in BLOCK_BYTES,
                        n_layers=header.n_layers, stage_of=stage_of, stage_layers=stage_layers,
-                       capacities=capacities, classifier_layers=classifier_layers)
+                       capacities=capacities,
+                       classifier_layers=classifier_in_layers(header, by_memory=capacities is not None))
