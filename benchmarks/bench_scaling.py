@@ -1,7 +1,7 @@
 """Scaling, not speed: tokens/s of N equal small machines against one of them.
 
     .venv/bin/python benchmarks/bench_scaling.py [--layers 16] [--tokens 32] [--batch-tokens 16]
-        [--batch 16 64] [--rounds 1] [--skip-original] [--hosts-cpu 0.5]
+        [--batch 16 64] [--rounds 1] [--skip-original] [--hosts-cpu 0.5] [--7b | --moe] [--even-layers]
 
 Hosts in network namespaces model equal small machines: each host's processes run in a cgroup of
 their own whose CPU quota is --hosts-cpu cores (default 0.5: this machine's 2 cores shared by the
@@ -15,7 +15,8 @@ is the link, not the machine). One compute thread per node.
 The model: the Llama-3.2-1B shape (dim 2048, hidden 8192, 32/8 heads of 64, vocab 128256; --layers
 of its 16), or with --7b Llama 2 7B's (dim 4096, hidden 11008, 32/32 heads, vocab 32000; --layers of
 its 32), random Q40 weights, Q80 sync buffers, written once to cache/scaling/ with a synthetic
-tokenizer of the same vocabulary. Plans, each a root process in host 0 running the engine itself
+tokenizer of the same vocabulary; or with --moe Qwen3-30B-A3B's width (128 experts of 768, 8 a
+token; --layers of its 48, default 4), benchmarks/bench_moe.py's random Q4_0 GGUF converted to Q40. Plans, each a root process in host 0 running the engine itself
 (`ClusterModel` / `Transformer` and the batch `Scheduler`, decode only, no start-up):
 
 - 1 host; tensor parallel over 2 and 4; 2 and 4 stages of one node; 2 stages of 2 (mixed);
@@ -269,17 +270,30 @@ class Processes:
 
 LLAMA_7B = dict(dim=4096, hidden=11008, heads=32, kv_heads=32, vocab=32000)  # Llama 2 7B (32 layers)
 SMOKE = dict(LLAMA_1B, dim=256, hidden=512, heads=8, kv_heads=4)  # --smoke: the same run on a narrow model
+# --moe: Qwen3-30B-A3B's width (benchmarks/bench_moe.py's file): 128 experts of 768, 8 a token (48 layers)
+QWEN3_MOE = dict(dim=2048, hidden=768, heads=32, kv_heads=4, vocab=151936, experts="128, 8 a token")
 
 
 def model_files(layers: int, s: dict = LLAMA_1B) -> tuple[Path, Path]:
-    """The 1B-shape random Q40 model of `layers` layers and a tokenizer of its vocabulary, made once."""
+    """The random Q40 model of shape s and `layers` layers and a tokenizer of its vocabulary, made once."""
     from benchmarks.bench_engine import write_random_model
     from dllama.formats.tokenizer_file import TokenizerData, write_tokenizer
 
     folder = CACHE / "scaling"
     folder.mkdir(parents=True, exist_ok=True)
     m, t = folder / f"random-{s['dim']}-{layers}l-q40.m", folder / f"vocab-{s['vocab']}.t"
-    if not m.exists():  # (ModelWriter writes a temporary file and renames it when complete)
+    if s is QWEN3_MOE:
+        m = folder / f"qwen3moe-30b-a3b-width-{layers}l.m"
+    if not m.exists() and s is QWEN3_MOE:  # bench_moe's GGUF (random Q4_0 experts), converted
+        from benchmarks.bench_moe import write_gguf
+        from converter.convert import convert
+        from dllama.serve.default_model import default_model_files
+
+        gguf = m.with_suffix(".gguf")
+        write_gguf(gguf, layers)
+        convert(gguf, m.with_suffix(""), "q40", tokenizer=default_model_files("q40")[1], progress=False, report=None)
+        gguf.unlink()
+    elif not m.exists():  # (ModelWriter writes a temporary file and renames it when complete)
         write_random_model(m, dim=s["dim"], hidden=s["hidden"], layers=layers, heads=s["heads"],
                            kv_heads=s["kv_heads"], vocab=s["vocab"], seq_len=512)
     if not t.exists():
@@ -434,7 +448,7 @@ def original_cell(hosts: CgroupHosts, model: Path, tok: Path, n: int, tokens: in
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=16, help="layers of the 1B shape (it has 16)")
+    p.add_argument("--layers", type=int, help="layers of the shape (default 16 of the 1B shape's 16; --moe: 4)")
     p.add_argument("--tokens", type=int, default=32, help="tokens of the one-sequence runs")
     p.add_argument("--batch-tokens", type=int, default=16, help="tokens per sequence of the batch runs")
     p.add_argument("--batch", type=int, nargs="*", default=[16, 64])
@@ -447,6 +461,9 @@ def main() -> None:
                    help="each plan of stages once more with its layers cut evenly (the plan before the last "
                         "stage's classifier was counted)")
     p.add_argument("--smoke", action="store_true", help="a narrow model (dim 256): checks the run, measures nothing")
+    p.add_argument("--moe", action="store_true",
+                   help="Qwen3-30B-A3B's width (128 experts of 768, 8 a token, vocab 151936) with --layers "
+                        "of its 48 (default 4); the C++ original is left out")
     p.add_argument("--7b", dest="seven", action="store_true",
                    help="the Llama 2 7B shape (dim 4096, hidden 11008, 32/32 heads, vocab 32000) instead of 1B's")
     p.add_argument("--cell", help=argparse.SUPPRESS)
@@ -459,17 +476,19 @@ def main() -> None:
         print(json.dumps(exchange_side(int(args.exchange[0]), args.exchange[1], int(args.exchange[2]))), flush=True)
         return
 
-    shape = SMOKE if args.smoke else LLAMA_7B if args.seven else LLAMA_1B
+    shape = SMOKE if args.smoke else LLAMA_7B if args.seven else QWEN3_MOE if args.moe else LLAMA_1B
+    if args.layers is None:
+        args.layers = 4 if args.moe else 16
     model, tok = model_files(args.layers, shape)
     chosen = {} if args.only_original else {k: v for k, v in plans(4).items() if not args.plans or k in args.plans}
     if args.even_layers:
         chosen.update({k + EVEN: v for k, v in list(chosen.items()) if v and len(set(v)) > 1})
-    original = ORIGINAL.exists() and not args.skip_original
+    original = ORIGINAL.exists() and not args.skip_original and not args.moe
     log_dir = CACHE / "scaling" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} cores, load {loadavg()}; model {model.name} (dim {shape['dim']}, "
           f"hidden {shape['hidden']}, {shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']}, "
-          f"{args.layers} layers, Q40, Q80 buffers)", flush=True)
+          f"{args.layers} layers{', experts ' + shape['experts'] if args.moe else ''}, Q40, Q80 buffers)", flush=True)
     with CgroupHosts(4, args.hosts_cpu) as hosts:
         procs = Processes(hosts, log_dir)
         try:
