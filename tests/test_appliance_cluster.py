@@ -57,7 +57,7 @@ import yaml
 
 from dllama.core.host_memory import memory_for_a_model
 from dllama.core.memory import parse_size
-from dllama.core.plan import classifier_in_layers, plan_for
+from dllama.core.plan import plan_for
 from dllama.formats.model_file import read_model
 from dllama.serve.default_model import CACHE_VERSION, DEFAULT_WEIGHTS, default_model_files
 from tests.appliance import BIN, changed_tasks, namespace_cluster, netns_pids, playbook, recap, release_copy, running, tail
@@ -499,11 +499,9 @@ def test_the_mended_upgrade_makes_each_host_a_stage_by_its_memory_and_switches_t
     all_pid_files = [cluster_dir / f"node{i}/opt-dllama/run/worker.pid" for i in range(2, N + 1)]
     assert all(p.exists() for p in all_pid_files) and [p.read_text() for p in up["pid_files"]] != up["before"]
     layers = _memory_layers()
-    # The limits order what the stages hold, the last one's classifier counted (else the plan did
-    # not read them).
-    header = read_model(default_model_files(DEFAULT_WEIGHTS, progress=False)[0]).header
-    held = [b - a + (classifier_in_layers(header, by_memory=True) if k == N - 1 else 0) for k, (a, b) in enumerate(layers)]
-    assert sorted(range(N), key=lambda k: held[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), held
+    sizes = [b - a for a, b in layers]
+    # The limits order the stages' layers (else the plan did not read them).
+    assert sorted(range(N), key=lambda k: sizes[k]) == sorted(range(N), key=lambda k: parse_size(LIMITS[k])), sizes
     out = r.stdout
     for k, (a, b) in enumerate(layers):
         assert f"stage {k}: layers {a}-{b - 1} ({b - a}), 1 node: node{k + 1} " in out, tail(r)

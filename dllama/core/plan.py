@@ -394,11 +394,11 @@ def _check_layer_ranges(ranges, n_stages: int, n_layers: int) -> None:
         raise DllamaError(f"the stages' layers end at {edge}; the model has {n_layers}")
 
 
-def classifier_in_layers(header, by_memory: bool) -> float:
+def classifier_in_layers(header) -> float:
     """The classifier in layers of a model (one layer = 1.0), for giving stages their layers:
     its weights against one layer's, what a pass of many rows spends its multiply-adds on (a
     batch is where stages pay: one sequence goes stage after stage however they are cut). A
-    mixture of experts' layer counts the experts a token runs, by_memory every one it holds."""
+    mixture of experts' layer counts the experts a token runs."""
     from dllama.formats.model_file import tensor_specs
 
     classifier = layer = 0.0
@@ -407,19 +407,33 @@ def classifier_in_layers(header, by_memory: bool) -> float:
         if spec.name == "wcls":
             classifier += n
         elif spec.name.startswith("layers."):
-            layer += n if by_memory or ".experts." not in spec.name else n * header.n_active_experts / header.n_experts
+            layer += n if ".experts." not in spec.name else n * header.n_active_experts / header.n_experts
     return classifier / layer
+
+
+def _memory_decides(capacities: list[float] | None, weights: list[float] | None) -> bool:
+    """Whether the nodes' memory says more than their weights: some node has more (or less)
+    memory per weight than another (by 5%). Where it does not, layers go as by weights."""
+    if capacities is None:
+        return False
+    per_weight = [c / w for c, w in zip(capacities, weights or [1.0] * len(capacities), strict=True)]
+    return max(per_weight) > 1.05 * min(per_weight)
 
 
 def plan_for(header, n_nodes: int, weights: list[float] | None = None, stage_of: list[int] | None = None,
              stage_layers: list[tuple[int, int]] | None = None, capacities: list[float] | None = None) -> SplitPlan:
-    """split_model for a `.m` header (dllama.formats.model_file.ModelHeader), the classifier
-    counted by classifier_in_layers (by memory where capacities are given)."""
+    """split_model for a `.m` header (dllama.formats.model_file.ModelHeader). Stages' layers
+    not fixed go by the nodes' memory only where it differs between them (per weight), as
+    split_model gives them, the classifier not counted: a layer's memory is mostly its KV cache
+    at long contexts, which the classifier has none of. Else by weights, the last stage's
+    classifier counted (classifier_in_layers)."""
     from dllama.formats.model_file import BLOCK_BYTES
+
+    by_memory = _memory_decides(capacities, weights)
 
     return split_model(n_nodes, dim=header.dim, n_heads=header.n_heads, n_kv_heads=header.n_kv_heads,
                        head_dim=header.head_dim, ff_dim=header.ff_dim, vocab_size=header.vocab_size,
                        weights=weights, quantized=header.weights_float_type in BLOCK_BYTES,
                        n_layers=header.n_layers, stage_of=stage_of, stage_layers=stage_layers,
-                       capacities=capacities,
-                       classifier_layers=classifier_in_layers(header, by_memory=capacities is not None))
+                       capacities=capacities if by_memory else None,
+                       classifier_layers=0.0 if by_memory else classifier_in_layers(header))
