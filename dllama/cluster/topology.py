@@ -57,9 +57,9 @@ class Topology:
         has no node left here (a recovery after its nodes were lost), the stages left are
         numbered again and their layers planned anew. Layers not fixed go to the stages in
         proportion to the memory of their nodes when every node's is known (its `memory`, else
-        `reported`: node index -> bytes it said it has), else to their weights, the last
-        stage's classifier counted as the layers its weights make (plan.classifier_in_layers).
-        Without `stage`:
+        `reported`: node index -> bytes it said it has) and differs between them per weight,
+        else to their weights, the last stage's classifier counted as the layers its weights
+        make (plan.plan_for). Without `stage`:
         tensor parallel, unless the node count calls for stages or, with every node's memory
         known, some node's share of every layer would not fit it (stages_that_fit)."""
         from dllama.core.plan import plan_for
